@@ -1,0 +1,32 @@
+"""The seam every attention backend fills: store the new K/V, then attend."""
+from abc import ABC, abstractmethod
+
+import torch
+
+from tpengine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal varlen attention of the new tokens over each sequence's cached prefix and themselves."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """One query per sequence over its paged context."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if k_cache.numel():  # no cache while the engine measures peak memory on a dummy batch
+            self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return self.prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return self.decode(q, k_cache, v_cache, meta, scale)

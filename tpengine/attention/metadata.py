@@ -1,0 +1,24 @@
+"""The one per-step value that tells every attention layer where K/V live and what to attend to."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor             # [num_tokens] cache slot of each new token; -1 = padding
+    block_tables: torch.Tensor | None      # [batch, max_num_blocks] int32; None when no prefix is cached
+    # prefill (varlen): sequence b's new tokens are the last seqlens_q[b] of its seqlens_k
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    seqlens_q: list[int] | None = None
+    seqlens_k: list[int] | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # decode: one query per sequence over context_lens[b] cached tokens
+    context_lens: torch.Tensor | None = None
+
+    @property
+    def has_cached_prefix(self) -> bool:
+        return self.block_tables is not None

@@ -1,0 +1,99 @@
+"""`tpengine generate ...` and `tpengine make-tiny-model PATH`."""
+import argparse
+import json
+import logging
+import sys
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser(
+        "generate", help="generate text for prompts",
+        description="Generate a completion for each prompt. Prompts come from the command line, "
+                    "from --file (one per line), or from standard input (one per line) when neither is given.")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    gen.add_argument("--model", help="local Qwen3 checkpoint folder (default: the embedded tiny random model, "
+                                     "written on first use; its text is meaningless)")
+    gen.add_argument("--file", help="read prompts from this file, one per line ('-' for standard input)")
+    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1 keeps all (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (text and token ids)")
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                     help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+    gen.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
+    gen.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
+    gen.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
+    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
+                     help="attention implementation (default auto)")
+    gen.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
+
+    tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
+                               description="Write the embedded tiny random-weight Qwen3 checkpoint and its "
+                                           "byte-level tokenizer to PATH.")
+    tiny.add_argument("path", help="output folder")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    if args.file:
+        stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+        with stream:
+            return [line.rstrip("\n") for line in stream if line.strip()]
+    if args.prompts:
+        return args.prompts
+    if sys.stdin.isatty():
+        raise ValueError("no prompts: give them as arguments, with --file, or on standard input")
+    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+
+
+def _generate(args) -> int:
+    from tpengine import LLM, SamplingParams
+    from tpengine.tiny_model import default_model_path
+
+    if not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="tpengine: %(message)s")
+    prompts = _read_prompts(args)
+    model = args.model or default_model_path()
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
+    with LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
+             kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
+             max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+             enforce_eager=args.enforce_eager) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    for prompt, out in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
+                              "num_cached_tokens": out.num_cached_tokens}))
+        else:
+            print(f"Prompt: {prompt!r}\nOutput: {out.text!r}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "make-tiny-model":
+            from tpengine.tiny_model import write_tiny_model
+            write_tiny_model(args.path, seed=args.seed)
+            print(args.path)
+            return 0
+        return _generate(args)
+    except ValueError as e:
+        print(f"tpengine: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

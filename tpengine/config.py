@@ -1,0 +1,67 @@
+"""Engine settings: validated once on rank 0, then sent to every worker as a msgspec struct."""
+import os
+
+import msgspec
+from transformers import AutoConfig, PretrainedConfig
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    kvcache_memory_gb: float | None = None     # CPU: KV-cache budget per rank (default: what the limits need, at most 4)
+    gpu_memory_utilization: float = 0.9        # CUDA: fraction of the GPU the engine may fill
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def validate(self, hf_config: PretrainedConfig) -> None:
+        """Raise ValueError for settings that can never work, before any process starts."""
+        def positive(name):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            positive(name)
+        block_size = self.kvcache_block_size
+        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")
+        if self.num_kvcache_blocks is not None:
+            positive("num_kvcache_blocks")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kvcache_memory_gb is not None and not self.kvcache_memory_gb > 0:
+            raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb}")
+        tp = self.tensor_parallel_size
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {heads} attention heads")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size={tp} and the model's {kv_heads} KV heads must divide one another")
+        if hf_config.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf_config.intermediate_size}")
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    if not os.path.isdir(model):
+        raise ValueError(f"model must be a local folder with config.json and safetensors weights, got {model!r}")
+    config = AutoConfig.from_pretrained(model)
+    if config.model_type != "qwen3":
+        raise ValueError(f"model_type {config.model_type!r} is not supported; tpengine runs Qwen3 checkpoints")
+    return config

@@ -1,0 +1,53 @@
+"""Everything rank 0 sends its workers, as declared msgspec structs (array-like: no field names on the wire)."""
+import msgspec
+
+from tpengine.config import EngineConfig
+
+
+class PrefillSeq(msgspec.Struct, array_like=True, gc=False):
+    token_ids: list[int]        # only the tokens scheduled this step (a chunk, after any cached prefix)
+    num_cached_tokens: int      # tokens before the chunk whose K/V is already in the cache
+    block_table: list[int]
+
+
+class DecodeSeq(msgspec.Struct, array_like=True, gc=False):
+    last_token: int
+    context_len: int            # tokens to attend to, the last one included
+    block_table: list[int]
+
+
+class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
+    prefill: list[PrefillSeq]
+    decode: list[DecodeSeq]
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill)
+
+
+class InitMessage(msgspec.Struct, array_like=True, tag="init"):
+    config: EngineConfig
+    ring_name: str | None       # the SharedMemory ring; None when steps come over a torch.distributed broadcast
+
+
+class ShutdownMessage(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+class WorkerError(msgspec.Struct, array_like=True, tag="error"):
+    rank: int
+    traceback: str
+
+
+ControlMessage = StepMessage | InitMessage | ShutdownMessage
+
+
+def slim_step(seqs, is_prefill: bool) -> StepMessage:
+    """What workers need of this step's sequences: never the whole token history in decode."""
+    if is_prefill:
+        return StepMessage(prefill=[
+            PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
+                       seq.num_cached_tokens, seq.block_table)
+            for seq in seqs], decode=[])
+    return StepMessage(prefill=[], decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table)
+                                           for seq in seqs])

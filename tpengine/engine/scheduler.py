@@ -1,0 +1,146 @@
+"""Decides each step's batch: prefill first (the head may be chunked), else decode; preempts by recompute."""
+from collections import deque
+
+from tpengine.engine.block_manager import BlockManager
+from tpengine.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 enable_prefix_caching: bool = True):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run, before it is queued."""
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_model_len={self.max_model_len}")
+        # Generation stops at max_model_len, so that bounds the blocks one sequence can need.
+        max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        block_size = self.block_manager.block_size
+        blocks_needed = (max_len + block_size - 1) // block_size
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs up to {max_len} tokens = {blocks_needed} KV-cache blocks of {block_size} "
+                f"tokens, but the whole cache has only {self.block_manager.num_blocks} blocks; "
+                f"shorten the prompt or max_tokens, or give the cache more blocks")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_prompt_tokens, seq.max_tokens)
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        block_manager = self.block_manager
+        scheduled: list[Sequence] = []
+        token_budget = self.max_num_batched_tokens
+        while self.waiting and len(scheduled) < self.max_num_seqs and token_budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                num_cached_blocks = block_manager.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_new_tokens = seq.num_tokens - num_cached_blocks * block_manager.block_size
+                if scheduled and num_new_tokens > token_budget:
+                    break  # only the first sequence of a batch may be chunked
+                block_manager.allocate(seq, num_cached_blocks)
+                if seq.num_prompt_cached_tokens < 0:
+                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
+            # A partly prefilled sequence stays at the head of waiting until its last chunk.
+            num_new_tokens = seq.num_tokens - seq.num_cached_tokens
+            if num_new_tokens > token_budget and scheduled:
+                break
+            seq.num_scheduled_tokens = min(num_new_tokens, token_budget)
+            token_budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < num_new_tokens:
+                break  # chunked: the rest comes in later steps
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        block_manager = self.block_manager
+        scheduled: list[Sequence] = []
+        max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        running = self.running
+        while running and len(scheduled) < max_batch:
+            seq = running.popleft()
+            while not block_manager.can_append(seq):
+                if running:
+                    self._preempt(running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                seq.is_prefill = False
+                block_manager.may_append(seq)
+                scheduled.append(seq)
+        running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute: drop its blocks; its re-prefill can still hit them while they stay unwritten.
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        seq.is_prefill = True
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Account for the step just run and append sampled tokens; returns the sequences that finished."""
+        block_manager = self.block_manager
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            block_manager.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue  # a chunk of prefill that did not reach the last token: nothing sampled
+            seq.append_token(token_id)
+            if token_id in self.eos_token_ids and not seq.ignore_eos:
+                seq.finish_reason = "stop"
+            elif token_id in seq.sampling_params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            self._finish(seq)
+            finished.append(seq)
+        return finished
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop a request wherever it is; returns it, or None if it is not queued."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    if seq.block_table:
+                        self.block_manager.deallocate(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = "abort"
+                    return seq
+        return None

@@ -1,0 +1,76 @@
+"""One request's state on rank 0: its tokens, its place in the KV cache, its progress."""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from tpengine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    block_size = 256
+    counter = count()
+
+    __slots__ = (
+        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
+        "sampling_params", "max_tokens", "ignore_eos", "num_prompt_cached_tokens", "finish_reason",
+    )
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+        self.seq_id = next(Sequence.counter)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0        # tokens whose K/V is already in the cache
+        self.num_scheduled_tokens = 0     # tokens computed in the current step
+        self.is_prefill = True
+        self.block_table: list[int] = []  # logical block i -> physical block id
+        self.sampling_params = sampling_params
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1

@@ -1,0 +1,51 @@
+"""Vocabulary-parallel embedding and LM head; the vocabulary is padded to a multiple of tp."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.distributed.parallel_state import get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        padded = -(-num_embeddings // self.tp_size) * self.tp_size
+        self.num_embeddings_per_partition = padded // self.tp_size
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        # The last shard may run past the real vocabulary: its padding rows stay zero.
+        shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        param.data.zero_()
+        param.data[:shard.size(0)].copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        in_shard = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding((x - self.vocab_start_idx) * in_shard, self.weight)
+        y = y * in_shard.unsqueeze(1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the real vocabulary, gathered on rank 0 (other ranks get None)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(logits, gathered, dst=0)
+            if self.tp_rank != 0:
+                return None
+            logits = torch.cat(gathered, dim=-1)
+        return logits[..., :self.num_embeddings]  # padding columns are never sampled

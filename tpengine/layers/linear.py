@@ -1,0 +1,110 @@
+"""Linear layers that shard across the tensor-parallel group; each parameter loads its own shard."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_dim is not None and self.tp_size > 1:
+            shard_size = param.size(self.tp_dim)
+            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard_size, shard_size)
+        param.data.copy_(loaded_weight)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matmul (gate and up); each loads into its slice."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. With fewer KV heads than ranks, KV heads are replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, shard_rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, shard_rank = kv_size, self.tp_rank // self.num_kv_head_replicas
+        shard = loaded_weight.narrow(0, shard_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is whole on every rank: added once, after the reduce
+            param.data.copy_(loaded_weight)
+            return
+        super().weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

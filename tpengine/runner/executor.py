@@ -1,0 +1,24 @@
+"""Rank 0's view of all ranks: run a step everywhere, sample on rank 0, hand back token ids."""
+from tpengine.config import EngineConfig
+from tpengine.distributed.messages import slim_step
+from tpengine.runner.model_runner import ModelRunner
+from tpengine.runner.sampler import Sampler
+
+
+class Executor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config, rank=0)
+        self.sampler = Sampler()
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.runner.num_kvcache_blocks
+
+    def execute(self, seqs, is_prefill: bool) -> list[int]:
+        step = slim_step(seqs, is_prefill)
+        logits = self.runner.execute(step)
+        return self.sampler(logits, [seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs])
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,172 @@
+"""One rank's execution: its model shard, its KV-cache shard, and turning a step message into a forward pass."""
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from tpengine.attention import make_backend, resolve_backend_name
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.config import EngineConfig, load_hf_config
+from tpengine.distributed.messages import StepMessage
+from tpengine.distributed.parallel_state import get_tp_size
+from tpengine.models.config import head_dim_of
+from tpengine.models.loader import load_model
+from tpengine.models.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger("tpengine")
+
+DEFAULT_CPU_KVCACHE_GB = 4.0
+
+
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype)
+        return checkpoint_dtype or torch.bfloat16
+    return getattr(torch, dtype)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        self.block_size = config.kvcache_block_size
+        hf_config = load_hf_config(config.model)
+        self.hf_config = hf_config
+        self.device = resolve_device(config.device, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif get_tp_size() > 1:
+            # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // get_tp_size()))
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size)
+        if rank == 0:
+            logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Qwen3ForCausalLM(hf_config, make_backend(self.backend_name))
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        self.num_kvcache_blocks = self._num_kvcache_blocks()
+        self._allocate_kv_cache()
+
+    # --- KV cache -------------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return len(self.attention_layers) * self.block_size * per_token
+
+    def _num_kvcache_blocks(self) -> int:
+        config = self.config
+        if config.num_kvcache_blocks is not None:
+            return config.num_kvcache_blocks
+        # never more than the limits can ever use
+        blocks_per_seq = -(-min(config.max_model_len, self.hf_config.max_position_embeddings) // self.block_size)
+        useful = config.max_num_seqs * blocks_per_seq
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1.0 - config.gpu_memory_utilization) * total
+        else:
+            budget = (config.kvcache_memory_gb or DEFAULT_CPU_KVCACHE_GB) * (1 << 30)
+        num_blocks = min(useful, int(budget) // self._block_bytes())
+        if get_tp_size() > 1:  # every rank must agree on the ledger's size: take the smallest
+            t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        if num_blocks < 1:
+            raise ValueError(f"no room for a single KV-cache block of {self._block_bytes()} bytes; "
+                             f"lower kvcache_block_size or free memory")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        layer = self.attention_layers[0]
+        shape = (2, len(self.attention_layers), self.num_kvcache_blocks, self.block_size,
+                 layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def prepare_prefill(self, step: StepMessage):
+        block_size = self.block_size
+        input_ids, positions, slot_mapping = [], [], []
+        seqlens_q, seqlens_k = [], []
+        for seq in step.prefill:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + len(seq.token_ids)
+            input_ids.extend(seq.token_ids)
+            positions.extend(range(start, end))
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            for i in range(start // block_size, -(-end // block_size)):
+                base = seq.block_table[i] * block_size
+                slot_mapping.extend(range(base + max(start - i * block_size, 0),
+                                          base + min(end - i * block_size, block_size)))
+        has_cached_prefix = any(seq.num_cached_tokens for seq in step.prefill)
+        cu_q = [0]
+        cu_k = [0]
+        for len_q, len_k in zip(seqlens_q, seqlens_k):
+            cu_q.append(cu_q[-1] + len_q)
+            cu_k.append(cu_k[-1] + len_k)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._tensor(slot_mapping),
+            block_tables=self._block_tables([seq.block_table for seq in step.prefill]) if has_cached_prefix else None,
+            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def prepare_decode(self, step: StepMessage):
+        block_size = self.block_size
+        input_ids, positions, slot_mapping, context_lens = [], [], [], []
+        for seq in step.decode:
+            input_ids.append(seq.last_token)
+            positions.append(seq.context_len - 1)
+            context_lens.append(seq.context_len)
+            slot_mapping.append(seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size)
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=self._tensor(slot_mapping),
+            block_tables=self._block_tables([seq.block_table for seq in step.decode]),
+            context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    # --- execution ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: StepMessage) -> torch.Tensor | None:
+        """Run one step; rank 0 gets the logits of each sequence's last token, other ranks None."""
+        if step.is_prefill:
+            input_ids, positions, meta = self.prepare_prefill(step)
+        else:
+            input_ids, positions, meta = self.prepare_decode(step)
+        hidden_states = self.model(input_ids, positions, meta)
+        if meta.is_prefill:
+            hidden_states = hidden_states[meta.cu_seqlens_q[1:] - 1]
+        return self.model.compute_logits(hidden_states)

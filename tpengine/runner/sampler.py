@@ -1,0 +1,56 @@
+"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, and per-request seeds."""
+import torch
+
+from tpengine.sampling_params import SamplingParams
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
+
+
+def _noise_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    # Stateless: a seeded request's noise depends only on its seed and how many tokens it has,
+    # so its tokens are the same whatever else shares the batch, and after a preemption.
+    return torch.Generator(device).manual_seed((seed * _SEED_STRIDE + position) % (1 << 63))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+        """logits: [batch, vocab]; positions[i]: how many tokens sequence i has (keys its seeded noise)."""
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            return greedy_ids.tolist()
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(random_rows):
+            seed = params[i].seed
+            generator = None if seed is None else _noise_generator(seed, positions[i], logits.device)
+            noise[row].exponential_(generator=generator)
+        greedy_ids[rows] = (probs / noise).argmax(dim=-1)
+        return greedy_ids.tolist()
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        device = logits.device
+        temperatures = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temperatures.unsqueeze(1)
+        top_ks = [p.top_k for p in params]
+        if any(k != -1 for k in top_ks):
+            vocab = logits.size(1)
+            k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_ps = torch.tensor([p.top_p for p in params], device=device)
+        if (top_ps < 1.0).any():
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # drop a token when the tokens before it already cover top_p; the first always stays
+            drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps.unsqueeze(1)
+            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        min_ps = torch.tensor([p.min_p for p in params], device=device)
+        if (min_ps > 0.0).any():
+            threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs

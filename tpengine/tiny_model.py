@@ -1,0 +1,72 @@
+"""Tiny random-weight Qwen3 checkpoints with a byte-level tokenizer: the embedded demo model and test fixtures.
+
+Written with transformers itself (`Qwen3ForCausalLM(config).save_pretrained`), deterministically
+from a seed, so no download is ever needed. The text such a model writes is meaningless.
+"""
+import os
+
+EOS_TOKEN = "<|endoftext|>"
+
+# The embedded default model: small enough to start in a second on a laptop CPU.
+DEFAULT_TINY_CONFIG = dict(
+    vocab_size=320, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.1,
+)
+TINY_MODEL_VERSION = "1"
+
+
+def write_byte_tokenizer(path: str) -> int:
+    """A byte-level BPE tokenizer with no merges (one token per byte) plus an EOS token; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOS_TOKEN])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN).save_pretrained(path)
+    return tokenizer.get_vocab_size()
+
+
+def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, **overrides) -> str:
+    """Write a random-weight Qwen3 checkpoint (safetensors) to path; overrides change the config."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    settings = {**DEFAULT_TINY_CONFIG, **overrides}
+    if with_tokenizer:
+        num_tokens = write_byte_tokenizer(path)
+        if settings["vocab_size"] < num_tokens:
+            raise ValueError(f"vocab_size={settings['vocab_size']} is smaller than the byte tokenizer's {num_tokens}")
+        settings.setdefault("eos_token_id", num_tokens - 1)
+        settings.setdefault("bos_token_id", num_tokens - 1)
+    config = Qwen3Config(**settings)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def default_model_path() -> str:
+    """The embedded default model, written on first use into the user's cache folder."""
+    cache = os.environ.get("TPENGINE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpengine")
+    path = os.path.join(cache, f"tiny-qwen3-v{TINY_MODEL_VERSION}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import sys
+        import tempfile
+        print(f"tpengine: writing the embedded tiny random-weight Qwen3 model to {path} "
+              "(its text is meaningless; pass --model for a real checkpoint)", file=sys.stderr)
+        os.makedirs(cache, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=cache)  # written aside, then renamed: concurrent first runs stay safe
+        write_tiny_model(staging)
+        try:
+            os.rename(staging, path)
+        except OSError:  # another process got there first
+            import shutil
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
