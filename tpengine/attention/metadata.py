@@ -8,7 +8,7 @@ import torch
 class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor             # [num_tokens] cache slot of each new token; -1 = padding
-    block_tables: torch.Tensor | None      # [batch, max_num_blocks] int32; None when no prefix is cached
+    block_tables: torch.Tensor             # [batch, max_num_blocks] int32, padded with 0
     # prefill (varlen): sequence b's new tokens are the last seqlens_q[b] of its seqlens_k
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -16,9 +16,6 @@ class AttentionMetadata:
     seqlens_k: list[int] | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    has_cached_prefix: bool = False        # some sequence attends to K/V computed in an earlier step
     # decode: one query per sequence over context_lens[b] cached tokens
     context_lens: torch.Tensor | None = None
-
-    @property
-    def has_cached_prefix(self) -> bool:
-        return self.block_tables is not None

@@ -129,7 +129,6 @@ class ModelRunner:
                 base = seq.block_table[i] * block_size
                 slot_mapping.extend(range(base + max(start - i * block_size, 0),
                                           base + min(end - i * block_size, block_size)))
-        has_cached_prefix = any(seq.num_cached_tokens for seq in step.prefill)
         cu_q = [0]
         cu_k = [0]
         for len_q, len_k in zip(seqlens_q, seqlens_k):
@@ -138,7 +137,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._tensor(slot_mapping),
-            block_tables=self._block_tables([seq.block_table for seq in step.prefill]) if has_cached_prefix else None,
+            block_tables=self._block_tables([seq.block_table for seq in step.prefill]),
+            has_cached_prefix=any(seq.num_cached_tokens for seq in step.prefill),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
         return self._tensor(input_ids), self._tensor(positions), meta

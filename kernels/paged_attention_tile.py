@@ -1,0 +1,69 @@
+"""One online-softmax step over a tile of keys read from the paged KV cache.
+
+Shared by the decode and prefill kernels: both walk a sequence's keys in tiles
+of BLOCK_N positions, map positions to cache slots through the block table and
+fold each tile into a running (max, sum, accumulator) softmax state.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# The Triton interpreter has no bfloat16 arithmetic (tl.dot multiplies the raw uint16 bits).
+_INTERPRET = tl.constexpr(triton.knobs.runtime.interpret)
+
+
+def dot_block(n: int) -> int:
+    """Tile extent for a dimension fed to tl.dot: a power of two, at least 16 (the MMA minimum)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _dot(a, b):
+    if _INTERPRET and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    # "ieee" keeps fp32 inputs exact on GPUs (the default would round them to tf32).
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def attend_paged_kv_tile(
+    acc,  # [M, BLOCK_D] fp32 running numerator
+    m_i,  # [M] fp32 running row max (log2 domain)
+    l_i,  # [M] fp32 running row sum
+    q,  # [M, BLOCK_D] query rows, cache dtype
+    k_cache,
+    v_cache,
+    block_table,  # pointer to this sequence's row of the block table
+    kv_head_offset,  # kv_head * stride of the head dim in the cache
+    stride_block,
+    stride_slot,
+    start_n,  # first key position of this tile
+    kv_len,  # keys in the sequence; positions >= kv_len are never read
+    row_limit,  # [M] int: row r attends to positions < row_limit[r] <= kv_len
+    qk_scale,  # softmax scale * log2(e), so exp2 can replace exp
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_len
+    # Masked so that block-table entries past the sequence's blocks (garbage) are never used.
+    block = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offs_kv = block * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_offset
+    kv_ptrs = offs_kv[:, None] + offs_d[None, :]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache + kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache + kv_ptrs, mask=kv_mask, other=0.0)
+
+    s = _dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(offs_n[None, :] < row_limit[:, None], s, float("-inf"))
+    # Every row sees key 0 in its first tile, so m_new is finite and exp2 never sees -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+    return acc, m_new, l_i

@@ -1,0 +1,96 @@
+"""Decode attention: one new query per sequence against its paged KV cache."""
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (sequence, kv head): the group's query heads share each K/V tile load.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    kv_len = tl.load(context_lens + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP_SIZE + offs_g
+    qo_mask = (offs_g < GROUP_SIZE)[:, None] & d_mask[None, :]
+    q_tile = tl.load(q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    row_limit = tl.zeros([BLOCK_G], tl.int32) + kv_len
+    for start_n in range(0, kv_len, BLOCK_N):
+        acc, m_i, l_i = attend_paged_kv_tile(
+            acc, m_i, l_i, q_tile, k_cache, v_cache,
+            block_tables + seq * stride_bt, kv_head * stride_kv_head, stride_block, stride_slot,
+            start_n, kv_len, row_limit, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N,
+        )
+
+    # An empty context (a padded batch slot) has l_i == 0: emit zeros instead of NaN.
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=qo_mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its first context_lens[b] cached tokens.
+
+    q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables: int32 [batch, max_num_blocks]; context_lens: int32 [batch].
+    Returns [batch, num_heads, head_dim] in q's dtype (zeros where context_lens[b] == 0).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+    group_size = num_heads // num_kv_heads
+
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    _paged_decode_kernel[(batch, num_kv_heads)](
+        out, q, k_cache, v_cache, block_tables, context_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size,
+        BLOCK_G=dot_block(group_size), BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N,
+    )
+    return out

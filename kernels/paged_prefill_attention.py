@@ -1,0 +1,115 @@
+"""Varlen causal prefill attention with all keys read from the paged KV cache.
+
+Each sequence's new queries are the last seqlen_q of its seqlen_k keys, so a cached
+prefix (prefix-cache hit or earlier chunk of a chunked prefill) is attended to as well.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
+
+BLOCK_M = 64
+BLOCK_N = 64
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    block_tables,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One program per (query tile, sequence, query head).
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    seqlen_q = tl.load(cu_seqlens_q + seq + 1) - q_start
+    start_m = tile * BLOCK_M
+    # The grid is sized for the longest sequence; shorter ones have nothing to do here.
+    if start_m >= seqlen_q:
+        return
+    seqlen_k = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
+    prefix_len = seqlen_k - seqlen_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = (offs_m < seqlen_q)[:, None] & d_mask[None, :]
+    q_tile = tl.load(
+        q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
+    )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: query i sees keys [0, prefix_len + i]; clamp so padding rows stay in range.
+    row_limit = tl.minimum(prefix_len + offs_m + 1, seqlen_k)
+    kv_end = tl.minimum(prefix_len + start_m + BLOCK_M, seqlen_k)
+    for start_n in range(0, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_paged_kv_tile(
+            acc, m_i, l_i, q_tile, k_cache, v_cache,
+            block_tables + seq * stride_bt, (head // GROUP_SIZE) * stride_kv_head, stride_block, stride_slot,
+            start_n, seqlen_k, row_limit, qk_scale, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N,
+        )
+
+    acc = acc / l_i[:, None]
+    o_ptrs = out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=qo_mask)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over all its cached keys.
+
+    q: [total_q, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+    cu_seqlens_q, cu_seqlens_k: int32 [batch + 1]; block_tables: int32 [batch, max_num_blocks].
+    Query i of sequence b attends to keys [0, seqlen_k - seqlen_q + i]. Returns [total_q, num_heads, head_dim].
+    """
+    total_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    assert num_heads % num_kv_heads == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype
+
+    out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
+    _paged_prefill_kernel[grid](
+        out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N,
+    )
+    return out

@@ -1,0 +1,76 @@
+"""Greedy token ids equal transformers' at tp=1, across block sizes, chunking, prefix hits and preemption."""
+import pytest
+
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tpengine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+VOCAB = TP_MODEL["vocab_size"]
+
+
+def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
+    expected = hf_greedy(path, prompts, max_tokens)
+    for i, (out, ref) in enumerate(zip(outputs, expected)):
+        assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
+        assert out.prompt_token_ids == prompts[i]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_greedy_matches_transformers_for_prompts_around_a_block(tiny_model, block_size):
+    lengths = [1, block_size - 3, block_size, block_size + 5, 2 * block_size + 1]
+    prompts = random_prompts(block_size, lengths, VOCAB)
+    with LLM(tiny_model, kvcache_block_size=block_size) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_parity(tiny_model, prompts, outputs)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == GREEDY.max_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_chunked_prefill_matches_transformers(tiny_model, block_size):
+    prompts = random_prompts(7, [300, 45, 130, 2], VOCAB)
+    with LLM(tiny_model, kvcache_block_size=block_size, max_num_batched_tokens=64) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_parity(tiny_model, prompts, outputs)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_second_pass_hits_prefix_cache_and_still_matches(tiny_model, block_size):
+    prompts = random_prompts(11, [40, 2 * block_size + 7, block_size], VOCAB)
+    with LLM(tiny_model, kvcache_block_size=block_size) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_parity(tiny_model, prompts, first)
+    assert_parity(tiny_model, prompts, second)
+    assert [o.num_cached_tokens for o in first] == [0, 0, 0]
+    # whole blocks only, never the last block of the prompt
+    assert [o.num_cached_tokens for o in second] == [((n - 1) // block_size) * block_size
+                                                    for n in (40, 2 * block_size + 7, block_size)]
+
+
+def test_shared_long_prefix_is_reused_and_matches(tiny_model):
+    prefix = random_prompts(3, [100], VOCAB)[0]
+    prompts = [prefix + tail for tail in random_prompts(4, [5, 17, 33], VOCAB)]
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_parity(tiny_model, prompts, outputs)
+    assert all(o.num_cached_tokens == 96 for o in outputs)
+
+
+def test_preemption_under_a_small_cache_still_matches(tiny_model):
+    prompts = random_prompts(5, [30, 31, 29, 40, 18, 25], VOCAB)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.block_manager.num_free_blocks == 8
+    assert_parity(tiny_model, prompts, outputs, max_tokens=40)
+
+
+def test_tied_embeddings_and_text_prompts_match(tied_model):
+    with LLM(tied_model, kvcache_block_size=16) as llm:
+        outputs = llm.generate(["Hello, world", "tensor parallel"], GREEDY, use_tqdm=False)
+        prompts = [o.prompt_token_ids for o in outputs]
+        assert prompts[0] == llm.tokenizer.encode("Hello, world")
+        assert outputs[0].text == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+    assert_parity(tied_model, prompts, outputs)

@@ -1,0 +1,84 @@
+"""Shared setup and PyTorch references for the Triton kernel tests."""
+
+import os
+
+# Kernels are tested on CPU through the Triton interpreter; @triton.jit reads this when the kernels are imported.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype):
+    """NaN-poisoned K/V caches holding random keys/values for each sequence in scattered physical blocks.
+
+    Returns (k_cache, v_cache, block_tables); unused table entries are -1 and every slot
+    not owned by a token is NaN, so reading either makes the kernel output fail.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # spare blocks no sequence owns
+    physical = torch.randperm(num_blocks).tolist()
+    block_tables = torch.full((len(seq_lens), max(max(blocks_per_seq), 1)), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for b, n in enumerate(seq_lens):
+        for i in range(blocks_per_seq[b]):
+            block_tables[b, i] = physical.pop()
+        pos = torch.arange(n)
+        blocks = block_tables[b, pos // block_size].long()
+        k_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+        v_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
+    return k_cache, v_cache, block_tables
+
+
+def reference_paged_attention(q, k_cache, v_cache, block_table, seqlen_k, scale):
+    """Causal attention of q [seqlen_q, num_heads, head_dim], the last seqlen_q of seqlen_k positions."""
+    seqlen_q, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(seqlen_k)
+    blocks = block_table[pos // block_size].long()
+    group = num_heads // num_kv_heads
+    k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+    v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    query_pos = seqlen_k - seqlen_q + torch.arange(seqlen_q)
+    scores.masked_fill_(pos[None, :] > query_pos[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch):
+    """Kernels allocate outputs with torch.empty: NaN-fill them so any element left unwritten fails."""
+    empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+# Helpers are handed out as fixtures: test modules cannot import conftest reliably.
+@pytest.fixture
+def rel_err():
+    return relative_error
+
+
+@pytest.fixture
+def paged_kv():
+    return random_paged_kv
+
+
+@pytest.fixture
+def ref_attention():
+    return reference_paged_attention

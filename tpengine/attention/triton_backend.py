@@ -1,0 +1,19 @@
+"""Paged attention through the Triton kernels in tpengine.kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+from tpengine.attention.backend import AttentionBackend
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # every key, the new tokens' too, is read back through the block table after the store
+        return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                                       meta.block_tables, scale, meta.max_seqlen_q)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
