@@ -1,5 +1,6 @@
 """Everything rank 0 sends its workers, as declared msgspec structs (array-like: no field names on the wire)."""
 import msgspec
+import msgspec.msgpack
 
 from tpengine.config import EngineConfig
 
@@ -51,3 +52,20 @@ def slim_step(seqs, is_prefill: bool) -> StepMessage:
             for seq in seqs], decode=[])
     return StepMessage(prefill=[], decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table)
                                            for seq in seqs])
+
+
+_encoder = msgspec.msgpack.Encoder()
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_error_decoder = msgspec.msgpack.Decoder(WorkerError)
+
+
+def encode(message: ControlMessage | WorkerError) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_control(data: bytes) -> ControlMessage:
+    return _control_decoder.decode(data)
+
+
+def decode_error(data: bytes) -> WorkerError:
+    return _error_decoder.decode(data)

@@ -1,11 +1,13 @@
 """Rank 0's view of all ranks: run a step everywhere, sample on rank 0, hand back token ids."""
 from tpengine.config import EngineConfig
-from tpengine.distributed.messages import slim_step
+from tpengine.distributed.messages import StepMessage, slim_step
 from tpengine.runner.model_runner import ModelRunner
 from tpengine.runner.sampler import Sampler
 
 
 class Executor:
+    """tp=1: rank 0 alone. MultiprocExecutor adds the workers."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.runner = ModelRunner(config, rank=0)
@@ -15,8 +17,12 @@ class Executor:
     def num_kvcache_blocks(self) -> int:
         return self.runner.num_kvcache_blocks
 
+    def send_to_workers(self, step: StepMessage) -> None:
+        """Hand the step to the other ranks before rank 0 runs its own part."""
+
     def execute(self, seqs, is_prefill: bool) -> list[int]:
         step = slim_step(seqs, is_prefill)
+        self.send_to_workers(step)
         logits = self.runner.execute(step)
         return self.sampler(logits, [seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs])
 
