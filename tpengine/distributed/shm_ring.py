@@ -20,8 +20,9 @@ Chunk ``k`` of the stream goes to slot ``k % num_slots`` and is published by
 storing ``seq = k + 1`` after its bytes and ``message_len``; a reader whose read
 count is ``k`` waits for that seq, copies the bytes, then stores ``k + 1`` as its
 read count. The writer may fill chunk ``k`` once every read count exceeds
-``k - num_slots``. This relies on stores and loads staying in program order,
-which CPython guarantees on x86-64 (TSO); weakly ordered CPUs would need a fence.
+``k - num_slots``. Correctness rests on each side's shared-memory accesses becoming
+visible in program order, which holds on x86-64 (TSO); a weakly ordered CPU such
+as aarch64 would need a real memory fence around the seq and read-count stores.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import mmap
 import os
 import secrets
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from multiprocessing import shared_memory, util
 
 import _posixshmem
 
@@ -45,7 +45,8 @@ class PeerDiedError(RuntimeError):
 
 
 _MAGIC = int.from_bytes(b"tpering1", "little")  # also versions the layout
-_LINE_WORDS = 8  # 64-byte cache line
+_LINE_BYTES = 64  # one cache line
+_LINE_WORDS = _LINE_BYTES // 8
 
 # Words of line 0.
 _MAGIC_WORD = 0
@@ -86,7 +87,7 @@ class _Layout:
 
     @property
     def control_bytes(self) -> int:
-        return 8 * _LINE_WORDS * (1 + self.num_readers + self.num_slots)
+        return _LINE_BYTES * (1 + self.num_readers + self.num_slots)
 
     @property
     def total_bytes(self) -> int:
@@ -146,6 +147,7 @@ def _wait_until(
     while time.perf_counter() < spin_until:
         if ready():
             return
+        os.sched_yield()  # with more waiters than cores, let the process that has work run
     sleep_s = _FIRST_SLEEP_S
     next_peer_check = time.monotonic() + _PEER_CHECK_INTERVAL_S
     while not ready():
@@ -177,18 +179,14 @@ def _attach_untracked(name: str) -> mmap.mmap:
     registering then unregistering here would erase the writer's own registration
     (losing cleanup if the writer is killed, and making its unlink print a KeyError).
     """
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
-def _release_writer_segment(
-    segment: shared_memory.SharedMemory, words: memoryview, owner_pid: int
-) -> None:
-    if os.getpid() != owner_pid:  # a forked child inherited the writer; the segment is not its own
-        return
+def _release_writer_segment(segment: shared_memory.SharedMemory, words: memoryview) -> None:
     try:
         words[_WRITER_CLOSED_WORD] = 1  # lets waiting readers tell a shutdown from a hang
         words.release()
@@ -219,8 +217,10 @@ class ShmRingWriter:
         )
         self._buf = self._segment.buf
         self._words = self._buf[: layout.control_bytes].cast("Q")
-        self._finalizer = weakref.finalize(
-            self, _release_writer_segment, self._segment, self._words, os.getpid()
+        # Runs on close(), garbage collection, interpreter exit and multiprocessing-child exit
+        # (fork/forkserver children skip atexit); never in a forked copy of this process.
+        self._finalizer = util.Finalize(
+            self, _release_writer_segment, (self._segment, self._words), exitpriority=0
         )
 
         words = self._words
@@ -293,7 +293,8 @@ class ShmRingWriter:
             return self._slowest_read_count >= needed_read_count
 
         def lagging_readers() -> list[int]:
-            return [r for r in range(self._layout.num_readers) if self._read_count(r) < needed_read_count]
+            readers = range(self._layout.num_readers)
+            return [r for r in readers if self._read_count_of(r) < needed_read_count]
 
         _wait_until(
             has_space,
@@ -325,7 +326,7 @@ class ShmRingWriter:
                 errors[reader] = bytes(self._buf[start : start + self._words[line + _ERROR_LEN]])
         return errors
 
-    def _read_count(self, reader: int) -> int:
+    def _read_count_of(self, reader: int) -> int:
         return self._words[self._layout.reader_word(reader) + _READ_COUNT]
 
     def _reader_pid(self, reader: int) -> int:
@@ -356,7 +357,7 @@ class ShmRingReader:
         self._index = reader_index
         self._mmap = _attach_untracked(name)
         self._buf = memoryview(self._mmap)
-        self._words = self._buf[: 8 * _LINE_WORDS].cast("Q")  # line 0 only, until the layout is known
+        self._words = self._buf[:_LINE_BYTES].cast("Q")  # line 0 only, until the layout is known
         try:
             layout = self._read_layout()
             self._writer_pid = self._words[_WRITER_PID_WORD]
@@ -370,7 +371,8 @@ class ShmRingReader:
         self._layout = layout
         self._slot_words = [layout.slot_word(s) for s in range(layout.num_slots)]
         self._slot_starts = [layout.slot_data(s) for s in range(layout.num_slots)]
-        self._read_count = self._words[self._line + _READ_COUNT]  # resumes where a previous attach stopped
+        # Resumes where an earlier attach under this index stopped.
+        self._read_count = self._words[self._line + _READ_COUNT]
         self._partial: bytearray | None = None  # a multi-slot message being assembled
         self._partial_filled = 0
 
@@ -393,7 +395,9 @@ class ShmRingReader:
     def _claim_reader_index(self) -> None:
         owner = self._words[self._line + _READER_PID]
         if owner not in (0, os.getpid()) and _pid_alive(owner):
-            raise ValueError(f"reader {self._index} of shm ring {self._name} is taken by live pid {owner}")
+            raise ValueError(
+                f"reader {self._index} of shm ring {self._name} is taken by live pid {owner}"
+            )
         self._words[self._line + _READER_PID] = os.getpid()
 
     @property

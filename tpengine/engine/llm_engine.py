@@ -45,7 +45,6 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model)
-        Sequence.block_size = config.kvcache_block_size
         if config.tensor_parallel_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -80,7 +79,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
         self.scheduler.check_fits(len(token_ids), sampling_params.max_tokens)
-        return Sequence(token_ids, sampling_params)
+        return Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams = SamplingParams()) -> int:
         """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input."""

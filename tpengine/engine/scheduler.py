@@ -36,7 +36,13 @@ class Scheduler:
                 f"shorten the prompt or max_tokens, or give the cache more blocks")
 
     def add(self, seq: Sequence) -> None:
+        assert seq.block_size == self.block_manager.block_size, "sequence and ledger disagree on block size"
         self.check_fits(seq.num_prompt_tokens, seq.max_tokens)
+        # Fold the engine's stop conditions into the sequence's own, so postprocess does one set
+        # test and one comparison per sampled token: both "stop" reasons, both "length" reasons.
+        if not seq.ignore_eos:
+            seq.eos_and_stop_token_ids = seq.eos_and_stop_token_ids | self.eos_token_ids
+        seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
@@ -49,7 +55,9 @@ class Scheduler:
         block_manager = self.block_manager
         scheduled: list[Sequence] = []
         token_budget = self.max_num_batched_tokens
-        while self.waiting and len(scheduled) < self.max_num_seqs and token_budget > 0:
+        # max_num_seqs bounds the running set, not only each batch: admitted sequences hold blocks
+        num_running = len(self.running)
+        while self.waiting and num_running + len(scheduled) < self.max_num_seqs and token_budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
                 num_cached_blocks = block_manager.can_allocate(seq)
@@ -76,25 +84,36 @@ class Scheduler:
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
-        block_manager = self.block_manager
-        scheduled: list[Sequence] = []
-        max_batch = min(self.max_num_seqs, self.max_num_batched_tokens)
+        # This loop and postprocess run once per running sequence per step: locals are bound
+        # up front and the common case (no new block needed) makes no function call.
+        block_size = self.block_manager.block_size
         running = self.running
-        while running and len(scheduled) < max_batch:
+        scheduled: list[Sequence] = []
+        for _ in range(min(len(running), self.max_num_seqs, self.max_num_batched_tokens)):
+            if not running:
+                break  # preemptions emptied the queue
             seq = running.popleft()
-            while not block_manager.can_append(seq):
-                if running:
-                    self._preempt(running.pop())
-                else:
-                    self._preempt(seq)
-                    break
-            else:
-                seq.num_scheduled_tokens = 1
-                seq.is_prefill = False
-                block_manager.may_append(seq)
-                scheduled.append(seq)
+            # BlockManager.can_append's test, checked here first: only a sequence whose next
+            # token opens a new block can need a free one.
+            if seq.num_tokens % block_size == 1 and not self._append_block(seq):
+                break  # seq preempted itself: nothing else was running
+            seq.num_scheduled_tokens = 1
+            seq.is_prefill = False
+            scheduled.append(seq)
         running.extendleft(reversed(scheduled))
         return scheduled
+
+    def _append_block(self, seq: Sequence) -> bool:
+        """Give seq the block its next token opens, preempting from the tail of running while the
+        cache is full. False if seq itself had to be preempted."""
+        block_manager = self.block_manager
+        while not block_manager.can_append(seq):
+            if not self.running:
+                self._preempt(seq)
+                return False
+            self._preempt(self.running.pop())  # the latest to run loses the least work
+        block_manager.may_append(seq)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute: drop its blocks; its re-prefill can still hit them while they stay unwritten.
@@ -106,20 +125,24 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Account for the step just run and append sampled tokens; returns the sequences that finished."""
-        block_manager = self.block_manager
+        hash_blocks = self.block_manager.hash_blocks
+        block_size = self.block_manager.block_size
         finished = []
         for seq, token_id in zip(seqs, token_ids):
-            block_manager.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+            num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            # Only a step that filled a block has anything to register (in decode, one step in
+            # block_size): skip the call otherwise. hash_blocks reads the counters before the update.
+            if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
+                hash_blocks(seq)
+            seq.num_cached_tokens = num_cached_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens < seq.num_tokens:
+            if num_cached_tokens < seq.num_tokens:
                 continue  # a chunk of prefill that did not reach the last token: nothing sampled
             seq.append_token(token_id)
-            if token_id in self.eos_token_ids and not seq.ignore_eos:
+            # add() folded EOS and max_model_len into these two fields.
+            if token_id in seq.eos_and_stop_token_ids:
                 seq.finish_reason = "stop"
-            elif token_id in seq.sampling_params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.num_tokens >= seq.max_num_tokens:
                 seq.finish_reason = "length"
             else:
                 continue

@@ -13,17 +13,20 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    block_size = 256
+    default_block_size = 256  # the seed's class-wide size; an engine passes its own per sequence
     counter = count()
 
     __slots__ = (
-        "seq_id", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "seq_id", "block_size", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
-        "sampling_params", "max_tokens", "ignore_eos", "num_prompt_cached_tokens", "finish_reason",
+        "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
+        "num_prompt_cached_tokens", "finish_reason",
     )
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams()):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+                 block_size: int | None = None):
         self.seq_id = next(Sequence.counter)
+        self.block_size = block_size or Sequence.default_block_size
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
         self.last_token = token_ids[-1]
@@ -36,6 +39,10 @@ class Sequence:
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        # Finish conditions, one test each per sampled token: "stop" on any of these ids, "length"
+        # at max_num_tokens. Scheduler.add folds in EOS (unless ignore_eos) and max_model_len.
+        self.eos_and_stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
         self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
         self.finish_reason: str | None = None
 

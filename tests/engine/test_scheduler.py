@@ -1,0 +1,398 @@
+"""Scheduler: batching, chunked prefill, preemption, finishing, admission and abort, with fake sampled tokens."""
+import random
+
+import pytest
+
+from tpengine.engine.scheduler import Scheduler
+from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+TOKEN = 7  # a fake sampled token that is not EOS
+
+
+@pytest.fixture(autouse=True)
+def block_size(monkeypatch):
+    monkeypatch.setattr(Sequence, "default_block_size", BS)
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    kwargs = dict(num_kvcache_blocks=64, kvcache_block_size=BS, max_num_seqs=8, max_num_batched_tokens=64,
+                  max_model_len=1024, eos_token_ids=frozenset([EOS]))
+    kwargs.update(overrides)
+    return Scheduler(**kwargs)
+
+
+def add(scheduler: Scheduler, prompt_len: int, first_token: int = 1, **params) -> Sequence:
+    seq = Sequence(list(range(first_token, first_token + prompt_len)), SamplingParams(**params))
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler: Scheduler, token_id: int = TOKEN) -> tuple[list[Sequence], bool, list[Sequence]]:
+    seqs, is_prefill = scheduler.schedule()
+    finished = scheduler.postprocess(seqs, [token_id] * len(seqs))
+    return seqs, is_prefill, finished
+
+
+def run_to_completion(scheduler: Scheduler, next_token=lambda seq: TOKEN, max_steps: int = 10_000) -> int:
+    steps = 0
+    while not scheduler.is_finished():
+        seqs, _ = scheduler.schedule()
+        scheduler.postprocess(seqs, [next_token(seq) for seq in seqs])
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not bm.used_block_ids
+    assert all(block.ref_count == 0 for block in bm.blocks)
+
+
+# --- batching -------------------------------------------------------------------------------
+
+def test_a_waiting_prefill_is_scheduled_before_running_decodes():
+    scheduler = make_scheduler()
+    a = add(scheduler, 6)
+    assert step(scheduler)[:2] == ([a], True)
+    b = add(scheduler, 6, first_token=50)
+    assert step(scheduler)[:2] == ([b], True)
+    assert step(scheduler)[:2] == ([a, b], False)
+
+
+def test_a_decode_step_computes_one_token_of_every_running_sequence():
+    scheduler = make_scheduler()
+    seqs = [add(scheduler, n, first_token=10 * n) for n in (3, 4, 5)]
+    step(scheduler)
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and batch == seqs
+    assert all(seq.num_scheduled_tokens == 1 and not seq.is_prefill for seq in batch)
+    assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in batch)  # the sampled token
+    scheduler.postprocess(batch, [TOKEN] * 3)
+    assert [seq.num_completion_tokens for seq in seqs] == [2, 2, 2]
+    assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in seqs)
+
+
+def test_max_num_seqs_bounds_the_running_set_not_only_each_batch():
+    scheduler = make_scheduler(max_num_seqs=2)
+    seqs = [add(scheduler, 3, first_token=10 * i, max_tokens=2) for i in range(5)]
+    batch, is_prefill, _ = step(scheduler)
+    assert is_prefill and batch == seqs[:2]
+    batch, is_prefill, finished = step(scheduler)  # two running: no third is admitted
+    assert not is_prefill and batch == seqs[:2] and finished == seqs[:2]
+    assert list(scheduler.running) == [] and list(scheduler.waiting) == seqs[2:]
+    batch, is_prefill, _ = step(scheduler)  # room again: the next two are admitted
+    assert is_prefill and batch == seqs[2:4]
+
+
+def test_max_num_batched_tokens_limits_prefill_and_decode_batches():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    seqs = [add(scheduler, 5, first_token=10 * i) for i in range(4)]
+    batch, is_prefill, _ = step(scheduler)
+    assert is_prefill and batch == seqs[:3]  # 15 tokens; the fourth (5 > 1 left) waits
+    assert step(scheduler)[0] == seqs[3:]
+    scheduler = make_scheduler(max_num_batched_tokens=2)
+    seqs = [add(scheduler, 1, first_token=10 * i) for i in range(3)]
+    step(scheduler)
+    step(scheduler)
+    batch, is_prefill, _ = step(scheduler)
+    assert not is_prefill and len(batch) == 2
+
+
+# --- chunked prefill ------------------------------------------------------------------------
+
+def test_chunked_prefill_spreads_a_long_prompt_across_steps():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    seq = add(scheduler, 20)
+    for cached in (0, 8):
+        batch, is_prefill, _ = step(scheduler)
+        assert is_prefill and batch == [seq]
+        assert seq.num_cached_tokens == cached + 8
+        assert seq.num_tokens == 20  # nothing sampled before the last chunk
+        assert scheduler.waiting[0] is seq and seq.status == SequenceStatus.WAITING
+    batch, is_prefill, _ = step(scheduler)
+    assert is_prefill and seq.num_cached_tokens == 20 and seq.num_tokens == 21
+    assert list(scheduler.running) == [seq] and not scheduler.waiting
+
+
+def test_a_chunked_first_sequence_leaves_no_room_for_the_next_in_that_step():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    a = add(scheduler, 14)
+    b = add(scheduler, 3, first_token=50)
+    batch, _, _ = step(scheduler)
+    assert batch == [a] and a.num_cached_tokens == 10 and not b.block_table
+    batch, _, _ = step(scheduler)
+    assert batch == [a, b]  # a's last 4 tokens and all of b: 7 <= 10
+    assert [seq.num_completion_tokens for seq in (a, b)] == [1, 1]
+
+
+def test_a_second_sequence_that_does_not_fit_the_remaining_budget_waits_unchunked():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    a = add(scheduler, 6)
+    b = add(scheduler, 6, first_token=50)
+    batch, _, _ = step(scheduler)
+    assert batch == [a]
+    assert not b.block_table and b.num_cached_tokens == 0  # no blocks taken for it either
+    batch, _, _ = step(scheduler)
+    assert batch == [b] and b.num_scheduled_tokens == 0 and b.num_cached_tokens == 6
+
+
+def test_a_prefix_hit_counts_only_the_uncached_tokens_against_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=12)
+    a = add(scheduler, 9)
+    step(scheduler)
+    b = add(scheduler, 9)  # blocks 0 and 1 hit: 1 token to compute
+    c = add(scheduler, 9, first_token=50)
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == [b, c]  # 1 + 9 tokens fit a budget of 12
+    assert [b.num_scheduled_tokens, c.num_scheduled_tokens] == [1, 9]
+    assert b.num_prompt_cached_tokens == 8 and c.num_prompt_cached_tokens == 0
+    assert a.block_table[:2] == b.block_table[:2]
+
+
+# --- preemption -----------------------------------------------------------------------------
+
+def test_a_full_cache_preempts_the_latest_sequence_by_recompute_and_it_still_finishes():
+    scheduler = make_scheduler(num_kvcache_blocks=4)
+    a = add(scheduler, 7, max_tokens=6)
+    b = add(scheduler, 7, first_token=50, max_tokens=6)
+    next_token = lambda seq: 100 + seq.num_completion_tokens  # noqa: E731 - position-tagged fake tokens
+    seqs, _ = scheduler.schedule()
+    scheduler.postprocess(seqs, [next_token(s) for s in seqs])  # both prefilled: 8 tokens, 2 blocks each
+    assert scheduler.block_manager.num_free_blocks == 0
+    seqs, _ = scheduler.schedule()
+    scheduler.postprocess(seqs, [next_token(s) for s in seqs])  # 8 % 4 != 1: no new block yet
+    seqs, is_prefill = scheduler.schedule()  # both now need a 3rd block; only b's 2 can be freed
+    assert not is_prefill and seqs == [a]
+    assert scheduler.num_preemptions == 1
+    assert list(scheduler.waiting) == [b] and b not in scheduler.running
+    assert b.status == SequenceStatus.WAITING and b.is_prefill
+    assert not b.block_table and b.num_cached_tokens == 0
+    assert scheduler.block_manager.num_free_blocks == 1  # b's 2 blocks freed, 1 taken by a
+    scheduler.postprocess(seqs, [next_token(s) for s in seqs])
+    run_to_completion(scheduler, next_token)
+    for seq in (a, b):
+        assert seq.finish_reason == "length"
+        assert seq.completion_token_ids == [100 + i for i in range(6)]
+    assert_all_blocks_free(scheduler)
+
+
+def test_preemption_takes_the_tail_of_running_first():
+    scheduler = make_scheduler(num_kvcache_blocks=6)
+    a, b, c = (add(scheduler, 7, first_token=10 * i, max_tokens=10) for i in range(1, 4))
+    step(scheduler)  # all three prefilled: 8 tokens, 2 blocks each, cache full
+    step(scheduler)
+    batch, _, _ = step(scheduler)  # a needs a 3rd block: c goes; b then takes the other freed one
+    assert batch == [a, b] and list(scheduler.waiting) == [c]
+    assert list(scheduler.running) == [a, b]
+
+
+def test_a_lone_sequence_never_needs_preempting_when_its_request_fits_the_cache():
+    scheduler = make_scheduler(num_kvcache_blocks=3)
+    seq = add(scheduler, 5, max_tokens=7)  # 12 tokens = 3 blocks at most
+    run_to_completion(scheduler)
+    assert seq.num_completion_tokens == 7 and scheduler.num_preemptions == 0
+
+
+# --- finishing ------------------------------------------------------------------------------
+
+def test_a_sequence_finishes_with_length_at_max_tokens():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 5, max_tokens=3)
+    finished = [step(scheduler)[2] for _ in range(3)]
+    assert finished == [[], [], [seq]]
+    assert seq.finish_reason == "length" and seq.num_completion_tokens == 3
+    assert seq.status == SequenceStatus.FINISHED and scheduler.is_finished()
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_sequence_finishes_with_stop_at_eos():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 5, max_tokens=10)
+    step(scheduler)
+    _, _, finished = step(scheduler, token_id=EOS)
+    assert finished == [seq] and seq.finish_reason == "stop"
+    assert seq.completion_token_ids == [TOKEN, EOS]
+    assert_all_blocks_free(scheduler)
+
+
+def test_ignore_eos_generates_past_eos_until_max_tokens():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 5, max_tokens=3, ignore_eos=True)
+    run_to_completion(scheduler, lambda seq: EOS)
+    assert seq.finish_reason == "length" and seq.completion_token_ids == [EOS] * 3
+
+
+def test_a_sequence_finishes_with_stop_at_a_stop_token_id_even_with_ignore_eos():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 5, max_tokens=10, stop_token_ids=(42,), ignore_eos=True)
+    step(scheduler)
+    _, _, finished = step(scheduler, token_id=42)
+    assert finished == [seq] and seq.finish_reason == "stop"
+    assert seq.completion_token_ids == [TOKEN, 42]
+
+
+def test_a_sequence_finishes_with_length_at_max_model_len():
+    scheduler = make_scheduler(max_model_len=10)
+    seq = add(scheduler, 7, max_tokens=100)
+    run_to_completion(scheduler)
+    assert seq.finish_reason == "length" and seq.num_tokens == 10
+
+
+def test_a_prompt_of_exactly_max_model_len_gets_one_token():
+    scheduler = make_scheduler(max_model_len=8)
+    seq = add(scheduler, 8, max_tokens=100)
+    _, _, finished = step(scheduler)
+    assert finished == [seq] and seq.finish_reason == "length" and seq.num_completion_tokens == 1
+
+
+# --- admission ------------------------------------------------------------------------------
+
+def test_a_prompt_longer_than_max_model_len_raises_at_add_and_queues_nothing():
+    scheduler = make_scheduler(max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len=8"):
+        add(scheduler, 9)
+    assert scheduler.is_finished()
+
+
+def test_a_request_needing_more_blocks_than_the_cache_raises_at_add_and_queues_nothing():
+    scheduler = make_scheduler(num_kvcache_blocks=4)  # 16 tokens
+    with pytest.raises(ValueError, match="only 4 blocks"):
+        add(scheduler, 10, max_tokens=10)
+    assert scheduler.is_finished()
+    add(scheduler, 10, max_tokens=6)  # 16 tokens fit
+
+
+def test_max_model_len_caps_the_blocks_a_request_can_need():
+    scheduler = make_scheduler(num_kvcache_blocks=4, max_model_len=16)
+    seq = add(scheduler, 10, max_tokens=1000)
+    run_to_completion(scheduler)
+    assert seq.num_tokens == 16 and seq.finish_reason == "length"
+
+
+# --- abort ----------------------------------------------------------------------------------
+
+def test_abort_removes_a_waiting_sequence():
+    scheduler = make_scheduler()
+    a = add(scheduler, 5)
+    b = add(scheduler, 5, first_token=50)
+    assert scheduler.abort(b.seq_id) is b
+    assert list(scheduler.waiting) == [a]
+    assert b.finish_reason == "abort" and b.status == SequenceStatus.FINISHED
+
+
+def test_abort_removes_a_running_sequence_and_frees_its_blocks():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 9)
+    step(scheduler)
+    assert scheduler.abort(seq.seq_id) is seq
+    assert scheduler.is_finished() and not seq.block_table
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_of_a_partly_prefilled_sequence_frees_its_blocks():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    seq = add(scheduler, 9)
+    step(scheduler)
+    assert seq.block_table and seq in scheduler.waiting
+    scheduler.abort(seq.seq_id)
+    assert scheduler.is_finished()
+    assert_all_blocks_free(scheduler)
+
+
+def test_abort_of_an_unknown_id_returns_none():
+    scheduler = make_scheduler()
+    add(scheduler, 5)
+    assert scheduler.abort(10**9) is None
+    assert len(scheduler.waiting) == 1
+
+
+# --- randomized simulation ------------------------------------------------------------------
+
+def _check_step(scheduler: Scheduler, batch: list[Sequence], is_prefill: bool, kv: list[list]) -> None:
+    """Limits hold, and a fake KV cache shows every token a sequence attends to is its own."""
+    bm = scheduler.block_manager
+    block_size = bm.block_size
+    assert batch
+    assert len(batch) <= scheduler.max_num_seqs
+    assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
+    if not is_prefill:
+        assert all(seq.num_scheduled_tokens == 1 for seq in batch)
+    for seq in batch:
+        end = seq.num_cached_tokens + seq.num_scheduled_tokens
+        assert seq.num_scheduled_tokens > 0 and end <= seq.num_tokens
+        assert len(seq.block_table) >= (end + block_size - 1) // block_size
+        for pos in range(seq.num_cached_tokens, end):
+            block_id = seq.block_table[pos // block_size]
+            assert bm.blocks[block_id].ref_count == 1  # never write into a shared block
+            kv[block_id][pos % block_size] = seq.token_ids[pos]
+    for seq in batch:
+        end = seq.num_cached_tokens + seq.num_scheduled_tokens
+        read = [kv[seq.block_table[pos // block_size]][pos % block_size] for pos in range(end)]
+        assert read == seq.token_ids[:end]  # prefix hits and reused blocks hold the right K/V
+
+
+def _check_ledger(scheduler: Scheduler) -> None:
+    bm = scheduler.block_manager
+    holders = [0] * bm.num_blocks
+    for seq in (*scheduler.waiting, *scheduler.running):
+        for block_id in seq.block_table:
+            holders[block_id] += 1
+    assert [block.ref_count for block in bm.blocks] == holders
+    assert bm.used_block_ids == {i for i, n in enumerate(holders) if n}
+    assert set(bm.free_block_ids) == {i for i, n in enumerate(holders) if not n}
+    assert len(bm.free_block_ids) + len(bm.used_block_ids) == bm.num_blocks
+    assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits(monkeypatch, seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    monkeypatch.setattr(Sequence, "default_block_size", block_size)
+    scheduler = Scheduler(
+        num_kvcache_blocks=rng.randint(6, 20), kvcache_block_size=block_size, max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(4, 40), max_model_len=rng.randint(3 * block_size, 64),
+        eos_token_ids=frozenset([EOS]), enable_prefix_caching=rng.random() < 0.8)
+    stems = [[rng.randrange(1, 4) for _ in range(40)] for _ in range(3)]  # shared prefixes: cache hits
+    seqs = []
+    for _ in range(rng.randint(10, 40)):
+        prompt = rng.choice(stems)[:rng.randint(0, 30)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3,
+                                stop_token_ids=(rng.randrange(1, 50),) if rng.random() < 0.3 else ())
+        seq = Sequence(prompt, params)
+        try:
+            scheduler.add(seq)
+        except ValueError:
+            assert scheduler.waiting.count(seq) == 0
+            continue
+        seqs.append(seq)
+    kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
+    steps = 0
+    while not scheduler.is_finished():
+        steps += 1
+        assert steps < 5_000, "the scheduler stopped making progress"
+        batch, is_prefill = scheduler.schedule()
+        _check_step(scheduler, batch, is_prefill, kv)
+        token_ids = [EOS if rng.random() < 0.03 else rng.randrange(1, 50) for _ in batch]
+        for seq in scheduler.postprocess(batch, token_ids):
+            assert seq.status == SequenceStatus.FINISHED and not seq.block_table
+        queued = [*scheduler.waiting, *scheduler.running]
+        if queued and rng.random() < 0.02:
+            scheduler.abort(rng.choice(queued).seq_id)
+        _check_ledger(scheduler)
+    assert_all_blocks_free(scheduler)
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED
+        assert 0 <= seq.num_completion_tokens <= seq.max_tokens
+        if seq.finish_reason == "length":
+            assert seq.num_completion_tokens == seq.max_tokens or seq.num_tokens >= scheduler.max_model_len
+        elif seq.finish_reason == "stop":
+            last = seq.completion_token_ids[-1]
+            assert last in seq.sampling_params.stop_token_ids or (last == EOS and not seq.ignore_eos)
+        else:
+            assert seq.finish_reason == "abort"
