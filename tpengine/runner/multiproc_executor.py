@@ -138,7 +138,7 @@ class MultiprocExecutor(Executor):
         if dead:
             rank, exitcode = dead[0]
             return WorkerFailedError(f"tensor-parallel worker rank {rank} {_describe_exit(exitcode)}")
-        if isinstance(error, PeerDiedError) or "Connection closed by peer" in str(error):
+        if isinstance(error, PeerDiedError) or "by peer" in str(error):
             return WorkerFailedError(f"a tensor-parallel worker is gone: {error}")
         return None
 

@@ -1,0 +1,65 @@
+"""tp > 1 with real worker processes over gloo: greedy tokens equal transformers', in both launch modes."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tpengine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_model, tp):
+    # vocabulary 1003 (padded at tp=4), 2 KV heads (replicated at tp=4), head_dim 48
+    prompts = random_prompts(tp, [1, 16, 40, 100], TP_MODEL["vocab_size"])
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, max_num_batched_tokens=48) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected
+    assert [o.num_cached_tokens for o in second] == [0, 0, 32, 96]
+
+
+def test_sampling_with_seed_is_the_same_at_tp_1_and_2(tiny_model):
+    prompts = random_prompts(9, [5, 30], TP_MODEL["vocab_size"])
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1234)
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16) as llm:
+            outputs[tp] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outputs[1] == outputs[2]
+
+
+def test_heads_not_divisible_by_tp_raise_before_any_process_starts(tiny_model):
+    before = set(os.listdir("/proc"))
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 attention heads"):
+        LLM(tiny_model, tensor_parallel_size=3)
+    started = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
+    assert not [p for p in started if _parent_of(p) == os.getpid()]
+
+
+def _parent_of(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def test_torchrun_launch_matches_transformers(tiny_model):
+    prompts = ["Hello, tensor parallel world", "abc"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(REPO, "launch", "generate.py"), "--model", tiny_model, "--max-tokens", "8",
+               "--ignore-eos", "--block-size", "16", "--device", "cpu", "--json", *prompts]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outputs] == prompts
+    expected = hf_greedy(tiny_model, [o["prompt_token_ids"] for o in outputs], 8)
+    assert [o["token_ids"] for o in outputs] == expected
