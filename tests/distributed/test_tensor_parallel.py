@@ -63,3 +63,14 @@ def test_torchrun_launch_matches_transformers(tiny_model):
     assert [o["prompt"] for o in outputs] == prompts
     expected = hf_greedy(tiny_model, [o["prompt_token_ids"] for o in outputs], 8)
     assert [o["token_ids"] for o in outputs] == expected
+
+
+def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model):
+    vocab = TP_MODEL["vocab_size"]  # 1003: padded to 1004 at tp=4
+    params = SamplingParams(temperature=50.0, max_tokens=32, ignore_eos=True)
+    with LLM(tiny_model, tensor_parallel_size=4, kvcache_block_size=16) as llm:
+        assert llm.executor.runner.model.lm_head.num_embeddings_per_partition * 4 == vocab + 1
+        outputs = llm.generate(random_prompts(5, [3] * 8, vocab), params, use_tqdm=False)
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert len(tokens) == 8 * 32 and max(tokens) < vocab
+    assert len(set(tokens)) > 150  # near-uniform sampling reaches the whole vocabulary, last shard included

@@ -1,0 +1,63 @@
+"""The sampler: greedy is argmax, filters narrow the choice, seeded requests ignore their batch mates."""
+import torch
+
+from tpengine import SamplingParams
+from tpengine.runner.sampler import Sampler
+
+sampler = Sampler()
+
+
+def random_logits(batch, vocab=50, seed=0):
+    return torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_temperature_zero_is_argmax():
+    logits = random_logits(4)
+    assert sampler(logits, [SamplingParams(temperature=0)] * 4, [1] * 4) == logits.argmax(-1).tolist()
+
+
+def test_top_k_1_top_p_tiny_and_min_p_1_all_reduce_to_argmax():
+    logits = random_logits(3, seed=1)
+    params = [SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6),
+              SamplingParams(temperature=1.5, min_p=1.0)]
+    for _ in range(5):
+        assert sampler(logits, params, [1, 2, 3]) == logits.argmax(-1).tolist()
+
+
+def test_top_k_never_samples_outside_the_k_likeliest():
+    logits = random_logits(1, seed=2)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    params = [SamplingParams(temperature=5.0, top_k=5)]
+    assert all(sampler(logits, params, [i])[0] in top5 for i in range(200))
+
+
+def test_top_p_keeps_the_smallest_set_covering_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    params = [SamplingParams(temperature=1.0, top_p=0.7)]
+    seen = {sampler(probs.log(), params, [i])[0] for i in range(300)}
+    assert seen == {0, 1}
+
+
+def test_samples_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    torch.manual_seed(0)
+    draws = [sampler(probs.log().unsqueeze(0), [SamplingParams(temperature=1.0)], [1])[0] for _ in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_seeded_request_gets_the_same_tokens_whatever_its_batch():
+    logits = random_logits(3, seed=3)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [sampler(logits[1:2], [seeded], [n])[0] for n in range(10, 20)]
+    other = SamplingParams(temperature=1.0)
+    in_batch = [sampler(logits, [other, seeded, SamplingParams(temperature=0)], [5, n, 7])[1] for n in range(10, 20)]
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # the seed keys the noise by position: not one fixed token
+
+
+def test_different_seeds_differ():
+    logits = random_logits(1, vocab=1000, seed=4) * 0.01
+    a = [sampler(logits, [SamplingParams(temperature=1.0, seed=1)], [n])[0] for n in range(20)]
+    b = [sampler(logits, [SamplingParams(temperature=1.0, seed=2)], [n])[0] for n in range(20)]
+    assert a != b
