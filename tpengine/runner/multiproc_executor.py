@@ -52,7 +52,7 @@ class MultiprocExecutor(Executor):
             super().__init__(config)  # rank 0's own shard; its setup collectives run in step with the workers'
         except BaseException as e:
             failure = self._failure(e)
-            self.shutdown()
+            self.shutdown(graceful=False)
             if failure is not None:
                 raise failure from e
             raise
@@ -108,7 +108,7 @@ class MultiprocExecutor(Executor):
             return super().execute(seqs, is_prefill)
         except BaseException as e:
             failure = self._failure(e)
-            self.shutdown()
+            self.shutdown(graceful=False)
             if failure is not None:
                 raise failure from e
             raise
@@ -149,19 +149,22 @@ class MultiprocExecutor(Executor):
 
     # --- stop -----------------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every rank. Graceful between steps; after a failure or an interrupt mid-step the
+        workers may sit in a collective that will never complete, so they are killed at once."""
         if self.closed:
             return
         self.closed = True
-        workers_alive = self.processes and all(p.poll() is None for p in self.processes)
-        if self.channel is not None and (workers_alive or not self.processes):
+        workers_alive = all(p.poll() is None for p in self.processes)
+        graceful = graceful and workers_alive
+        if self.channel is not None and graceful:
             try:
                 self.channel.write(encode(ShutdownMessage()), **({"timeout": 2.0} if self.ring else {}))
             except Exception:
                 pass  # a worker already gone: it is killed below
         for process in self.processes:
             try:
-                process.wait(timeout=WORKER_EXIT_TIMEOUT_S if workers_alive else 0.5)
+                process.wait(timeout=WORKER_EXIT_TIMEOUT_S if graceful else 0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -1,0 +1,55 @@
+"""Checkpoints load however transformers wrote them: one file or sharded, v4 or v5 config keys."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import PretrainedConfig, Qwen3ForCausalLM
+
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tpengine import LLM, SamplingParams
+from tpengine.models.config import head_dim_of, rope_theta_of
+
+
+def test_sharded_checkpoint_with_index_loads_and_matches_transformers(tiny_model, tmp_path):
+    sharded = str(tmp_path / "sharded")
+    Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).save_pretrained(sharded, max_shard_size="100KB")
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    prompts = random_prompts(8, [6, 33], TP_MODEL["vocab_size"])
+    with LLM(sharded, kvcache_block_size=16) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, 8)
+
+
+def test_rope_theta_from_transformers_4_and_5_configs():
+    v4 = PretrainedConfig(rope_theta=5e5)
+    v5 = PretrainedConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    assert rope_theta_of(v4) == 5e5
+    assert rope_theta_of(v5) == 1e6
+
+
+def test_unsupported_rope_scaling_is_a_value_error():
+    config = PretrainedConfig()
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        rope_theta_of(config)
+
+
+def test_head_dim_defaults_to_hidden_over_heads():
+    assert head_dim_of(PretrainedConfig(hidden_size=256, num_attention_heads=8)) == 32
+    assert head_dim_of(PretrainedConfig(hidden_size=256, num_attention_heads=8, head_dim=48)) == 48
+
+
+def test_missing_weights_are_a_value_error(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(tiny_model):
+        if not name.endswith(".safetensors"):
+            (broken / name).write_bytes(open(os.path.join(tiny_model, name), "rb").read())
+    tensors = load_file(os.path.join(tiny_model, "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks weights for.*model.norm.weight"):
+        LLM(str(broken))
