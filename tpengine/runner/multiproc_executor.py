@@ -51,11 +51,7 @@ class MultiprocExecutor(Executor):
                 self._spawn_workers()
             super().__init__(config)  # rank 0's own shard; its setup collectives run in step with the workers'
         except BaseException as e:
-            failure = self._failure(e)
-            self.shutdown(graceful=False)
-            if failure is not None:
-                raise failure from e
-            raise
+            self._stop_after(e)
 
     # --- start ----------------------------------------------------------------------------------
 
@@ -107,13 +103,17 @@ class MultiprocExecutor(Executor):
         try:
             return super().execute(seqs, is_prefill)
         except BaseException as e:
-            failure = self._failure(e)
-            self.shutdown(graceful=False)
-            if failure is not None:
-                raise failure from e
-            raise
+            self._stop_after(e)
 
     # --- failure --------------------------------------------------------------------------------
+
+    def _stop_after(self, error: BaseException):
+        """Stop every rank, then re-raise error, as a WorkerFailedError naming the rank if a worker caused it."""
+        failure = self._failure(error)
+        self.shutdown(graceful=False)
+        if failure is not None:
+            raise failure from error
+        raise error
 
     def _raise_if_a_worker_died(self) -> None:
         if any(p.poll() is not None for p in self.processes):
