@@ -70,7 +70,10 @@ _MESSAGE_LEN = 1
 _DEFAULT_ERROR_CAPACITY = 16 << 10
 _TRUNCATION_MARKER = b"\n...[truncated]"
 
-_SPIN_S = 50e-6  # busy-poll this long first: a busy engine answers within microseconds
+# Busy-poll (yielding) this long first. The gap between two engine steps (rank 0 samples,
+# schedules, encodes) is usually shorter, so a busy engine's next step lands within
+# microseconds instead of after a grown sleep; an idle engine falls back to sleeps.
+_SPIN_S = 2e-3
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3  # an idle waiter wakes at most ~1000 times a second
 _PEER_CHECK_INTERVAL_S = 0.1

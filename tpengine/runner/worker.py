@@ -6,7 +6,6 @@ import signal
 import sys
 import traceback
 
-import torch
 import torch.distributed as dist
 
 from tpengine.config import EngineConfig
