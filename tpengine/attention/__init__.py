@@ -1,4 +1,4 @@
-"""Attention backends behind one seam; `select_backend` picks one for the device and block size."""
+"""Attention backends behind one seam; `resolve_backend_name` picks one for the device, block size and dtype."""
 import importlib.util
 import logging
 
@@ -10,26 +10,37 @@ from tpengine.attention.metadata import AttentionMetadata
 logger = logging.getLogger("tpengine")
 
 
-def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV: page_block_size must be a multiple of 256
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def resolve_backend_name(name: str, device: torch.device, block_size: int) -> str:
+def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str | None:
+    """Why flash_attn cannot run with these settings, or None; the device is checked first."""
+    if device.type != "cuda":
+        return f"needs CUDA, and the engine runs on {device.type}"
+    if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+        return (f"needs kvcache_block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
+                f"(flash-attn's paged-KV rule), got {block_size}")
+    if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+        return f"needs dtype float16 or bfloat16, got {str(dtype).removeprefix('torch.')}"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "needs the flash-attn package (pip install 'tpengine[cuda]')"
+    return None
+
+
+def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
     """The backend that `name` means here; ValueError when it cannot run."""
     if name == "auto":
         if device.type == "cuda":
-            if flash_attn_available() and block_size % 256 == 0:
+            if flash_attn_problem(device, block_size, dtype) is None:
                 return "flash_attn"
             if importlib.util.find_spec("triton") is not None:
                 return "triton"
         return "torch"
     if name == "flash_attn":
-        if device.type != "cuda" or not flash_attn_available():
-            raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package "
-                             "(pip install 'tpengine[cuda]')")
-        if block_size % 256:
-            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256 "
-                             f"(flash-attn's paged-KV rule), got {block_size}")
+        problem = flash_attn_problem(device, block_size, dtype)
+        if problem is not None:
+            raise ValueError(f"attention_backend='flash_attn' {problem}")
     if name == "triton" and importlib.util.find_spec("triton") is None:
         raise ValueError("attention_backend='triton' needs the triton package (pip install 'tpengine[triton]')")
     return name

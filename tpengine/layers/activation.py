@@ -2,10 +2,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpengine.layers.compile import compiled_on_cuda
+
+
+@compiled_on_cuda
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, with gate and up packed in the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -8,11 +8,11 @@ import torch.distributed as dist
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
-from tpengine.distributed.messages import StepMessage
+from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import get_tp_size
-from tpengine.models.config import head_dim_of
 from tpengine.models.loader import load_model
 from tpengine.models.qwen3 import Qwen3ForCausalLM
+from tpengine.runner.cuda_graphs import GRAPH_SAFE_BACKENDS, DecodeCudaGraphs
 
 logger = logging.getLogger("tpengine")
 
@@ -54,7 +54,8 @@ class ModelRunner:
             # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // get_tp_size()))
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
-        self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size)
+        self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
             logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
         default_dtype = torch.get_default_dtype()
@@ -66,8 +67,18 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        # CUDA: what the largest prefill needs beyond the weights, kept free when the cache is sized
+        self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self._num_kvcache_blocks()
-        self._allocate_kv_cache()
+        self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.cuda_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.backend_name in GRAPH_SAFE_BACKENDS:
+                self.cuda_graphs = DecodeCudaGraphs(
+                    self.model, hf_config.hidden_size, self.dtype, self.device, config.max_num_seqs,
+                    self._max_num_blocks_per_seq(), self.block_size)
+            elif rank == 0:
+                logger.info("no CUDA graphs with the %s attention backend: decode runs eagerly", self.backend_name)
 
     # --- KV cache -------------------------------------------------------------------------------
 
@@ -76,16 +87,20 @@ class ModelRunner:
         per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
         return len(self.attention_layers) * self.block_size * per_token
 
+    def _max_num_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
     def _num_kvcache_blocks(self) -> int:
         config = self.config
         if config.num_kvcache_blocks is not None:
             return config.num_kvcache_blocks
         # never more than the limits can ever use
-        blocks_per_seq = -(-min(config.max_model_len, self.hf_config.max_position_embeddings) // self.block_size)
-        useful = config.max_num_seqs * blocks_per_seq
+        useful = config.max_num_seqs * self._max_num_blocks_per_seq()
         if self.device.type == "cuda":
+            # total * utilization, less what is in use now (weights, CUDA context, other processes) and
+            # the activation peak the warm-up measured
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1.0 - config.gpu_memory_utilization) * total
+            budget = free - (1.0 - config.gpu_memory_utilization) * total - self.activation_peak_bytes
         else:
             budget = (config.kvcache_memory_gb or DEFAULT_CPU_KVCACHE_GB) * (1 << 30)
         num_blocks = min(useful, int(budget) // self._block_bytes())
@@ -98,13 +113,54 @@ class ModelRunner:
                              f"lower kvcache_block_size or free memory")
         return num_blocks
 
-    def _allocate_kv_cache(self) -> None:
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), self.num_kvcache_blocks, self.block_size,
-                 layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        # CUDA: zeroed once, so no stale NaN bit pattern in an unwritten slot reaches a masked-out product
+        # (0 * NaN) in the torch backend; CPU: as before, not touched up front
+        allocate = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_cache = allocate(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _free_kv_cache(self) -> None:
+        self.kv_cache = torch.tensor([])
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = self.kv_cache
+
+    @torch.inference_mode()
+    def _warm_up(self) -> int:
+        """Run the largest prefill step the limits allow (building every kernel it needs); return its
+        activation peak in bytes.
+
+        That step is max_num_batched_tokens tokens, packed into sequences of at most max_model_len.
+        Every rank runs it, so the collectives inside line up. A cache just big enough for it is
+        allocated and freed again: some backends read the new keys back through the block table.
+        """
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * self.max_model_len)
+        seqs, num_blocks = [], 0
+        for start in range(0, num_tokens, self.max_model_len):
+            length = min(self.max_model_len, num_tokens - start)
+            blocks = -(-length // self.block_size)
+            seqs.append(PrefillSeq([0] * length, 0, list(range(num_blocks, num_blocks + blocks))))
+            num_blocks += blocks
+        input_ids, positions, meta = self.prepare_prefill(StepMessage(prefill=seqs, decode=[]))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._allocate_kv_cache(num_blocks)
+        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        hidden_states = self.model(input_ids, positions, meta)
+        # as many last-token logits as one step can ask for
+        self.model.compute_logits(hidden_states[-min(config.max_num_seqs, num_tokens):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
+        del hidden_states
+        self._free_kv_cache()
+        torch.cuda.empty_cache()
+        return max(peak, 0)
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -166,7 +222,12 @@ class ModelRunner:
             input_ids, positions, meta = self.prepare_prefill(step)
         else:
             input_ids, positions, meta = self.prepare_decode(step)
-        hidden_states = self.model(input_ids, positions, meta)
+        graphs = self.cuda_graphs
         if meta.is_prefill:
-            hidden_states = hidden_states[meta.cu_seqlens_q[1:] - 1]
+            hidden_states = self.model(input_ids, positions, meta)[meta.cu_seqlens_q[1:] - 1]
+        elif graphs is not None and graphs.can_run(input_ids.size(0), meta.block_tables.size(1)):
+            hidden_states = graphs.run(input_ids, positions, meta)
+        else:
+            hidden_states = self.model(input_ids, positions, meta)
+        # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0
         return self.model.compute_logits(hidden_states)

@@ -1,6 +1,7 @@
 """Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, and per-request seeds."""
 import torch
 
+from tpengine.layers.compile import compiled_on_cuda
 from tpengine.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
@@ -35,22 +36,32 @@ class Sampler:
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         device = logits.device
         temperatures = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperatures.unsqueeze(1)
-        top_ks = [p.top_k for p in params]
-        if any(k != -1 for k in top_ks):
+        top_ks = None
+        if any(p.top_k != -1 for p in params):
             vocab = logits.size(1)
-            k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_ks], device=device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
+            top_ks = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device)
         top_ps = torch.tensor([p.top_p for p in params], device=device)
-        if (top_ps < 1.0).any():
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # drop a token when the tokens before it already cover top_p; the first always stays
-            drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps.unsqueeze(1)
-            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
         min_ps = torch.tensor([p.min_p for p in params], device=device)
-        if (min_ps > 0.0).any():
-            threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+        # the checks stay out of the compiled math: a data-dependent branch would break its graph
+        return filtered_probs(logits, temperatures, top_ks, top_ps if (top_ps < 1.0).any() else None,
+                              min_ps if (min_ps > 0.0).any() else None)
+
+
+@compiled_on_cuda
+def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor | None,
+                   top_ps: torch.Tensor | None, min_ps: torch.Tensor | None) -> torch.Tensor:
+    """Each row's distribution after temperature, top-k, top-p and min-p; a limit is None when no row sets it."""
+    logits = logits / temperatures.unsqueeze(1)
+    if top_ks is not None:
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_ks - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if top_ps is not None:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens before it already cover top_p; the first always stays
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps.unsqueeze(1)
+        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+    if min_ps is not None:
+        threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

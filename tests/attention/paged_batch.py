@@ -1,0 +1,101 @@
+"""Random paged-attention batches for the backend tests, with a naive float64 reference to check them against."""
+from dataclasses import dataclass
+
+import torch
+
+from tpengine.attention.metadata import AttentionMetadata
+
+GARBAGE = 50.0  # scale of what unowned cache slots hold: reading one shows up in the output
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor                 # [new tokens, heads, head_dim]
+    k: torch.Tensor                 # [new tokens, kv_heads, head_dim]: this step's keys, stored by forward
+    v: torch.Tensor
+    k_cache: torch.Tensor           # [num_blocks, block_size, kv_heads, head_dim]: the cached prefixes, and garbage
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    keys: list[torch.Tensor]        # per sequence, every key it attends to (prefix, then new), in order
+    values: list[torch.Tensor]
+    num_new: list[int]              # per sequence, how many of its keys are this step's
+    scale: float
+
+
+def _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, g):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.randn(shape, generator=g) * GARBAGE).to(dtype=dtype, device=device) for _ in range(2)]
+
+
+def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size: int = 16, num_heads: int = 4,
+                num_kv_heads: int = 2, head_dim: int = 32, dtype=torch.float32, device="cpu",
+                seed: int = 0) -> PagedBatch:
+    """seqs[b] = (tokens already cached, new tokens); decode batches have exactly one new token each.
+
+    Each sequence owns scattered physical blocks; its block table is padded with 0, as the runner pads it.
+    """
+    assert not decode or all(new == 1 for _, new in seqs)
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[physical.pop() for _ in range(n)] for n in blocks_per_seq]
+    k_cache, v_cache = _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, g)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+
+    keys, values, new_k, new_v, slot_mapping = [], [], [], [], []
+    for (cached, new), table in zip(seqs, tables):
+        k_all, v_all = rand(cached + new, num_kv_heads, head_dim), rand(cached + new, num_kv_heads, head_dim)
+        for pos in range(cached + new):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            if pos < cached:
+                k_cache.view(-1, num_kv_heads, head_dim)[slot] = k_all[pos]
+                v_cache.view(-1, num_kv_heads, head_dim)[slot] = v_all[pos]
+            else:
+                slot_mapping.append(slot)
+        keys.append(k_all)
+        values.append(v_all)
+        new_k.append(k_all[cached:])
+        new_v.append(v_all[cached:])
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    seqlens_q = [new for _, new in seqs]
+    seqlens_k = [cached + new for cached, new in seqs]
+    common = dict(slot_mapping=torch.tensor(slot_mapping, device=device), block_tables=block_tables)
+    if decode:
+        meta = AttentionMetadata(is_prefill=False, context_lens=torch.tensor(seqlens_k, dtype=torch.int32,
+                                 device=device), max_seqlen_k=max(seqlens_k), **common)
+    else:
+        def cumulative(lengths):
+            return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        meta = AttentionMetadata(
+            is_prefill=True, cu_seqlens_q=cumulative(seqlens_q), cu_seqlens_k=cumulative(seqlens_k),
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            has_cached_prefix=any(cached for cached, _ in seqs), **common)
+    return PagedBatch(q=rand(sum(seqlens_q), num_heads, head_dim), k=torch.cat(new_k), v=torch.cat(new_v),
+                      k_cache=k_cache, v_cache=v_cache, meta=meta, keys=keys, values=values,
+                      num_new=seqlens_q, scale=head_dim ** -0.5)
+
+
+def reference_attention(batch: PagedBatch) -> torch.Tensor:
+    """Each new token attends, in float64, to every key of its sequence up to and including its own position."""
+    out = []
+    q_all = batch.q.double()
+    start = 0
+    for keys, values, num_new in zip(batch.keys, batch.values, batch.num_new):
+        group = q_all.size(1) // keys.size(1)
+        k = keys.double().repeat_interleave(group, dim=1)
+        v = values.double().repeat_interleave(group, dim=1)
+        for i in range(num_new):
+            end = keys.size(0) - num_new + i + 1  # keys up to this token's own position
+            scores = torch.einsum("hd,khd->hk", q_all[start + i], k[:end]) * batch.scale
+            out.append(torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v[:end]))
+        start += num_new
+    return torch.stack(out)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).abs().max() / ref.abs().max()).item()

@@ -1,0 +1,49 @@
+"""Which attention backend a setting means on which device, and the errors that name what is missing."""
+import importlib.util
+
+import pytest
+import torch
+
+from tpengine import LLM
+from tpengine.attention import make_backend, resolve_backend_name
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object only: no GPU is touched
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def test_auto_on_cpu_is_torch():
+    assert resolve_backend_name("auto", CPU, 256) == "torch"
+    assert resolve_backend_name("auto", CPU, 16, torch.float32) == "torch"
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flash_attn_without_cuda_names_cuda(block_size):
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_backend_name("flash_attn", CPU, block_size)
+
+
+def test_flash_attn_with_block_size_16_names_256():
+    with pytest.raises(ValueError, match="multiple of 256.*got 16"):
+        resolve_backend_name("flash_attn", CUDA, 16, torch.bfloat16)
+
+
+def test_flash_attn_in_float32_names_the_half_dtypes():
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        resolve_backend_name("flash_attn", CUDA, 256, torch.float32)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("block_size, dtype", [(16, torch.bfloat16), (256, torch.float32)])
+def test_auto_on_cuda_falls_back_to_triton_where_flash_attn_cannot_run(block_size, dtype):
+    assert resolve_backend_name("auto", CUDA, block_size, dtype) == "triton"
+
+
+def test_unknown_backend_name_raises():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("cudnn")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_llm_asking_for_flash_attn_on_cpu_raises_naming_cuda(tiny_model):
+    with pytest.raises(ValueError, match="CUDA"):
+        LLM(tiny_model, attention_backend="flash_attn")

@@ -1,0 +1,30 @@
+"""Paged attention through flash-attn (CUDA, fp16/bf16, kvcache_block_size a multiple of 256).
+
+Imported only by make_backend when this backend is chosen, so flash_attn is needed only then.
+"""
+from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+from tpengine.attention.backend import AttentionBackend
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.kernels import store_kvcache
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)  # the Triton kernel: slot -1 is skipped
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+        block_table = None
+        if meta.has_cached_prefix:
+            # a prefix computed in an earlier step is only in the cache: read every key through the block
+            # table (the store above has just put this step's keys there too)
+            k, v, block_table = k_cache, v_cache, meta.block_tables
+        return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                      meta.max_seqlen_k, softmax_scale=scale, causal=True, block_table=block_table)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # one query per sequence, the last of its context_lens[b] cached tokens
+        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                       block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
