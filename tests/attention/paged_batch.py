@@ -99,3 +99,13 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double().cpu(), ref.double().cpu()
     return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def forward_each(batch: PagedBatch, *backends) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each backend's output and caches, from its own copy of the same inputs (forward stores, then attends)."""
+    results = []
+    for backend in backends:
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
+        results.append((out, k_cache, v_cache))
+    return results

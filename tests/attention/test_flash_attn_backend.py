@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.attention.paged_batch import paged_batch, relative_error
+from tests.attention.paged_batch import forward_each, paged_batch, relative_error
 from tests.conftest import TP_MODEL, random_prompts
 from tpengine import LLM, SamplingParams
 from tpengine.attention.torch_backend import TorchAttentionBackend
@@ -18,12 +18,7 @@ TOLERANCE = 2e-2  # bfloat16
 
 def forward_both(batch):
     from tpengine.attention.flash_attn_backend import FlashAttnBackend
-    results = []
-    for backend in (TorchAttentionBackend(), FlashAttnBackend()):
-        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
-        results.append((out, k_cache, v_cache))
-    return results
+    return forward_each(batch, TorchAttentionBackend(), FlashAttnBackend())
 
 
 @pytest.mark.parametrize("seqs", [[(0, 5), (0, 300)], [(256, 5), (300, 40), (0, 3)]], ids=["fresh", "cached_prefix"])

@@ -3,7 +3,7 @@ tests/conftest.py)."""
 import pytest
 import torch
 
-from tests.attention.paged_batch import paged_batch, relative_error
+from tests.attention.paged_batch import forward_each, paged_batch, relative_error
 from tpengine.attention.torch_backend import TorchAttentionBackend
 
 pytest.importorskip("triton")
@@ -14,13 +14,7 @@ TOLERANCE = 1e-4
 
 
 def forward_both(batch):
-    """Each backend's output and caches, from its own copy of the same inputs (forward stores, then attends)."""
-    results = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
-        results.append((out, k_cache, v_cache))
-    return results
+    return forward_each(batch, TorchAttentionBackend(), TritonAttentionBackend())
 
 
 @pytest.mark.parametrize("seqs", [[(0, 5), (0, 17)], [(16, 5), (20, 7), (0, 3)]], ids=["fresh", "cached_prefix"])
