@@ -63,7 +63,8 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
     seqlens_q = [new for _, new in seqs]
     seqlens_k = [cached + new for cached, new in seqs]
-    common = dict(slot_mapping=torch.tensor(slot_mapping, device=device), block_tables=block_tables)
+    common = dict(slot_mapping=torch.tensor(slot_mapping, device=device), block_tables=block_tables,
+                  block_tables_list=tables, seqlens_k=seqlens_k)
     if decode:
         meta = AttentionMetadata(is_prefill=False, context_lens=torch.tensor(seqlens_k, dtype=torch.int32,
                                  device=device), max_seqlen_k=max(seqlens_k), **common)
@@ -72,7 +73,7 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
             return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         meta = AttentionMetadata(
             is_prefill=True, cu_seqlens_q=cumulative(seqlens_q), cu_seqlens_k=cumulative(seqlens_k),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            seqlens_q=seqlens_q, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             has_cached_prefix=any(cached for cached, _ in seqs), **common)
     return PagedBatch(q=rand(sum(seqlens_q), num_heads, head_dim), k=torch.cat(new_k), v=torch.cat(new_v),
                       k_cache=k_cache, v_cache=v_cache, meta=meta, keys=keys, values=values,

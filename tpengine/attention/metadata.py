@@ -9,11 +9,14 @@ class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor             # [num_tokens] cache slot of each new token; -1 = padding
     block_tables: torch.Tensor             # [batch, max_num_blocks] int32, padded with 0
+    # the same per-sequence numbers as Python lists, for backends that loop over sequences on the host;
+    # seqlens_k[b] is sequence b's number of keys (its context length in decode)
+    block_tables_list: list[list[int]] | None = None
+    seqlens_k: list[int] | None = None
     # prefill (varlen): sequence b's new tokens are the last seqlens_q[b] of its seqlens_k
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     seqlens_q: list[int] | None = None
-    seqlens_k: list[int] | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     has_cached_prefix: bool = False        # some sequence attends to K/V computed in an earlier step

@@ -43,12 +43,29 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
-        batch = q.size(0)
-        block_tables = meta.block_tables
-        # [batch, max_blocks, block_size, kv_heads, dim] -> [batch, kv_heads, max_len, dim]
-        k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
-        v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(k.size(2), device=q.device)
-        mask = (positions[None, :] < meta.context_lens[:, None]).view(batch, 1, 1, -1)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.squeeze(2)
+        # On the host, one sequence at a time over views of its own blocks: gathering padded block
+        # tables into one batch tensor copied every block in full each layer, several times the work.
+        block_size = k_cache.size(1)
+        num_kv_heads = k_cache.size(2)
+        out = torch.empty_like(q)
+        context_lens = meta.seqlens_k if meta.seqlens_k is not None else meta.context_lens.tolist()
+        block_tables = meta.block_tables_list if meta.block_tables_list is not None else meta.block_tables.tolist()
+        for b, (context_len, block_table) in enumerate(zip(context_lens, block_tables)):
+            if context_len == 0:  # a padding row: nothing to attend to
+                out[b] = 0
+                continue
+            q_b = q[b].view(num_kv_heads, -1, q.size(-1))  # query heads grouped by the KV head they share
+            ends = range(block_size, context_len + block_size, block_size)
+            keys = [k_cache[block, :min(block_size, context_len - end + block_size)]
+                    for block, end in zip(block_table, ends)]
+            # scores over the whole context, one softmax; [kv_heads, group, context_len]
+            probs = torch.cat([q_b @ k.permute(1, 2, 0) for k in keys], dim=-1).mul_(scale).softmax(dim=-1)
+            start = 0
+            out_b = None
+            for block, k in zip(block_table, keys):
+                n = k.size(0)
+                part = probs[..., start:start + n] @ v_cache[block, :n].transpose(0, 1)
+                out_b = part if out_b is None else out_b.add_(part)
+                start += n
+            out[b] = out_b.view(-1, q.size(-1))
+        return out

@@ -210,6 +210,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=self._tensor(slot_mapping),
             block_tables=self._block_tables([seq.block_table for seq in step.decode]),
+            block_tables_list=[seq.block_table for seq in step.decode], seqlens_k=context_lens,
             context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
         return self._tensor(input_ids), self._tensor(positions), meta
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from tpengine.config import EngineConfig
@@ -44,6 +45,7 @@ class MultiprocExecutor(Executor):
         self.ring: ShmRingWriter | None = None
         self.channel = None
         self.closed = False
+        self.num_threads = torch.get_num_threads()  # a CPU rank 0 shares the cores with its workers until shutdown
         try:
             if dist.is_initialized():
                 self._join_torchrun_group()
@@ -170,6 +172,7 @@ class MultiprocExecutor(Executor):
                 process.wait()
         if self.ring is not None:
             self.ring.close()
+        torch.set_num_threads(self.num_threads)
         if dist.is_initialized() and self.processes:  # under torchrun the launch script owns the group
             try:
                 dist.destroy_process_group()

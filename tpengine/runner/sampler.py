@@ -24,11 +24,12 @@ class Sampler:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one noise row per request.
-        noise = torch.empty_like(probs)
+        # -log(U) is Exp(1) too, and on CPU several times cheaper than exponential_ for a whole batch.
+        noise = torch.empty_like(probs).uniform_().log_().neg_()
         for row, i in enumerate(random_rows):
             seed = params[i].seed
-            generator = None if seed is None else _noise_generator(seed, positions[i], logits.device)
-            noise[row].exponential_(generator=generator)
+            if seed is not None:  # its own stream: the same tokens whatever else is in the batch
+                noise[row].exponential_(generator=_noise_generator(seed, positions[i], logits.device))
         greedy_ids[rows] = (probs / noise).argmax(dim=-1)
         return greedy_ids.tolist()
 

@@ -1,0 +1,344 @@
+"""Offline throughput: tpengine vs transformers' `generate`, same model, same prompts, same run.
+
+The workload is nano-vllm's bench.py shape: random prompt token ids, input and output lengths
+drawn uniformly from a range, ignore_eos=True so every request writes exactly its max_tokens,
+SamplingParams(temperature=0.6) (nano-vllm's setting; --temperature 0 for greedy), seed 0.
+The model is a random-weight Qwen3 written locally with transformers' own
+Qwen3ForCausalLM(config).save_pretrained (nothing is downloaded), or --model for a checkpoint.
+
+Output tokens/s counts only the requested output tokens (sum of max_tokens), divided by the
+wall time of the generate calls alone (model loading and a warm-up generate excluded).
+
+transformers' baseline: `model.generate` over the prompts in batches of --hf-batch-size,
+left-padded with an attention mask, the same sampling (do_sample with the same temperature,
+top_k/top_p off; greedy when --temperature 0), max_new_tokens = min_new_tokens = the batch's
+largest output length (EOS cannot end it early), default SDPA attention and dynamic KV cache.
+Only each sequence's own requested output tokens count as useful; the extra tokens shorter
+requests write while their batch finishes are waste that static batching pays and continuous
+batching does not. By default prompts are sorted by output length (then input length) before
+batching, which keeps that waste and the padding small: the strongest simple way to run a
+static batcher offline (--hf-order given batches them as drawn). Every batch size given is run
+and the fastest is used for the ratio (all are printed); on 2 CPU cores 16 and 32 were the
+best of 8/16/32/64, within a few percent of each other.
+
+Both sides run in one process, one after the other, each after its own warm-up generate;
+tpengine gets a fresh LLM each round, so a repeat never hits the prefix cache an earlier round
+filled. --repeat N alternates the two N times and keeps each side's fastest run: use it on a
+shared or noisy machine (the table prints the load average before and after).
+
+CPU defaults (about 1.5 minutes on 2 idle cores): a Qwen3-shaped model with hidden 512,
+8 layers, 8 heads / 4 KV heads of 64, intermediate 1536, vocab 16384, tied embeddings
+(~34M parameters, float32, initializer_range 0.02); 64 sequences, inputs 16..256 tokens,
+outputs 16..128 tokens (~9.7k prompt and ~4.9k output tokens). Big enough that the matmuls
+run near the cores' peak and prefill, decode attention and the LM head all show in a
+profile, as on a real model; small enough that a run takes a couple of minutes.
+--max-output-len 256 gives nano-vllm's proportions (equal input and output ranges).
+
+CUDA defaults: nano-vllm's bench -- a Qwen3-0.6B-shaped config (hidden 1024, 28 layers,
+16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings,
+max_position_embeddings 40960) with random weights, bfloat16, 256 sequences, input and output
+lengths 100..1024 (nano-vllm reports 1,434 tok/s on an RTX 4070 laptop for its engine).
+transformers tries batches of 64 and 256; one that runs out of memory is reported as such.
+
+    .venv/bin/python scripts/bench.py                      # CPU, defaults above
+    .venv/bin/python scripts/bench.py --device cuda        # Qwen3-0.6B shape, 256 seqs
+    .venv/bin/python scripts/bench.py --repeat 2               # noisy machine: best of 2 each
+    .venv/bin/python scripts/bench.py --skip-hf --num-seqs 128
+    .venv/bin/python scripts/bench.py --model /path/to/Qwen3-0.6B --device cuda --tp 2
+"""
+import argparse
+import gc
+import os
+import platform
+import random
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+
+CPU_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02)
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02)
+
+DEFAULTS = {
+    "cpu": dict(num_seqs=64, min_input_len=16, max_input_len=256, min_output_len=16, max_output_len=128,
+                dtype="float32", hf_batch_sizes=[16, 32]),
+    "cuda": dict(num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100, max_output_len=1024,
+                 dtype="bfloat16", hf_batch_sizes=[64, 256]),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", help="existing Qwen3 checkpoint folder (default: a random-weight one in a temp folder)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size for tpengine")
+    p.add_argument("--num-seqs", type=int)
+    p.add_argument("--min-input-len", type=int)
+    p.add_argument("--max-input-len", type=int)
+    p.add_argument("--min-output-len", type=int)
+    p.add_argument("--max-output-len", type=int)
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="both engines (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, as nano-vllm)")
+    p.add_argument("--hf-batch-size", type=int, nargs="+",
+                   help="transformers batch size(s); the best is used (default: 16 32 on cpu, 64 256 on cuda)")
+    p.add_argument("--hf-order", choices=("sorted", "given"), default="sorted",
+                   help="transformers batches: prompts sorted by output then input length (default), or as drawn")
+    p.add_argument("--skip-hf", action="store_true", help="run tpengine only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measure each side this many times, alternating, and keep the fastest (for noisy machines)")
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if key == "hf_batch_sizes":
+            if args.hf_batch_size is None:
+                args.hf_batch_size = value
+        elif getattr(args, key) is None:
+            setattr(args, key, value)
+    if not 1 <= args.min_input_len <= args.max_input_len or not 1 <= args.min_output_len <= args.max_output_len:
+        p.error("need 1 <= min <= max for input and output lengths")
+    if args.num_seqs < 1 or args.repeat < 1 or min(args.hf_batch_size) < 1:
+        p.error("--num-seqs, --repeat and --hf-batch-size must be >= 1")
+    return args
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_workload(args, vocab_size: int):
+    """nano-vllm's bench: random token ids and lengths, seeded."""
+    rng = random.Random(args.seed)
+    high = min(vocab_size, 10000) - 1  # nano-vllm draws ids in [0, 10000]
+    prompts = [[rng.randint(0, high) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    output_lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    return prompts, output_lens
+
+
+def write_model(device: str, folder: str) -> str:
+    from tpengine.tiny_model import write_tiny_model
+    shape = QWEN3_0_6B if device == "cuda" else CPU_MODEL
+    return write_tiny_model(folder, seed=0, with_tokenizer=False, **shape)
+
+
+# --- tpengine -------------------------------------------------------------------------------------
+
+def time_tpengine(args, model: str, prompts, output_lens) -> float:
+    """One timed llm.generate over the whole workload, on a fresh engine (so a repeat never hits
+    the prefix cache the last round filled); returns its seconds."""
+    from tpengine import LLM, SamplingParams
+
+    llm = LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
+              max_model_len=args.max_input_len + args.max_output_len)
+    try:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=args.temperature, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
+        sync(args.device)
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        sync(args.device)
+        elapsed = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+    assert [len(o.token_ids) for o in outputs] == list(output_lens), "tpengine wrote other lengths than asked"
+    del llm, outputs
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # leave the memory to transformers' turn
+    return elapsed
+
+
+# --- transformers ---------------------------------------------------------------------------------
+
+def load_hf(args, model_path: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: nothing may end a sequence early
+    with torch.inference_mode():
+        hf_generate_batch(model, [[1, 2, 3, 4]] * 2, 4, args.temperature, args.device)  # warm-up
+    return model
+
+
+def hf_generate_batch(model, batch_prompts, max_new_tokens: int, temperature: float, device: str):
+    """Left-padded batch; exactly max_new_tokens new tokens for every row."""
+    width = max(len(p) for p in batch_prompts)
+    pad = 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
+                else dict(do_sample=False))
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None, use_cache=True,
+                         **sampling)
+    assert out.shape == (len(batch_prompts), width + max_new_tokens), "transformers stopped early"
+    return out
+
+
+def hf_batches(prompts, output_lens, batch_size: int, order_by: str = "sorted") -> list[list[int]]:
+    """Indices per batch: sorted by output length, then input length, longest first; or as drawn."""
+    order = list(range(len(prompts)))
+    if order_by == "sorted":
+        order.sort(key=lambda i: (output_lens[i], len(prompts[i])), reverse=True)
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def time_hf(args, model, prompts, output_lens, batch_size: int) -> float | None:
+    """Seconds for the whole workload in batches of batch_size; None if it ran out of memory."""
+    try:
+        sync(args.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for idx in hf_batches(prompts, output_lens, batch_size, args.hf_order):
+                hf_generate_batch(model, [prompts[i] for i in idx], max(output_lens[i] for i in idx),
+                                  args.temperature, args.device)
+        sync(args.device)
+        return time.perf_counter() - started
+    except torch.OutOfMemoryError:
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        return None
+
+
+# --- report ---------------------------------------------------------------------------------------
+
+def machine_line(device: str, num_threads: int) -> str:
+    import transformers
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    return (f"{name}; os.cpu_count()={os.cpu_count()}, torch threads={num_threads}; "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
+
+
+def load_average() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def git_revision() -> str:
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
+    return (rev + (" (uncommitted changes)" if dirty else "")) if rev else "n/a"
+
+
+def num_params(config) -> int:
+    layer = (config.hidden_size * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+             + config.num_attention_heads * config.head_dim * config.hidden_size
+             + 3 * config.hidden_size * config.intermediate_size)
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return config.num_hidden_layers * layer + embeddings
+
+
+def rate(tokens: int, seconds: float | None) -> str:
+    return "out of memory" if seconds is None else f"{tokens / seconds:,.1f}"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + list(argv or sys.argv[1:]))
+    load_before = load_average()
+    num_threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
+        model_path = args.model
+        if model_path is None:
+            started = time.perf_counter()
+            model_path = write_model(args.device, os.path.join(tmp, "model"))
+            print(f"wrote a random-weight Qwen3 to {model_path} in {time.perf_counter() - started:.1f}s",
+                  file=sys.stderr)
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model_path)
+        prompts, output_lens = make_workload(args, config.vocab_size)
+        useful = sum(output_lens)
+
+        ours: list[float] = []
+        hf: dict[int, list[float | None]] = {} if args.skip_hf else {b: [] for b in args.hf_batch_size}
+        hf_model = None
+        for round_ in range(args.repeat):
+            ours.append(time_tpengine(args, model_path, prompts, output_lens))
+            torch.set_num_threads(num_threads)  # tp > 1 on CPU splits rank 0's threads; give transformers all
+            print(f"[round {round_ + 1}/{args.repeat}] tpengine: {ours[-1]:.2f}s "
+                  f"({useful / ours[-1]:,.1f} tok/s), load {load_average()}", file=sys.stderr)
+            if args.skip_hf:
+                continue
+            if hf_model is None:
+                hf_model = load_hf(args, model_path)
+            for batch_size in args.hf_batch_size:
+                seconds = time_hf(args, hf_model, prompts, output_lens, batch_size)
+                hf[batch_size].append(seconds)
+                print(f"[round {round_ + 1}/{args.repeat}] transformers batch {batch_size}: "
+                      + ("out of memory" if seconds is None else f"{seconds:.2f}s ({useful / seconds:,.1f} tok/s)")
+                      + f", load {load_average()}", file=sys.stderr)
+        del hf_model
+
+    best_ours = min(ours)
+    sampling = "greedy" if args.temperature == 0 else f"temperature={args.temperature}"
+    best_of = f", best of {args.repeat}" if args.repeat > 1 else ""
+    rows = [
+        ("command", f"`{command}`"),
+        ("machine", machine_line(args.device, num_threads)),
+        ("load average (1/5/15 min)", f"{load_before} before, {load_average()} after"),
+        ("tpengine revision", git_revision()),
+        ("model", f"{'`' + args.model + '`' if args.model else 'random-weight Qwen3'}: hidden {config.hidden_size}, "
+                  f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
+                  f"{config.num_key_value_heads} KV heads x {config.head_dim}, intermediate "
+                  f"{config.intermediate_size}, vocab {config.vocab_size} (~{num_params(config) / 1e6:,.0f}M "
+                  f"params), {args.dtype}"),
+        ("workload", f"{args.num_seqs} seqs, input {args.min_input_len}..{args.max_input_len} "
+                     f"({sum(len(p) for p in prompts)} tokens), output {args.min_output_len}..{args.max_output_len} "
+                     f"({useful} tokens), ignore_eos, {sampling}, seed {args.seed}"),
+        (f"tpengine (tp={args.tp}, {args.device})",
+         f"**{rate(useful, best_ours)} output tok/s** ({useful} tokens in {best_ours:.2f}s{best_of})"),
+    ]
+    best_hf = None
+    for batch_size, times in hf.items():
+        ok = [t for t in times if t is not None]
+        generated = sum(len(idx) * max(output_lens[i] for i in idx)
+                        for idx in hf_batches(prompts, output_lens, batch_size, args.hf_order))
+        label = f"transformers generate, batch {batch_size}" + (", prompts as drawn" if args.hf_order == "given" else "")
+        if not ok:
+            rows.append((label, "out of memory"))
+            continue
+        rows.append((label, f"{rate(useful, min(ok))} output tok/s ({useful} useful of {generated} generated "
+                            f"tokens in {min(ok):.2f}s{best_of})"))
+        if best_hf is None or min(ok) < best_hf[1]:
+            best_hf = (batch_size, min(ok))
+    if best_hf is not None:
+        rows.append(("tpengine / transformers",
+                     f"**{best_hf[1] / best_ours:.2f}x** (against transformers' best batch size, {best_hf[0]})"))
+    print()
+    print("| | |")
+    print("|---|---|")
+    for key, value in rows:
+        print(f"| {key} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
