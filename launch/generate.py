@@ -7,6 +7,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -30,6 +31,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="tpengine: %(message)s")
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -30,3 +30,20 @@ def test_decode_equals_torch_backend():
     (ref, ref_k, ref_v), (out, k_cache, v_cache) = forward_both(batch)
     assert relative_error(out, ref) < TOLERANCE
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_end_to_end_greedy_with_prefix_hits_matches_transformers(tiny_model):
+    # On CPU this runs the kernels in the Triton interpreter: slow, so few short prompts.
+    from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+    from tpengine import LLM, SamplingParams
+
+    prompts = random_prompts(12, [3, 20, 40], TP_MODEL["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16, attention_backend="triton") as llm:
+        assert llm.executor.runner.backend_name == "triton"
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+    expected = hf_greedy(tiny_model, prompts, 5)
+    assert [o.token_ids for o in first] == expected
+    assert [o.token_ids for o in second] == expected
+    assert [o.num_cached_tokens for o in second] == [0, 16, 32]

@@ -74,3 +74,27 @@ def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model):
     tokens = [t for o in outputs for t in o.token_ids]
     assert len(tokens) == 8 * 32 and max(tokens) < vocab
     assert len(set(tokens)) > 150  # near-uniform sampling reaches the whole vocabulary, last shard included
+
+
+def test_two_node_torchrun_sends_steps_over_the_gloo_broadcast(tiny_model):
+    # Two torchrun "nodes" on this host: LOCAL_WORLD_SIZE (1) != WORLD_SIZE (2), so no shared memory.
+    from tpengine.distributed.parallel_state import find_free_port
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    prompts = ["multi node", "x"]
+    nodes = []
+    for node_rank in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", "tpengine-test", os.path.join(REPO, "launch", "generate.py"), "--model", tiny_model,
+                   "--max-tokens", "6", "--ignore-eos", "--block-size", "16", "--device", "cpu", "--json", *prompts]
+        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO))
+    try:
+        results = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in results]
+    assert "control plane to 1 workers: gloo broadcast" in results[0][1]
+    outputs = [json.loads(line) for out, _ in results for line in out.splitlines() if line.startswith("{")]
+    assert [o["prompt"] for o in outputs] == prompts
+    assert [o["token_ids"] for o in outputs] == hf_greedy(tiny_model, [o["prompt_token_ids"] for o in outputs], 6)

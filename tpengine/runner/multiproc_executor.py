@@ -4,6 +4,7 @@ Any worker failure becomes a WorkerFailedError on rank 0 naming the rank, and ev
 stopped; the ring's segment is unlinked whatever way the engine ends.
 """
 import base64
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from tpengine.distributed.parallel_state import find_free_port, pick_backend
 from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter
 from tpengine.runner.executor import Executor
 from tpengine.runner.model_runner import resolve_device
+
+logger = logging.getLogger("tpengine")
 
 WORKER_START_TIMEOUT_S = 300.0
 WORKER_EXIT_TIMEOUT_S = 10.0
@@ -91,6 +94,8 @@ class MultiprocExecutor(Executor):
             self.ring = ShmRingWriter(self.world_size - 1)
         control.write(encode(InitMessage(self.config, self.ring.name if one_host else None)))
         self.channel = self.ring or control
+        logger.info("control plane to %d workers: %s", self.world_size - 1,
+                    "shared-memory ring" if one_host else "gloo broadcast (ranks on several hosts)")
         if self.ring is not None:
             self.ring.wait_for_readers(timeout=WORKER_START_TIMEOUT_S)
 
