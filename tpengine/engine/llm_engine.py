@@ -102,6 +102,8 @@ class LLMEngine:
         computed: positive for a prefill step, negative (minus the batch size) for a decode step."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
+            # add() admits only requests that fit the cache alone, so with work queued something runs
+            assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         token_ids = self.executor.execute(seqs, is_prefill)
