@@ -69,10 +69,9 @@ class Scheduler:
                 block_manager.allocate(seq, num_cached_blocks)
                 if seq.num_prompt_cached_tokens < 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
-            # A partly prefilled sequence stays at the head of waiting until its last chunk.
+            # A partly prefilled sequence stays at the head of waiting until its last chunk, so it
+            # is always first in its batch: the check above is the only one a later sequence needs.
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
-            if num_new_tokens > token_budget and scheduled:
-                break
             seq.num_scheduled_tokens = min(num_new_tokens, token_budget)
             token_budget -= seq.num_scheduled_tokens
             scheduled.append(seq)

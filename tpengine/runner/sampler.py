@@ -35,17 +35,19 @@ class Sampler:
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        # Which limits any row sets is decided here, in Python: no tensor work for an unused filter,
+        # and no data-dependent branch inside the compiled math.
         device = logits.device
         temperatures = torch.tensor([p.temperature for p in params], device=device)
-        top_ks = None
+        top_ks = top_ps = min_ps = None
         if any(p.top_k != -1 for p in params):
             vocab = logits.size(1)
             top_ks = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device)
-        top_ps = torch.tensor([p.top_p for p in params], device=device)
-        min_ps = torch.tensor([p.min_p for p in params], device=device)
-        # the checks stay out of the compiled math: a data-dependent branch would break its graph
-        return filtered_probs(logits, temperatures, top_ks, top_ps if (top_ps < 1.0).any() else None,
-                              min_ps if (min_ps > 0.0).any() else None)
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], device=device)
+        if any(p.min_p > 0.0 for p in params):
+            min_ps = torch.tensor([p.min_p for p in params], device=device)
+        return filtered_probs(logits, temperatures, top_ks, top_ps, min_ps)
 
 
 @compiled_on_cuda
