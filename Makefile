@@ -21,6 +21,9 @@ $(STAMP): setup.cfg pyproject.toml
 		$(BIN)/pip install $$(test -d /opt/wheels && echo --find-links /opt/wheels) torch==2.13.0; \
 	fi
 	$(BIN)/pip install -e '.[dev]'
+	@# the CPU attention kernel is compiled on first use; build it now so the first run does not wait
+	$(BIN)/python -c "from tpengine.kernels.cpu.paged_decode_attention import load; load()" \
+		|| echo "could not build the CPU attention kernel: the CPU will use the slower torch backend"
 	touch $(STAMP)
 
 run: install

@@ -1,7 +1,2 @@
-"""Triton kernels for tpengine (paged KV cache and attention)."""
-
-from .paged_decode_attention import paged_decode_attention
-from .paged_prefill_attention import paged_prefill_attention
-from .store_kvcache import store_kvcache
-
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
+"""tpengine's kernels, installed as tpengine.kernels: `triton` (the paged KV cache and attention on
+CUDA, or on the CPU under TRITON_INTERPRET=1) and `cpu` (C++ paged decode attention, built on first use)."""

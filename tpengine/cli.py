@@ -4,6 +4,8 @@ import json
 import logging
 import sys
 
+from tpengine.config import ATTENTION_BACKENDS, DTYPES
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
@@ -26,13 +28,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (text and token ids)")
     gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    gen.add_argument("--dtype", default="auto", choices=DTYPES,
                      help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA")
     gen.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     gen.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     gen.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
-    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
-                     help="attention implementation (default auto)")
+    gen.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                     help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
+                          "kernel built on first use), else torch, on the CPU (default auto)")
     gen.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 

@@ -4,7 +4,7 @@ import os
 import msgspec
 from transformers import AutoConfig, PretrainedConfig
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 

@@ -5,6 +5,8 @@ from a seed, so no download is ever needed. The text such a model writes is mean
 """
 import os
 
+from tpengine.cache import cache_dir
+
 EOS_TOKEN = "<|endoftext|>"
 
 # The embedded default model: small enough to start in a second on a laptop CPU.
@@ -53,8 +55,7 @@ def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, *
 
 def default_model_path() -> str:
     """The embedded default model, written on first use into the user's cache folder."""
-    cache = os.environ.get("TPENGINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tpengine")
+    cache = cache_dir()
     path = os.path.join(cache, f"tiny-qwen3-v{TINY_MODEL_VERSION}")
     if not os.path.exists(os.path.join(path, "config.json")):
         import sys

@@ -1,19 +1,47 @@
 """Which attention backend a setting means on which device, and the errors that name what is missing."""
 import importlib.util
+import logging
 
 import pytest
 import torch
 
 from tpengine import LLM
 from tpengine.attention import make_backend, resolve_backend_name
+from tpengine.kernels.cpu import paged_decode_attention as cpu_paged_attention
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object only: no GPU is touched
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def test_auto_on_cpu_is_torch():
-    assert resolve_backend_name("auto", CPU, 256) == "torch"
-    assert resolve_backend_name("auto", CPU, 16, torch.float32) == "torch"
+def test_auto_on_cpu_is_the_cpu_kernel():
+    assert resolve_backend_name("auto", CPU, 256) == "cpu"
+    assert resolve_backend_name("auto", CPU, 16, torch.float32) == "cpu"
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """A machine with no C++ compiler and no earlier build of the CPU kernel."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    cpu_paged_attention.load.cache_clear()
+    yield
+    cpu_paged_attention.load.cache_clear()
+
+
+def test_auto_on_cpu_without_a_compiler_falls_back_to_torch_and_says_why(no_compiler, caplog):
+    with caplog.at_level(logging.WARNING, logger="tpengine"):
+        assert resolve_backend_name("auto", CPU, 256) == "torch"
+    assert "no-such-compiler" in caplog.text and "using 'torch'" in caplog.text
+
+
+def test_cpu_backend_without_a_compiler_raises_naming_the_compiler(no_compiler):
+    with pytest.raises(ValueError, match="attention_backend='cpu'.*no-such-compiler"):
+        resolve_backend_name("cpu", CPU, 256)
+
+
+def test_cpu_backend_on_cuda_raises():
+    with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU"):
+        resolve_backend_name("cpu", CUDA, 256)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

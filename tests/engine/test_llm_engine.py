@@ -15,11 +15,12 @@ def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
         assert out.prompt_token_ids == prompts[i]
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto is the C++ decode kernel; torch, the reference
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_greedy_matches_transformers_for_prompts_around_a_block(tiny_model, block_size):
+def test_greedy_matches_transformers_for_prompts_around_a_block(tiny_model, block_size, backend):
     lengths = [1, block_size - 3, block_size, block_size + 5, 2 * block_size + 1]
     prompts = random_prompts(block_size, lengths, VOCAB)
-    with LLM(tiny_model, kvcache_block_size=block_size) as llm:
+    with LLM(tiny_model, kvcache_block_size=block_size, attention_backend=backend) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, outputs)
     assert all(o.finish_reason == "length" and len(o.token_ids) == GREEDY.max_tokens for o in outputs)

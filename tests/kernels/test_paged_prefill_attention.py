@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpengine.kernels import paged_prefill_attention
+from tpengine.kernels.triton import paged_prefill_attention
 
 
 @pytest.mark.parametrize(

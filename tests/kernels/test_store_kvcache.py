@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpengine.kernels import store_kvcache
+from tpengine.kernels.triton import store_kvcache
 
 
 @pytest.mark.parametrize(

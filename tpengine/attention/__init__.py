@@ -28,6 +28,18 @@ def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype
     return None
 
 
+def cpu_kernel_problem(device: torch.device) -> str | None:
+    """Why the cpu backend cannot run here, or None; builds its C++ kernel on first use on this machine."""
+    if device.type != "cpu":
+        return f"runs on the CPU, and the engine runs on {device.type}"
+    from tpengine.kernels.cpu import paged_decode_attention as cpu_paged_attention
+    try:
+        cpu_paged_attention.load()
+    except RuntimeError as error:
+        return f"needs its C++ kernel, which could not be built: {error}"
+    return None
+
+
 def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
     """The backend that `name` means here; ValueError when it cannot run."""
     if name == "auto":
@@ -36,7 +48,16 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
                 return "flash_attn"
             if importlib.util.find_spec("triton") is not None:
                 return "triton"
+            return "torch"
+        problem = cpu_kernel_problem(device)
+        if problem is None:
+            return "cpu"
+        logger.warning("attention backend 'cpu' %s; using 'torch', several times slower in decode", problem)
         return "torch"
+    if name == "cpu":
+        problem = cpu_kernel_problem(device)
+        if problem is not None:
+            raise ValueError(f"attention_backend='cpu' {problem}")
     if name == "flash_attn":
         problem = flash_attn_problem(device, block_size, dtype)
         if problem is not None:
@@ -50,6 +71,9 @@ def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
         from tpengine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if name == "cpu":
+        from tpengine.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     if name == "triton":
         from tpengine.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()

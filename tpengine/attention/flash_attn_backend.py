@@ -6,7 +6,7 @@ from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.kernels import store_kvcache
+from tpengine.kernels.triton import store_kvcache
 
 
 class FlashAttnBackend(AttentionBackend):

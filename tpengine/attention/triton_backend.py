@@ -1,7 +1,7 @@
-"""Paged attention through the Triton kernels in tpengine.kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
+"""Paged attention through the Triton kernels in tpengine.kernels.triton (CUDA, or CPU under TRITON_INTERPRET=1)."""
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from tpengine.kernels.triton import paged_decode_attention, paged_prefill_attention, store_kvcache
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -1,0 +1,131 @@
+// Paged decode attention for the CPU: one query token per sequence over its cached K/V, read in
+// place through the block table. One work item is one (sequence, KV head) pair: its group of query
+// heads shares every K/V row it loads, so each row is read once per step.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+inline float dot(const float* q, const scalar_t* k, int64_t head_dim) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+template <typename scalar_t>
+inline void add_scaled(float* acc, const scalar_t* v, float p, int64_t head_dim) {
+#pragma omp simd
+  for (int64_t d = 0; d < head_dim; ++d) acc[d] += p * static_cast<float>(v[d]);
+}
+
+template <typename scalar_t>
+void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
+  const int64_t max_blocks = block_tables.size(1);
+  // strides in elements; the innermost (head_dim) stride is 1, checked by the caller
+  const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1), k_head = k_cache.stride(2);
+  const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1), v_head = v_cache.stride(2);
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
+
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+
+  // One work item per sequence: a token's K (and V) rows of all KV heads lie next to each other, so
+  // each block is read front to back once per step.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t context_len = lens[seq];
+      scalar_t* o_seq_ptr = o_ptr + seq * o_seq;
+      if (context_len == 0) {  // a padding row: nothing to attend to
+        for (int64_t h = 0; h < num_heads; ++h) std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
+        continue;
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* src = q_ptr + seq * q_seq + h * q_head;
+        for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = static_cast<float>(src[d]) * scale;
+      }
+      // scores[h * context_len + t]: query head h against token t; query head h reads KV head h / group
+      scores.resize(num_heads * context_len);
+      const int32_t* table = tables + seq * max_blocks;
+      for (int64_t start = 0; start < context_len; start += block_size) {
+        const int64_t n = std::min(block_size, context_len - start);
+        const scalar_t* keys = k_ptr + table[start / block_size] * k_block;
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t h = 0; h < num_heads; ++h)
+            scores[h * context_len + start + t] =
+                dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* s = &scores[h * context_len];
+        const float peak = *std::max_element(s, s + context_len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < context_len; ++t) sum += (s[t] = std::exp(s[t] - peak));
+        inv_sum[h] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < context_len; start += block_size) {
+        const int64_t n = std::min(block_size, context_len - start);
+        const scalar_t* values = v_ptr + table[start / block_size] * v_block;
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t h = 0; h < num_heads; ++h)
+            add_scaled(&acc[h * head_dim], values + t * v_row + (h / group) * v_head,
+                       scores[h * context_len + start + t], head_dim);
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* o = o_seq_ptr + h * o_head;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
+      }
+    }
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [batch, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and the cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, out and the caches must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "block tables must be contiguous");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "one block table and context length per sequence");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tpengine_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tpengine_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,69 @@
+"""The C++ paged decode attention for the CPU against the PyTorch reference the Triton kernel tests use."""
+import pytest
+import torch
+
+from tpengine.attention import cpu_kernel_problem
+from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
+
+pytestmark = pytest.mark.skipif(cpu_kernel_problem(torch.device("cpu")) is not None,
+                                reason="the C++ kernel cannot be built here")
+
+
+@pytest.mark.parametrize(
+    "block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol",
+    [
+        # context 1, exactly a block, a block + 1, several blocks
+        (16, 64, 2, 2, [1, 16, 17, 70], torch.float32, 1e-5),
+        (32, 48, 4, 2, [33, 5], torch.float32, 1e-5),
+        (256, 64, 8, 4, [256, 257, 384, 1], torch.float32, 1e-5),
+        (16, 96, 8, 2, [40, 3, 100], torch.float32, 1e-5),
+        (256, 128, 4, 1, [300, 9], torch.bfloat16, 2e-2),
+        (16, 128, 4, 1, [40, 3], torch.float16, 2e-3),
+    ],
+)
+def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, paged_kv,
+                           ref_attention, rel_err):
+    k_cache, v_cache, block_tables = paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    # q as a strided view, like the query part of a fused QKV projection
+    q = torch.randn(len(context_lens), num_heads + 2, head_dim, dtype=dtype)[:, :num_heads]
+    scale = head_dim**-0.5
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    for b, n in enumerate(context_lens):
+        ref = ref_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], n, scale)
+        assert rel_err(out[b : b + 1], ref) < tol
+
+
+def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(paged_kv):
+    k_cache, v_cache, block_tables = paged_kv([20, 0], 16, 1, 64, torch.float32)
+    q = torch.randn(2, 1, 64)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([20, 0], dtype=torch.int32), 0.125)
+    assert not out[0].isnan().any() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_writes_into_a_given_output():
+    k_cache, v_cache = torch.randn(2, 2, 16, 1, 32).unbind(0)
+    q = torch.randn(1, 2, 32)
+    out = torch.full_like(q, float("nan"))
+    result = paged_decode_attention(q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
+                                    torch.tensor([5], dtype=torch.int32), 0.2, out=out)
+    assert result is out and not out.isnan().any()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(block_tables=torch.zeros(1, 1, dtype=torch.int64)), "int32"),
+    (dict(k_cache=torch.randn(2, 16, 3, 32)), "multiple of num_kv_heads"),
+    (dict(q=torch.randn(1, 2, 16)), "head_dim"),
+])
+def test_rejects_what_it_cannot_read(bad, message):
+    args = dict(q=torch.randn(1, 2, 32), k_cache=torch.randn(2, 16, 1, 32), v_cache=torch.randn(2, 16, 1, 32),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32), context_lens=torch.ones(1, dtype=torch.int32),
+                scale=0.2)
+    args.update(bad)
+    if "k_cache" in bad:
+        args["v_cache"] = bad["k_cache"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        paged_decode_attention(**args)

@@ -1,0 +1,12 @@
+"""The CPU's paged attention: the torch backend's prefill, and decode through the C++ kernel in
+tpengine.kernels.cpu.paged_decode_attention, which reads each sequence's K/V in place in one pass."""
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.attention.torch_backend import TorchAttentionBackend
+from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
