@@ -61,3 +61,15 @@ def test_different_seeds_differ():
     a = [sampler(logits, [SamplingParams(temperature=1.0, seed=1)], [n])[0] for n in range(20)]
     b = [sampler(logits, [SamplingParams(temperature=1.0, seed=2)], [n])[0] for n in range(20)]
     assert a != b
+
+
+def test_mixed_batch_keeps_greedy_rows_greedy_and_each_sampled_row_on_its_own_distribution():
+    first, second = torch.tensor([0.05, 0.7, 0.25]), torch.tensor([0.2, 0.2, 0.6])
+    logits = torch.stack([second.log(), first.log(), second.log()])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=1.0)]
+    torch.manual_seed(1)
+    draws = torch.tensor([sampler(logits, params, [1, 1, 1]) for _ in range(3000)])
+    assert (draws[:, 0] == 2).all()
+    for column, probs in ((1, first), (2, second)):
+        freq = torch.bincount(draws[:, column], minlength=3).float() / len(draws)
+        assert torch.allclose(freq, probs, atol=0.04)
