@@ -36,9 +36,11 @@ class TorchAttentionBackend(AttentionBackend):
                 # query i sits at position len_k - len_q + i: causal from the bottom-right corner
                 mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
                 causal = False
+            # [1, heads, tokens, head_dim]: with a batch dimension the CPU takes SDPA's flash kernel,
+            # 3x faster than the math path 3-D inputs get
             out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k_b.transpose(0, 1), v_b.transpose(0, 1),
-                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True).transpose(0, 1)
+                q[start:end].transpose(0, 1)[None], k_b.transpose(0, 1)[None], v_b.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)[0].transpose(0, 1)
             start = end
         return out
 

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_rank, get_tp_size
+from tpengine.layers.linear import linear, prepack_weight_for_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,8 +41,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the real vocabulary, gathered on rank 0 (other ranks get None)."""
 
+    packed_weight = None
+
+    def prepack_for_cpu(self) -> None:
+        """After loading: logits from a packed copy. The weight stays: a tied embedding shares it."""
+        self.packed_weight = prepack_weight_for_cpu(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, gathered, dst=0)

@@ -7,6 +7,32 @@ from torch import nn
 from tpengine.distributed.parallel_state import divide, get_tp_rank, get_tp_size
 
 
+# oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
+PREPACK_ROWS_HINT = 64
+
+
+def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a float32 [out, in] weight on the CPU, or None where there is none.
+
+    Without it each matmul repacks the weight first: at decode batch sizes that repacking costs as
+    much as the product, and the packed copy runs 1.5-4x faster (docs/benchmarks.md).
+    """
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
+            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
+    except RuntimeError:  # a oneDNN build that cannot pack this weight: the plain matmul still runs
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed_weight: torch.Tensor | None) -> torch.Tensor:
+    if packed_weight is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -20,6 +46,13 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight = None
+
+    def prepack_for_cpu(self) -> None:
+        """After loading: matmul on a packed copy, and free the plain weight it replaces."""
+        self.packed_weight = prepack_weight_for_cpu(self.weight)
+        if self.packed_weight is not None:
+            self.weight.data = self.weight.data.new_empty(0)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_size > 1:
@@ -33,7 +66,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -43,7 +76,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,7 +135,7 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         if self.bias is not None:

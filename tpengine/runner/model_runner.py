@@ -66,6 +66,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
+        if self.device.type == "cpu":
+            for module in self.model.modules():
+                if hasattr(module, "prepack_for_cpu"):
+                    module.prepack_for_cpu()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         # CUDA: what the largest prefill needs beyond the weights, kept free when the cache is sized
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0

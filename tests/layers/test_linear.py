@@ -1,0 +1,62 @@
+"""Linear layers on the CPU run on oneDNN-packed weights: same products as F.linear, plain weights freed."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpengine.layers.embed_head import ParallelLMHead
+from tpengine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
+                                    prepack_weight_for_cpu)
+
+HAS_PACKING = prepack_weight_for_cpu(torch.zeros(2, 2)) is not None
+needs_packing = pytest.mark.skipif(not HAS_PACKING, reason="this torch has no oneDNN weight packing")
+
+
+def relative_error(out, ref):
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@needs_packing
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_and_frees_the_plain_weight(cls, rows, bias):
+    torch.manual_seed(rows)
+    layer = cls(96, 200, bias=bias)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    weight, bias_values = layer.weight.data.clone(), None if layer.bias is None else layer.bias.data.clone()
+    x = torch.randn(rows, 96)
+    layer.prepack_for_cpu()
+    assert layer.packed_weight is not None and layer.weight.numel() == 0
+    assert relative_error(layer(x), F.linear(x, weight, bias_values)) < 1e-5
+
+
+@needs_packing
+def test_merged_column_layer_loads_then_packs():
+    layer = MergedColumnParallelLinear(32, [48, 48])
+    gate, up = torch.randn(48, 32), torch.randn(48, 32)
+    layer.weight_loader(layer.weight, gate, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    layer.prepack_for_cpu()
+    x = torch.randn(5, 32)
+    assert relative_error(layer(x), x @ torch.cat([gate, up]).T) < 1e-5
+
+
+@needs_packing
+def test_lm_head_packs_but_keeps_the_weight_a_tied_embedding_shares():
+    head = ParallelLMHead(1003, 64)
+    head.weight.data.normal_()
+    weight = head.weight.data.clone()
+    head.prepack_for_cpu()
+    assert torch.equal(head.weight.data, weight)
+    x = torch.randn(7, 64)
+    assert relative_error(head(x), x @ weight.T) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_no_packing_outside_float32_so_those_dtypes_keep_f_linear(dtype):
+    assert prepack_weight_for_cpu(torch.zeros(4, 4, dtype=dtype)) is None
+    layer = ColumnParallelLinear(8, 4).to(dtype)
+    layer.prepack_for_cpu()
+    assert layer.packed_weight is None and layer.weight.numel() == 32
