@@ -35,6 +35,7 @@ test: install
 bench: install
 	$(BIN)/python scripts/bench_scheduler.py
 	$(BIN)/python scripts/bench_control_plane.py
+	$(BIN)/python scripts/bench_cpu_kernels.py
 	$(BIN)/python scripts/bench.py
 
 clean:

@@ -1,0 +1,126 @@
+"""The CPU fast paths against what they replaced, in one run: decode attention, linears, sampling.
+
+1. Paged decode attention: the C++ kernel (the `cpu` backend) against the `torch` backend's
+   loop over sequences, on a decode batch with contexts drawn from --min-context..--max-context.
+2. Linear layers: matmuls on oneDNN-packed weights against F.linear, for the projections of the
+   bench.py CPU model (hidden 512, 8 layers, intermediate 1536, vocab 16384). All 8 layers' weights
+   are cycled, as in a forward pass, so they come from memory rather than a warm cache.
+3. Sampling one token per row: the inverse-CDF draw the sampler uses against the exponential
+   race (argmax of p / E, one Exp(1) draw per vocabulary entry) it used before.
+
+    .venv/bin/python scripts/bench_cpu_kernels.py
+"""
+import argparse
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.attention.torch_backend import TorchAttentionBackend
+from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
+from tpengine.layers.linear import linear, prepack_weight_for_cpu
+
+
+def best_ms(fn, repeat: int) -> float:
+    """Fastest of five rounds of `repeat` calls, in ms per call."""
+    fn()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        times.append((time.perf_counter() - started) / repeat)
+    return min(times) * 1e3
+
+
+def decode_attention(args) -> None:
+    print(f"\n## Paged decode attention: {args.batch} sequences, contexts {args.min_context}..{args.max_context}, "
+          "8 heads / 4 KV heads of 64, float32\n")
+    print("| block size | torch backend ms | C++ kernel ms | speed-up |\n|---:|---:|---:|---:|")
+    rng = random.Random(0)
+    heads, kv_heads, head_dim = 8, 4, 64
+    for block_size in (16, 256):
+        lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.batch)]
+        num_blocks = sum(-(-n // block_size) for n in lens) + 1
+        physical = list(range(num_blocks))
+        rng.shuffle(physical)
+        tables = [[physical.pop() for _ in range(-(-n // block_size))] for n in lens]
+        width = max(map(len, tables))
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        q = torch.randn(args.batch, heads, head_dim)
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=torch.zeros(args.batch, dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            block_tables_list=tables, seqlens_k=lens, context_lens=torch.tensor(lens, dtype=torch.int32))
+        torch_ms = best_ms(lambda: TorchAttentionBackend().decode(q, k_cache, v_cache, meta, head_dim**-0.5), 10)
+        kernel_ms = best_ms(lambda: paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                           meta.context_lens, head_dim**-0.5), 10)
+        print(f"| {block_size} | {torch_ms:.2f} | {kernel_ms:.2f} | {torch_ms / kernel_ms:.1f}x |")
+
+
+def linears(args) -> None:
+    print("\n## Linear layers: 8 layers of qkv, o, gate_up, down, then the LM head; ms per forward\n")
+    print("| rows | F.linear ms | packed ms | speed-up | LM head F.linear ms | LM head packed ms |\n"
+          "|---:|---:|---:|---:|---:|---:|")
+    hidden, intermediate, vocab = 512, 1536, 16384
+    shapes = [(1024, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
+    weights = [torch.randn(out, inp) * 0.02 for _ in range(8) for out, inp in shapes]
+    packed = [prepack_weight_for_cpu(w) for w in weights]
+    head = torch.randn(vocab, hidden) * 0.02
+    head_packed = prepack_weight_for_cpu(head)
+    if head_packed is None:
+        print("this torch has no oneDNN weight packing: nothing to compare")
+        return
+    for rows in args.rows:
+        inputs = {hidden: torch.randn(rows, hidden), intermediate: torch.randn(rows, intermediate)}
+
+        def layers(use_packed: bool):
+            for w, p in zip(weights, packed):
+                linear(inputs[w.size(1)], w, None, p if use_packed else None)
+
+        repeat = max(1, 200 // rows)
+        plain_ms = best_ms(lambda: layers(False), repeat)
+        packed_ms = best_ms(lambda: layers(True), repeat)
+        x = inputs[hidden]
+        head_plain = best_ms(lambda: F.linear(x, head), repeat)
+        head_fast = best_ms(lambda: linear(x, head, None, head_packed), repeat)
+        print(f"| {rows} | {plain_ms:.2f} | {packed_ms:.2f} | {plain_ms / packed_ms:.2f}x | "
+              f"{head_plain:.2f} | {head_fast:.2f} |")
+
+
+def sampling(args) -> None:
+    print(f"\n## Sampling one token per row: {args.batch} rows x {args.vocab} vocabulary, temperature 0.6\n")
+    probs = (torch.randn(args.batch, args.vocab) * 3 / 0.6).softmax(dim=-1)
+
+    def exponential_race():
+        return (probs / torch.empty_like(probs).uniform_().log_().neg_()).argmax(dim=-1)
+
+    def inverse_cdf():
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        uniform = torch.rand(args.batch, 1, dtype=torch.float64)
+        return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+
+    race_ms, cdf_ms = best_ms(exponential_race, 20), best_ms(inverse_cdf, 20)
+    print("| exponential race ms | inverse CDF ms | speed-up |\n|---:|---:|---:|")
+    print(f"| {race_ms:.2f} | {cdf_ms:.2f} | {race_ms / cdf_ms:.1f}x |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min-context", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=384)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 2048])
+    p.add_argument("--vocab", type=int, default=16384)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    decode_attention(args)
+    linears(args)
+    sampling(args)
+
+
+if __name__ == "__main__":
+    main()
