@@ -5,6 +5,7 @@ tpengine's cache folder, and loaded as the torch op `torch.ops.tpengine_cpu.page
 Built for the host CPU (-march=native), so the build is keyed by the CPU's feature flags as well as
 by the source, the torch version and the compiler.
 """
+import fcntl
 import functools
 import hashlib
 import os
@@ -38,6 +39,19 @@ def _compile_command(compiler: str, output: str) -> list[str]:
             + ["-lc10", "-ltorch_cpu", "-ltorch"])
 
 
+def _build(compiler: str, folder: str, library: str) -> None:
+    fd, staging = tempfile.mkstemp(suffix=".so", dir=folder)  # built aside, then renamed into place
+    os.close(fd)
+    try:
+        result = subprocess.run(_compile_command(compiler, staging), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {SOURCE} failed:\n{result.stderr[-4000:]}")
+        os.replace(staging, library)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+
+
 @functools.cache
 def load() -> None:
     """Build the op if this machine has no build of it yet, then load it; RuntimeError saying why not."""
@@ -54,16 +68,11 @@ def load() -> None:
     library = os.path.join(folder, f"cpu_paged_decode_attention-{key}.so")
     if not os.path.exists(library):
         os.makedirs(folder, exist_ok=True)
-        fd, staging = tempfile.mkstemp(suffix=".so", dir=folder)  # built aside, then renamed: concurrent builds stay safe
-        os.close(fd)
-        try:
-            result = subprocess.run(_compile_command(compiler, staging), capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"building {SOURCE} failed:\n{result.stderr[-4000:]}")
-            os.replace(staging, library)
-        finally:
-            if os.path.exists(staging):
-                os.unlink(staging)
+        # one build per machine: ranks starting together wait for the first one's build
+        with open(library + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(library):
+                _build(compiler, folder, library)
     torch.ops.load_library(library)
 
 
