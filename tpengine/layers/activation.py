@@ -8,7 +8,7 @@ from tpengine.layers.compile import compiled_on_cuda
 @compiled_on_cuda
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place on silu's fresh output: one large allocation fewer
 
 
 class SiluAndMul(nn.Module):

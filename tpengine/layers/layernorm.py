@@ -9,7 +9,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     orig_dtype = x.dtype
     x = x.float()  # variance in float32, as transformers computes it
     x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * x.to(orig_dtype)
+    # transformers' weight * x, in place on the fresh product: the same values, and on the CPU
+    # several times faster than broadcasting the weight as the first operand into a new tensor
+    return x.to(orig_dtype).mul_(weight)
 
 
 rms_norm = compiled_on_cuda(_rms_norm)

@@ -9,7 +9,12 @@ from tpengine.layers.compile import compiled_on_cuda
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    # [x1 cos - x2 sin, x2 cos + x1 sin], each half computed in place into one output (no cat)
+    out = torch.empty(x.shape, dtype=x1.dtype, device=x.device)
+    low, high = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=low).sub_(x2 * sin)
+    torch.mul(x2, cos, out=high).add_(x1 * sin)
+    return out.to(x.dtype)
 
 
 @compiled_on_cuda
