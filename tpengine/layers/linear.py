@@ -15,7 +15,7 @@ def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a float32 [out, in] weight on the CPU, or None where there is none.
 
     Without it each matmul repacks the weight first: at decode batch sizes that repacking costs as
-    much as the product, and the packed copy runs 1.5-4x faster (docs/benchmarks.md).
+    much as the product, and the packed copy runs about 2-3.5x faster (docs/benchmarks.md).
     """
     if (weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available()
             or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
