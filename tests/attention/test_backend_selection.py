@@ -39,6 +39,17 @@ def test_cpu_backend_without_a_compiler_raises_naming_the_compiler(no_compiler):
         resolve_backend_name("cpu", CPU, 256)
 
 
+def test_auto_on_cpu_with_an_unusable_cache_folder_falls_back_to_torch(monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(not_a_folder))
+    cpu_paged_attention.load.cache_clear()
+    try:
+        assert resolve_backend_name("auto", CPU, 256) == "torch"
+    finally:
+        cpu_paged_attention.load.cache_clear()
+
+
 def test_cpu_backend_on_cuda_raises():
     with pytest.raises(ValueError, match="attention_backend='cpu' runs on the CPU"):
         resolve_backend_name("cpu", CUDA, 256)

@@ -35,8 +35,8 @@ def cpu_kernel_problem(device: torch.device) -> str | None:
     from tpengine.kernels.cpu import paged_decode_attention as cpu_paged_attention
     try:
         cpu_paged_attention.load()
-    except RuntimeError as error:
-        return f"needs its C++ kernel, which could not be built: {error}"
+    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
+        return f"needs its C++ kernel, which could not be built or loaded: {error}"
     return None
 
 
