@@ -20,30 +20,39 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return logits.argmax(dim=-1).tolist()
+        if len(random_rows) == len(params):
+            return self._draw(logits, params, positions)
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         token_ids = [0] * len(params)
-        if len(random_rows) < len(params):
-            greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
-            ids = logits[torch.tensor(greedy_rows, device=logits.device)].argmax(dim=-1).tolist()
-            for i, token in zip(greedy_rows, ids):
+        for rows, ids in (
+            (greedy_rows, self._rows(logits, greedy_rows).argmax(dim=-1).tolist()),
+            (random_rows, self._draw(self._rows(logits, random_rows), [params[i] for i in random_rows],
+                                     [positions[i] for i in random_rows])),
+        ):
+            for i, token in zip(rows, ids):
                 token_ids[i] = token
-        rows = torch.tensor(random_rows, device=logits.device) if len(random_rows) < len(params) else slice(None)
-        probs = self._filtered_probs(logits[rows], [params[i] for i in random_rows])
-        # Inverse CDF: one uniform draw per row picks the token whose slice of the cumulative
-        # distribution holds it; float64 keeps the slices of unlikely tokens exact over a large
-        # vocabulary. (An exponential race needs a draw per vocabulary entry: 8x the time on CPU.)
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        uniform = torch.rand(len(random_rows), 1, dtype=torch.float64, device=logits.device)
-        for row, i in enumerate(random_rows):
-            seed = params[i].seed
-            if seed is not None:  # its own stream: the same tokens whatever else is in the batch
-                uniform[row] = torch.rand(1, dtype=torch.float64, device=logits.device,
-                                          generator=_noise_generator(seed, positions[i], logits.device))
+        return token_ids
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+        """One token per row from its filtered distribution, by inverse CDF: one uniform draw per row
+        picks the token whose slice of the cumulative distribution holds it. float64 keeps the slices
+        of unlikely tokens exact over a large vocabulary. (An exponential race needs a draw per
+        vocabulary entry: 13x the time on the CPU, docs/benchmarks.md.)"""
+        device = logits.device
+        cdf = self._filtered_probs(logits, params).cumsum(dim=-1, dtype=torch.float64)
+        uniform = torch.rand(len(params), 1, dtype=torch.float64, device=device)
+        for row, (p, position) in enumerate(zip(params, positions)):
+            if p.seed is not None:  # its own stream: the same tokens whatever else is in the batch
+                uniform[row] = torch.rand(1, dtype=torch.float64, device=device,
+                                          generator=_noise_generator(p.seed, position, device))
         # right side: the first token whose cumulative mass exceeds the draw, so a token filtered
         # to probability 0 (an empty slice) is never picked
         picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=cdf.size(1) - 1)
-        for i, token in zip(random_rows, picked.squeeze(1).tolist()):
-            token_ids[i] = token
-        return token_ids
+        return picked.squeeze(1).tolist()
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
