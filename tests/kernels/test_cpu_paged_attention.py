@@ -1,12 +1,14 @@
 """The C++ paged decode attention for the CPU against the PyTorch reference the Triton kernel tests use."""
+import os
+import shutil
+
 import pytest
 import torch
 
-from tpengine.attention import cpu_kernel_problem
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 
-pytestmark = pytest.mark.skipif(cpu_kernel_problem(torch.device("cpu")) is not None,
-                                reason="the C++ kernel cannot be built here")
+# skipped only where there is no compiler: a kernel that fails to build here is a failure
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
 
 
 @pytest.mark.parametrize(
