@@ -39,6 +39,15 @@ def _compile_command(compiler: str, output: str) -> list[str]:
             + ["-lc10", "-ltorch_cpu", "-ltorch"])
 
 
+def compiler_name() -> str:
+    """The C++ compiler builds use: $CXX, else c++."""
+    return os.environ.get("CXX", "c++")
+
+
+def has_compiler() -> bool:
+    return shutil.which(compiler_name()) is not None
+
+
 def _build(compiler: str, folder: str, library: str) -> None:
     fd, staging = tempfile.mkstemp(suffix=".so", dir=folder)  # built aside, then renamed into place
     os.close(fd)
@@ -57,8 +66,8 @@ def load() -> None:
     """Build the op if this machine has no build of it yet, then load it; RuntimeError saying why not."""
     from tpengine.cache import cache_dir
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
+    compiler = compiler_name()
+    if not has_compiler():
         raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set CXX, or install g++)")
     with open(SOURCE, "rb") as f:
         source = f.read()

@@ -1,8 +1,6 @@
 """Which attention backend a setting means on which device, and the errors that name what is missing."""
 import importlib.util
 import logging
-import os
-import shutil
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object only: n
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+@pytest.mark.skipif(not cpu_paged_attention.has_compiler(), reason="no C++ compiler here")
 def test_auto_on_cpu_is_the_cpu_kernel():
     assert resolve_backend_name("auto", CPU, 256) == "cpu"
     assert resolve_backend_name("auto", CPU, 16, torch.float32) == "cpu"

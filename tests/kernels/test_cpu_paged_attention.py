@@ -1,14 +1,11 @@
 """The C++ paged decode attention for the CPU against the PyTorch reference the Triton kernel tests use."""
-import os
-import shutil
-
 import pytest
 import torch
 
-from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
+from tpengine.kernels.cpu.paged_decode_attention import has_compiler, paged_decode_attention
 
 # skipped only where there is no compiler: a kernel that fails to build here is a failure
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler here")
+pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
 
 
 @pytest.mark.parametrize(
