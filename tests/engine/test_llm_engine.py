@@ -75,3 +75,17 @@ def test_tied_embeddings_and_text_prompts_match(tied_model):
         assert prompts[0] == llm.tokenizer.encode("Hello, world")
         assert outputs[0].text == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
     assert_parity(tied_model, prompts, outputs)
+
+
+@pytest.mark.parametrize("pass_tokens", [7, 64])
+def test_prefill_in_passes_splitting_prompts_still_matches(tiny_model, pass_tokens):
+    # the CPU runs a prefill step in passes of at most prefill_pass_tokens tokens; small passes
+    # split prompts across passes, before and after a prefix hit
+    prompts = random_prompts(13, [1, 30, 150, 64, 9], VOCAB)
+    with LLM(tiny_model, kvcache_block_size=16) as llm:
+        llm.executor.runner.prefill_pass_tokens = pass_tokens
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate([p + [5, 6, 7] for p in prompts], GREEDY, use_tqdm=False)
+    assert_parity(tiny_model, prompts, first)
+    assert_parity(tiny_model, [p + [5, 6, 7] for p in prompts], second)
+    assert any(o.num_cached_tokens for o in second)
