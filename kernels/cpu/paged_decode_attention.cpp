@@ -49,6 +49,18 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
 
+  // what the loop below reads through the tables stays inside the cache
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t seq = 0; seq < batch; ++seq) {
+    TORCH_CHECK(lens[seq] >= 0 && lens[seq] <= max_blocks * block_size, "context length ", lens[seq],
+                " of sequence ", seq, " is outside 0..", max_blocks * block_size, " (its block table's capacity)");
+    for (int64_t i = 0; i < (lens[seq] + block_size - 1) / block_size; ++i) {
+      const int32_t block = tables[seq * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " in sequence ", seq,
+                  "'s table is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+
   // One work item per sequence: a token's K (and V) rows of all KV heads lie next to each other, so
   // each block is read front to back once per step.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {

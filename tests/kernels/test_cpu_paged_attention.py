@@ -53,6 +53,9 @@ def test_writes_into_a_given_output():
 
 
 @pytest.mark.parametrize("bad, message", [
+    (dict(context_lens=torch.tensor([17], dtype=torch.int32)), "outside 0..16"),
+    (dict(block_tables=torch.tensor([[2]], dtype=torch.int32)), "outside the cache's 2 blocks"),
+    (dict(block_tables=torch.tensor([[-1]], dtype=torch.int32)), "outside the cache's 2 blocks"),
     (dict(block_tables=torch.zeros(1, 1, dtype=torch.int64)), "int32"),
     (dict(k_cache=torch.randn(2, 16, 3, 32)), "multiple of num_kv_heads"),
     (dict(q=torch.randn(1, 2, 16)), "head_dim"),
