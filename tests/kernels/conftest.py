@@ -51,6 +51,27 @@ def reference_paged_attention(q, k_cache, v_cache, block_table, seqlen_k, scale)
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
+def check_paged_decode(kernel, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol):
+    """kernel(q, k_cache, v_cache, block_tables, context_lens, scale), the contract both decode kernels
+    share, against the reference, row by row; q is a strided view, like the query part of a fused QKV."""
+    k_cache, v_cache, block_tables = random_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    q = torch.randn(len(context_lens), num_heads + 2, head_dim, dtype=dtype)[:, :num_heads]
+    scale = head_dim**-0.5
+    out = kernel(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32), scale)
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    for b, n in enumerate(context_lens):
+        ref = reference_paged_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], n, scale)
+        assert relative_error(out[b : b + 1], ref) < tol
+
+
+def check_empty_context_row(kernel):
+    """A padded batch slot (context length 0) gives zeros, not NaN, and leaves its neighbour alone."""
+    k_cache, v_cache, block_tables = random_paged_kv([20, 0], 16, 1, 64, torch.float32)
+    q = torch.randn(2, 1, 64)
+    out = kernel(q, k_cache, v_cache, block_tables, torch.tensor([20, 0], dtype=torch.int32), 0.125)
+    assert not out[0].isnan().any() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -82,3 +103,13 @@ def paged_kv():
 @pytest.fixture
 def ref_attention():
     return reference_paged_attention
+
+
+@pytest.fixture
+def check_decode():
+    return check_paged_decode
+
+
+@pytest.fixture
+def check_empty_context():
+    return check_empty_context_row

@@ -20,27 +20,12 @@ pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here
         (16, 128, 4, 1, [40, 3], torch.float16, 2e-3),
     ],
 )
-def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, paged_kv,
-                           ref_attention, rel_err):
-    k_cache, v_cache, block_tables = paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype)
-    # q as a strided view, like the query part of a fused QKV projection
-    q = torch.randn(len(context_lens), num_heads + 2, head_dim, dtype=dtype)[:, :num_heads]
-    scale = head_dim**-0.5
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
-
-    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
-    for b, n in enumerate(context_lens):
-        ref = ref_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], n, scale)
-        assert rel_err(out[b : b + 1], ref) < tol
+def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, check_decode):
+    check_decode(paged_decode_attention, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol)
 
 
-def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(paged_kv):
-    k_cache, v_cache, block_tables = paged_kv([20, 0], 16, 1, 64, torch.float32)
-    q = torch.randn(2, 1, 64)
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([20, 0], dtype=torch.int32), 0.125)
-    assert not out[0].isnan().any() and torch.equal(out[1], torch.zeros_like(out[1]))
+def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(check_empty_context):
+    check_empty_context(paged_decode_attention)
 
 
 def test_writes_into_a_given_output():
