@@ -51,6 +51,12 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     return [list(_hf_greedy_one(path, tuple(p), max_new_tokens)) for p in prompts]
 
 
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| over max |ref|, in float64 on the host."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
 def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]

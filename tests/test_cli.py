@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy
 from tpengine.cli import main
@@ -43,7 +44,8 @@ def test_prompts_from_a_file(tied_model, tmp_path, capsys):
 
 def test_bad_setting_is_a_clear_error_not_a_traceback(tied_model, capsys):
     assert main(["generate", "--model", tied_model, "--block-size", "24", "--quiet", "hi"]) == 2
-    assert "kvcache_block_size must be a power of two >= 16" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kvcache_block_size must be a power of two >= 16" in err and "Traceback" not in err
 
 
 def test_make_tiny_model_is_deterministic(tmp_path, capsys):
@@ -59,9 +61,13 @@ def test_make_tiny_model_is_deterministic(tmp_path, capsys):
 def test_default_model_from_stdin_at_tp_2_says_it_is_the_tiny_model(tmp_path):
     env = {**os.environ, "TPENGINE_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "tpengine.cli", "generate", "--tp", "2", "--max-tokens", "4",
-                             "--json"], input="one\ntwo\n", capture_output=True, text=True, env=env, timeout=180)
+                             "--ignore-eos", "--json"], input="one\ntwo\n", capture_output=True, text=True, env=env,
+                            timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tiny random-weight Qwen3" in result.stderr and "meaningless" in result.stderr
     outputs = _json_lines(result.stdout)
     assert [o["prompt"] for o in outputs] == ["one", "two"]
-    assert all(len(o["token_ids"]) <= 4 for o in outputs)
+    [model] = [str(path) for path in tmp_path.iterdir() if path.name.startswith("tiny-qwen3")]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert [o["prompt_token_ids"] for o in outputs] == [tokenizer.encode("one"), tokenizer.encode("two")]
+    assert [o["token_ids"] for o in outputs] == hf_greedy(model, [o["prompt_token_ids"] for o in outputs], 4)

@@ -97,9 +97,6 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
     return torch.stack(out)
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 def forward_each(batch: PagedBatch, *backends) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -40,15 +40,18 @@ def test_cpu_backend_without_a_compiler_raises_naming_the_compiler(no_compiler):
         resolve_backend_name("cpu", CPU, 256)
 
 
-def test_auto_on_cpu_with_an_unusable_cache_folder_falls_back_to_torch(monkeypatch, tmp_path):
+@pytest.mark.skipif(not cpu_paged_attention.has_compiler(), reason="no C++ compiler here")
+def test_auto_on_cpu_with_an_unusable_cache_folder_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     monkeypatch.setenv("TPENGINE_CACHE_DIR", str(not_a_folder))
     cpu_paged_attention.load.cache_clear()
     try:
-        assert resolve_backend_name("auto", CPU, 256) == "torch"
+        with caplog.at_level(logging.WARNING, logger="tpengine"):
+            assert resolve_backend_name("auto", CPU, 256) == "torch"
     finally:
         cpu_paged_attention.load.cache_clear()
+    assert str(not_a_folder) in caplog.text
 
 
 def test_cpu_backend_on_cuda_raises():
@@ -72,9 +75,21 @@ def test_flash_attn_in_float32_names_the_half_dtypes():
         resolve_backend_name("flash_attn", CUDA, 256, torch.float32)
 
 
+@pytest.fixture
+def flash_attn_installed(monkeypatch):
+    """As if flash-attn were installed, so the block-size and dtype rules are what decides."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: object() if name == "flash_attn" else find_spec(name, *args))
+
+
+def test_auto_on_cuda_picks_flash_attn_where_it_can_run(flash_attn_installed):
+    assert resolve_backend_name("auto", CUDA, 256, torch.bfloat16) == "flash_attn"
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("block_size, dtype", [(16, torch.bfloat16), (256, torch.float32)])
-def test_auto_on_cuda_falls_back_to_triton_where_flash_attn_cannot_run(block_size, dtype):
+def test_auto_on_cuda_falls_back_to_triton_where_flash_attn_cannot_run(block_size, dtype, flash_attn_installed):
     assert resolve_backend_name("auto", CUDA, block_size, dtype) == "triton"
 
 

@@ -4,7 +4,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.attention.paged_batch import forward_each, paged_batch, relative_error
+from tests.conftest import relative_error
+from tests.attention.paged_batch import forward_each, paged_batch
 from tests.conftest import TP_MODEL, random_prompts
 from tpengine import LLM, SamplingParams
 from tpengine.attention.torch_backend import TorchAttentionBackend

@@ -1,7 +1,8 @@
 """The torch backend, the reference for the others, against a naive float64 attention."""
 import torch
 
-from tests.attention.paged_batch import paged_batch, reference_attention, relative_error
+from tests.conftest import relative_error
+from tests.attention.paged_batch import paged_batch, reference_attention
 from tpengine.attention.torch_backend import TorchAttentionBackend
 
 TOLERANCE = 1e-5

@@ -3,7 +3,8 @@ tests/conftest.py)."""
 import pytest
 import torch
 
-from tests.attention.paged_batch import forward_each, paged_batch, relative_error
+from tests.conftest import relative_error
+from tests.attention.paged_batch import forward_each, paged_batch
 from tpengine.attention.torch_backend import TorchAttentionBackend
 
 pytest.importorskip("triton")

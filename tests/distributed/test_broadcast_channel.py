@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import time
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tpengine.distributed.broadcast_channel import BroadcastChannel
+from tpengine.distributed.parallel_state import find_free_port
 
 SIZES = [0, 1, 300, 10_000, 65_537, 3_000_000]
 RANKS_TIMEOUT_S = 60
@@ -19,12 +19,6 @@ RANKS_TIMEOUT_S = 60
 
 def _payload(index: int, size: int) -> bytes:
     return random.Random(index).randbytes(size)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _exchange(rank: int, world_size: int, port: int, src: int) -> None:
@@ -49,7 +43,7 @@ def _exchange(rank: int, world_size: int, port: int, src: int) -> None:
 
 @pytest.mark.parametrize(("world_size", "src"), [(2, 0), (3, 1)])
 def test_messages_of_several_sizes_arrive_intact_in_order(world_size, src):
-    ranks = mp.spawn(_exchange, args=(world_size, _free_port(), src), nprocs=world_size, join=False)
+    ranks = mp.spawn(_exchange, args=(world_size, find_free_port(), src), nprocs=world_size, join=False)
     try:
         deadline = time.monotonic() + RANKS_TIMEOUT_S
         while not ranks.join(timeout=0.5):  # raises if a rank failed

@@ -1,8 +1,10 @@
 """Greedy token ids equal transformers' at tp=1, across block sizes, chunking, prefix hits and preemption."""
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
+from tpengine.kernels.cpu.paged_decode_attention import has_compiler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 VOCAB = TP_MODEL["vocab_size"]
@@ -10,7 +12,7 @@ VOCAB = TP_MODEL["vocab_size"]
 
 def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
     expected = hf_greedy(path, prompts, max_tokens)
-    for i, (out, ref) in enumerate(zip(outputs, expected)):
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
         assert out.prompt_token_ids == prompts[i]
 
@@ -21,6 +23,8 @@ def test_greedy_matches_transformers_for_prompts_around_a_block(tiny_model, bloc
     lengths = [1, block_size - 3, block_size, block_size + 5, 2 * block_size + 1]
     prompts = random_prompts(block_size, lengths, VOCAB)
     with LLM(tiny_model, kvcache_block_size=block_size, attention_backend=backend) as llm:
+        if backend == "auto" and has_compiler():
+            assert llm.executor.runner.backend_name == "cpu"
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, outputs)
     assert all(o.finish_reason == "length" and len(o.token_ids) == GREEDY.max_tokens for o in outputs)
@@ -69,11 +73,13 @@ def test_preemption_under_a_small_cache_still_matches(tiny_model):
 
 
 def test_tied_embeddings_and_text_prompts_match(tied_model):
+    texts = ["Hello, world", "tensor parallel"]
     with LLM(tied_model, kvcache_block_size=16) as llm:
-        outputs = llm.generate(["Hello, world", "tensor parallel"], GREEDY, use_tqdm=False)
-        prompts = [o.prompt_token_ids for o in outputs]
-        assert prompts[0] == llm.tokenizer.encode("Hello, world")
-        assert outputs[0].text == llm.tokenizer.decode(outputs[0].token_ids, skip_special_tokens=True)
+        outputs = llm.generate(texts, GREEDY, use_tqdm=False)
+    tokenizer = AutoTokenizer.from_pretrained(tied_model)  # transformers' own, not the engine's instance
+    prompts = [tokenizer.encode(text) for text in texts]
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [o.text for o in outputs] == [tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
     assert_parity(tied_model, prompts, outputs)
 
 
@@ -83,9 +89,10 @@ def test_prefill_in_passes_splitting_prompts_still_matches(tiny_model, pass_toke
     # split prompts across passes, before and after a prefix hit
     prompts = random_prompts(13, [1, 30, 150, 64, 9], VOCAB)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
+        assert llm.executor.runner.prefill_pass_tokens is not None  # the CPU runs prefill in passes
         llm.executor.runner.prefill_pass_tokens = pass_tokens
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate([p + [5, 6, 7] for p in prompts], GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, first)
     assert_parity(tiny_model, [p + [5, 6, 7] for p in prompts], second)
-    assert any(o.num_cached_tokens for o in second)
+    assert [o.num_cached_tokens for o in second] == [0, 16, 144, 64, 0]  # the prompts' whole blocks

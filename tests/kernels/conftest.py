@@ -8,9 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+from tests.conftest import relative_error  # noqa: E402
 
 
 def random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype):
@@ -79,14 +77,17 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
-    """Kernels allocate outputs with torch.empty: NaN-fill them so any element left unwritten fails."""
-    empty = torch.empty
+    """Kernels allocate outputs with torch.empty or torch.empty_like: NaN-fill them so any element left
+    unwritten fails."""
+    for name in ("empty", "empty_like"):
+        monkeypatch.setattr(torch, name, _nan_filled(getattr(torch, name)))
 
-    def poisoned_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
+
+def _nan_filled(allocate):
+    def poisoned(*args, **kwargs):
+        out = allocate(*args, **kwargs)
         return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    return poisoned
 
 
 # Helpers are handed out as fixtures: test modules cannot import conftest reliably.

@@ -28,13 +28,15 @@ def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(check_empty_co
     check_empty_context(paged_decode_attention)
 
 
-def test_writes_into_a_given_output():
+def test_writes_into_a_given_output(ref_attention):
     k_cache, v_cache = torch.randn(2, 2, 16, 1, 32).unbind(0)
     q = torch.randn(1, 2, 32)
     out = torch.full_like(q, float("nan"))
-    result = paged_decode_attention(q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
-                                    torch.tensor([5], dtype=torch.int32), 0.2, out=out)
-    assert result is out and not out.isnan().any()
+    block_table = torch.tensor([[1]], dtype=torch.int32)
+    result = paged_decode_attention(q, k_cache, v_cache, block_table, torch.tensor([5], dtype=torch.int32), 0.2,
+                                    out=out)
+    assert result is out
+    assert torch.allclose(out, ref_attention(q, k_cache, v_cache, block_table[0], 5, 0.2), atol=1e-5)
 
 
 @pytest.mark.parametrize("bad, message", [

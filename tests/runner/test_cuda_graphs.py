@@ -130,5 +130,6 @@ def test_greedy_with_cuda_graphs_at_tp_2_matches_transformers(tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(tiny_model, dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
              attention_backend="triton") as llm:
+        assert llm.executor.runner.cuda_graphs is not None  # graphs are on at tp=2, not silently eager
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, 8)
