@@ -1,8 +1,8 @@
 """torch.compile for the small elementwise ops, on CUDA only.
 
-On CPU the function runs as written. Compiled, these ops were faster on 2 CPU cores at prefill
-sizes, but the fused RMSNorm rounds differently (its reduction order changes), the transformers
-parity tests pin the eager numerics, and compile time would dominate short CPU runs.
+On CPU the function runs as written, in transformers' op order. Compiled, these ops were faster
+on 2 CPU cores at prefill sizes, but the first compile costs 1-14 s, which would dominate short
+CPU runs, and the fused RMSNorm rounds differently (docs/benchmarks.md).
 """
 import functools
 import logging

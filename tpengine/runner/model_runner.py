@@ -232,7 +232,7 @@ class ModelRunner:
         if passes is None or len(passes) == 1:
             return self._run(step)
         # every rank splits the step the same way, so the collectives inside each pass line up
-        logits = [self._run(piece)[ends] if self.rank == 0 else self._run(piece) for piece, ends in passes]
+        logits = [self._run(piece, ends) for piece, ends in passes]
         return torch.cat(logits) if self.rank == 0 else None
 
     def prefill_passes(self, step: StepMessage) -> list[tuple[StepMessage, list[int]]]:
@@ -256,14 +256,18 @@ class ModelRunner:
             passes.append((StepMessage(prefill=pieces, decode=[]), ends))
         return passes
 
-    def _run(self, step: StepMessage) -> torch.Tensor | None:
+    def _run(self, step: StepMessage, prefill_rows: list[int] | None = None) -> torch.Tensor | None:
+        """One forward pass; logits for each sequence's last token, or in prefill only for prefill_rows."""
         if step.is_prefill:
             input_ids, positions, meta = self.prepare_prefill(step)
         else:
             input_ids, positions, meta = self.prepare_decode(step)
         graphs = self.cuda_graphs
         if meta.is_prefill:
-            hidden_states = self.model(input_ids, positions, meta)[meta.cu_seqlens_q[1:] - 1]
+            last_tokens = meta.cu_seqlens_q[1:] - 1
+            if prefill_rows is not None:
+                last_tokens = last_tokens[prefill_rows]
+            hidden_states = self.model(input_ids, positions, meta)[last_tokens]
         elif graphs is not None and graphs.can_run(input_ids.size(0), meta.block_tables.size(1)):
             hidden_states = graphs.run(input_ids, positions, meta)
         else:
