@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 from datetime import timedelta
 
@@ -10,15 +9,12 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.distributed.channels import payload
 from tpengine.distributed.broadcast_channel import BroadcastChannel
 from tpengine.distributed.parallel_state import find_free_port
 
 SIZES = [0, 1, 300, 10_000, 65_537, 3_000_000]
 RANKS_TIMEOUT_S = 60
-
-
-def _payload(index: int, size: int) -> bytes:
-    return random.Random(index).randbytes(size)
 
 
 def _exchange(rank: int, world_size: int, port: int, src: int) -> None:
@@ -33,10 +29,10 @@ def _exchange(rank: int, world_size: int, port: int, src: int) -> None:
         channel = BroadcastChannel(src=src)
         for index, size in enumerate(SIZES):
             if rank == src:
-                channel.write(_payload(index, size))
+                channel.write(payload(index, size))
             else:
                 received = channel.read()
-                assert received == _payload(index, size), f"rank {rank}: message {index} differs"
+                assert received == payload(index, size), f"rank {rank}: message {index} differs"
     finally:
         dist.destroy_process_group()
 

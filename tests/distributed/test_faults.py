@@ -37,11 +37,14 @@ def test_killed_worker_becomes_an_error_naming_its_rank_within_seconds(tiny_mode
     llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16)
     segment = llm.executor.ring.name
     worker = llm.executor.processes[0]
-    _start_decoding(llm)
-    worker.kill()
-    killed_at = time.monotonic()
-    with pytest.raises(WorkerFailedError, match="worker rank 1 was killed by signal SIGKILL"):
-        _step_until_error(llm)
+    try:
+        _start_decoding(llm)
+        worker.kill()
+        killed_at = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="worker rank 1 was killed by signal SIGKILL"):
+            _step_until_error(llm)
+    finally:
+        llm.shutdown()  # a no-op after the failure shut it down; stops it if the test failed first
     assert time.monotonic() - killed_at < 10
     assert worker.poll() is not None
     assert segment not in _segments() and _segments() <= segments_before
@@ -50,16 +53,20 @@ def test_killed_worker_becomes_an_error_naming_its_rank_within_seconds(tiny_mode
 
 
 def test_exception_in_a_worker_comes_back_with_its_traceback(tiny_model):
+    segments_before = _segments()
     llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16)
     segment = llm.executor.ring.name
-    # Only the worker gets a message that is not a declared struct: it raises, rank 0 does not.
-    llm.executor.channel.write(b"not a control message")
-    llm.add_request([1, 2, 3], LONG)
-    with pytest.raises(WorkerFailedError, 
-                       match=r"(?s)worker rank 1 raised an exception:.*Traceback.*msgspec.ValidationError"):
-        _step_until_error(llm)
+    try:
+        # Only the worker gets a message that is not a declared struct: it raises, rank 0 does not.
+        llm.executor.channel.write(b"not a control message")
+        llm.add_request([1, 2, 3], LONG)
+        with pytest.raises(WorkerFailedError,
+                           match=r"(?s)worker rank 1 raised an exception:.*Traceback.*msgspec.ValidationError"):
+            _step_until_error(llm)
+    finally:
+        llm.shutdown()
     assert all(p.poll() is not None for p in llm.executor.processes)
-    assert segment not in _segments()
+    assert segment not in _segments() and _segments() <= segments_before
 
 
 RANK0_SCRIPT = """
@@ -88,6 +95,8 @@ def _wait_gone(pids, segment, limit_s=10.0):
         if not alive and segment not in _segments():
             return
         time.sleep(0.1)
+    for pid in alive:  # fail, but leave no stray worker behind for the next tests
+        os.kill(pid, signal.SIGKILL)
     pytest.fail(f"left behind: processes {alive}, segment present: {segment in _segments()}")
 
 

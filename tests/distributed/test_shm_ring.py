@@ -16,6 +16,7 @@ from multiprocessing import shared_memory
 
 import pytest
 
+from tests.distributed.channels import payload
 from tpengine.distributed.shm_ring import PeerDiedError, ShmRingReader, ShmRingWriter
 
 # Fresh processes like "spawn", but `import tpengine` (which loads torch) is paid once by the
@@ -23,10 +24,6 @@ from tpengine.distributed.shm_ring import PeerDiedError, ShmRingReader, ShmRingW
 CTX = multiprocessing.get_context("forkserver")
 CTX.set_forkserver_preload(["tpengine.distributed.shm_ring", __name__])
 CHILD_TIMEOUT_S = 30
-
-
-def _payload(index: int, size: int) -> bytes:
-    return random.Random(index).randbytes(size)
 
 
 def _random_sizes(count: int, max_size: int, seed: int = 0) -> list[int]:
@@ -82,7 +79,7 @@ def _expect_messages(name: str, reader_index: int, sizes: list[int]) -> None:
     with ShmRingReader(name, reader_index) as reader:
         for index, size in enumerate(sizes):
             received = reader.read(timeout=CHILD_TIMEOUT_S)
-            assert received == _payload(index, size), f"message {index} differs"
+            assert received == payload(index, size), f"message {index} differs"
 
 
 def _expect_messages_after(go, name: str, reader_index: int, sizes: list[int]) -> None:
@@ -129,7 +126,7 @@ def _post_error(name: str, reader_index: int, report: bytes) -> None:
 
 def _write_all(writer: ShmRingWriter, sizes: list[int]) -> None:
     for index, size in enumerate(sizes):
-        writer.write(_payload(index, size), timeout=CHILD_TIMEOUT_S)
+        writer.write(payload(index, size), timeout=CHILD_TIMEOUT_S)
 
 
 # Delivery.
@@ -178,11 +175,11 @@ def test_writer_blocks_while_ring_is_full_and_resumes_when_reader_catches_up():
             _write_all(writer, sizes[:num_slots])
             started = time.monotonic()
             with pytest.raises(TimeoutError, match=r"readers \[0\]"):
-                writer.write(_payload(num_slots, 32), timeout=0.3)
+                writer.write(payload(num_slots, 32), timeout=0.3)
             assert time.monotonic() - started >= 0.3
             go.set()
             for index in range(num_slots, len(sizes)):
-                writer.write(_payload(index, sizes[index]), timeout=CHILD_TIMEOUT_S)
+                writer.write(payload(index, sizes[index]), timeout=CHILD_TIMEOUT_S)
             _join_ok(readers)
 
 
@@ -246,7 +243,7 @@ def test_wait_for_readers_names_the_reader_that_never_attached():
 
 
 def test_reader_timeout_mid_message_resumes_where_it_stopped():
-    message = _payload(0, 1000)  # 16 chunks through a 4-slot ring
+    message = payload(0, 1000)  # 16 chunks through a 4-slot ring
     with ShmRingWriter(2, num_slots=4, slot_size=64) as writer:
         with ShmRingReader(writer.name, 0) as fast, ShmRingReader(writer.name, 1) as slow:
             sender = threading.Thread(target=writer.write, args=(message, 10))
