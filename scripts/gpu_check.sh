@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one prepared run for a session that has a device machine: the CUDA tests
-# (CUDA graphs, the Triton and flash-attn backends, parity with transformers), then the benchmark.
+# (the Triton kernels compiled, CUDA graphs, the Triton and flash-attn backends, parity with transformers),
+# then the benchmark.
 #
 # Setup. The device image has torch, triton and transformers but not msgspec: carry it as a wheel
 # (/work/.library/device/README.md). Here, once, in the repo root (.gitignore already ignores .whl/):
@@ -33,7 +34,7 @@ status=0
 { nvidia-smi -L; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; \
   $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed (its tests skip)"; \
 } 2>&1 | tee "$LOGS/gpu_env.txt"
-$PY -m pytest -q -rs -x tests/runner tests/attention tests/engine/test_llm_engine.py 2>&1 | tee "$LOGS/gpu_tests.log" \
+$PY -m pytest -q -rs -x tests/kernels tests/runner tests/attention tests/engine/test_llm_engine.py 2>&1 | tee "$LOGS/gpu_tests.log" \
     || status=1
 $PY scripts/bench.py --device cuda 2>&1 | tee "$LOGS/gpu_bench.log" || status=1
 exit $status

@@ -1,14 +1,14 @@
-"""Shared setup and PyTorch references for the Triton kernel tests."""
+"""Shared setup and PyTorch references for the kernel tests.
 
-import os
+The Triton kernels run compiled on a GPU, and without one in the interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports triton); their tests build every tensor on DEVICE.
+"""
+import pytest
+import torch
 
-# Kernels are tested on CPU through the Triton interpreter; @triton.jit reads this when the kernels are imported.
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.conftest import relative_error
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tests.conftest import relative_error  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype):
@@ -68,6 +68,13 @@ def check_empty_context_row(kernel):
     q = torch.randn(2, 1, 64)
     out = kernel(q, k_cache, v_cache, block_tables, torch.tensor([20, 0], dtype=torch.int32), 0.125)
     assert not out[0].isnan().any() and torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.fixture
+def triton_device():
+    """Tensors the test creates land on DEVICE: the GPU the compiled kernels need, if there is one."""
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,8 @@ import torch
 
 from tpengine.kernels.triton import paged_decode_attention
 
+pytestmark = pytest.mark.usefixtures("triton_device")
+
 
 @pytest.mark.parametrize(
     "block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol",

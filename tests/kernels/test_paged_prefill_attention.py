@@ -3,6 +3,8 @@ import torch
 
 from tpengine.kernels.triton import paged_prefill_attention
 
+pytestmark = pytest.mark.usefixtures("triton_device")
+
 
 @pytest.mark.parametrize(
     "block_size, head_dim, num_heads, num_kv_heads, seqlens_q, seqlens_k, dtype, tol",

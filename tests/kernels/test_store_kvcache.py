@@ -3,6 +3,8 @@ import torch
 
 from tpengine.kernels.triton import store_kvcache
 
+pytestmark = pytest.mark.usefixtures("triton_device")
+
 
 @pytest.mark.parametrize(
     "block_size, num_kv_heads, head_dim, slot_dtype, dtype",
