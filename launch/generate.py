@@ -11,8 +11,9 @@ import logging
 import os
 import sys
 
-import torch
 import torch.distributed as dist
+
+from tpengine.distributed.parallel_state import local_device_index, pick_backend, resolve_device
 
 
 def parse_args(argv=None):
@@ -32,10 +33,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="tpengine: %(message)s")
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")  # env:// from torchrun's variables
+    # LOCAL_RANK names this rank's GPU; env:// takes the rest of torchrun's variables
+    device = resolve_device(args.device, local_device_index(int(os.environ["RANK"]), launched_by_torchrun=True))
+    backend = pick_backend(device)
+    if backend == "nccl":
+        import torch
+        torch.cuda.set_device(device)  # first: the communicator binds to the current device
+        dist.init_process_group(backend, device_id=device)
+    else:
+        dist.init_process_group(backend)
     try:
         if dist.get_rank() != 0:
             from tpengine.runner.worker import torchrun_worker_main

@@ -1,7 +1,14 @@
 """tpengine: a tensor-parallel LLM inference engine."""
-from tpengine.llm import LLM
+from tpengine.errors import WorkerFailedError
 from tpengine.outputs import RequestOutput
-from tpengine.runner.multiproc_executor import WorkerFailedError
 from tpengine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "WorkerFailedError"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers: loaded on first use, so the ledger (tpengine.engine) imports light
+    if name == "LLM":
+        from tpengine.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'tpengine' has no attribute {name!r}")

@@ -24,6 +24,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False
     attention_backend: str = "auto"
     seed: int = 0
+    # a worker that takes longer than this over one step is taken for stuck (stopped, a wedged kernel
+    # or host): every rank is stopped and the step fails with WorkerFailedError naming it
+    step_timeout_s: float = 300.0
 
     def validate(self, hf_config: PretrainedConfig) -> None:
         """Raise ValueError for settings that can never work, before any process starts."""
@@ -46,6 +49,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) \
+                or not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be a number of seconds > 0, got {self.step_timeout_s!r}")
         if self.kvcache_memory_gb is not None and not self.kvcache_memory_gb > 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb}")
         tp = self.tensor_parallel_size
@@ -58,10 +64,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf_config.intermediate_size}")
 
 
-def load_hf_config(model: str) -> PretrainedConfig:
+def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
+    model = os.fspath(model)
     if not os.path.isdir(model):
         raise ValueError(f"model must be a local folder with config.json and safetensors weights, got {model!r}")
-    config = AutoConfig.from_pretrained(model)
+    config_file = os.path.join(model, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, unknown or missing fields
+        raise ValueError(f"{config_file} is not a valid model config: {e}") from None
     if config.model_type != "qwen3":
         raise ValueError(f"model_type {config.model_type!r} is not supported; tpengine runs Qwen3 checkpoints")
     return config

@@ -15,7 +15,8 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tpengine_")}
+    """This process's segments (a ring's name starts with its creator's pid): other test runs may share the host."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"tpengine_{os.getpid()}_")}
 
 
 def _start_decoding(llm, num_prompts=3):

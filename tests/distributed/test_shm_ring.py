@@ -17,7 +17,7 @@ from multiprocessing import shared_memory
 import pytest
 
 from tests.distributed.channels import payload
-from tpengine.distributed.shm_ring import PeerDiedError, ShmRingReader, ShmRingWriter
+from tpengine.distributed.shm_ring import PeerDiedError, ShmRingReader, ShmRingWriter, stores_are_ordered
 
 # Fresh processes like "spawn", but `import tpengine` (which loads torch) is paid once by the
 # fork server rather than by every child; a spawn start is covered by the scenario scripts below.
@@ -391,12 +391,30 @@ def test_post_error_reaches_the_writer():
         assert writer.reader_errors() == {1: report}
 
 
-def test_overlong_error_report_is_truncated_with_marker():
-    report = b"x" * 100_000
+def test_overlong_error_report_is_refused_whole_and_nothing_is_posted():
+    # a cut encoded report would be undecodable: the poster shortens its text before encoding
     with ShmRingWriter(1, num_slots=2, slot_size=64, error_capacity=4096) as writer:
         with ShmRingReader(writer.name, 0) as reader:
-            reader.post_error(report)
-        posted = writer.reader_errors()[0]
-    assert len(posted) == 4096
-    assert posted.startswith(b"x" * 1000)
-    assert posted.endswith(b"[truncated]")
+            assert reader.error_capacity == 4096
+            with pytest.raises(ValueError, match="100000 bytes exceeds the ring's 4096-byte error slot"):
+                reader.post_error(b"x" * 100_000)
+            reader.post_error(b"y" * 4096)
+        assert writer.reader_errors() == {0: b"y" * 4096}
+
+
+def test_unlinked_segment_keeps_carrying_messages_to_attached_readers():
+    with ShmRingWriter(1, num_slots=2, slot_size=64) as writer:
+        with ShmRingReader(writer.name, 0) as reader:
+            writer.unlink()
+            assert not _segment_exists(writer.name)
+            writer.write(b"after unlink")
+            assert writer.lagging_readers() == [0]
+            assert reader.read(timeout=5) == b"after unlink"
+            assert writer.lagging_readers() == []
+    # close() after unlink() neither raises nor warns
+
+
+@pytest.mark.parametrize(("machine", "ordered"), [("x86_64", True), ("AMD64", True), ("aarch64", False),
+                                                  ("arm64", False), ("ppc64le", False)])
+def test_only_x86_counts_as_ordering_stores(machine, ordered):
+    assert stores_are_ordered(machine) is ordered

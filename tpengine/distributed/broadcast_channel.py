@@ -16,13 +16,16 @@ __all__ = ["BroadcastChannel"]
 class BroadcastChannel:
     """Every rank of ``group`` must call ``write`` (on ``src``) or ``read`` (elsewhere) per message.
 
-    ``src`` is a global rank, as in ``torch.distributed.broadcast``.
+    ``group`` is any gloo process group, registered with torch.distributed (None: the global one)
+    or an engine's own; ``src`` is a rank within it.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, src: int = 0) -> None:
-        self._group = group
+        self._group = dist.group.WORLD if group is None else group
         self._src = src
-        self._is_src = dist.get_rank() == src
+        self._is_src = self._group.rank() == src
+        self._options = dist.BroadcastOptions()
+        self._options.rootRank = src
 
     def write(self, payload: bytes | bytearray | memoryview) -> None:
         if not self._is_src:
@@ -43,4 +46,4 @@ class BroadcastChannel:
         return bytes(data)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=self._src, group=self._group)
+        self._group.broadcast([tensor], self._options).wait()

@@ -63,6 +63,27 @@ def encode(message: ControlMessage | WorkerError) -> bytes:
     return _encoder.encode(message)
 
 
+def encode_error(rank: int, traceback: str, capacity: int) -> bytes:
+    """A WorkerError that encodes to at most capacity bytes.
+
+    An overlong traceback loses its middle, cut before encoding so the report stays decodable:
+    the head says where it started, the tail holds the exception itself.
+    """
+    data = encode(WorkerError(rank, traceback))
+    excess = len(data) - capacity
+    if excess <= 0:
+        return data
+    text = traceback.encode()
+    marker_room = len(b"\n...[%d bytes cut]...\n" % len(text))
+    keep = max(0, len(text) - excess - marker_room - 16)  # 16: room for a longer string header
+    marker = b"\n...[%d bytes cut]...\n" % (len(text) - keep)
+    head, tail = text[:keep // 2], text[len(text) - (keep - keep // 2):] if keep else b""
+    shortened = (head + marker + tail).decode(errors="ignore")  # a cut may split a UTF-8 character
+    data = encode(WorkerError(rank, shortened))
+    assert len(data) <= capacity, "error slot too small for any report"
+    return data
+
+
 def decode_control(data: bytes) -> ControlMessage:
     return _control_decoder.decode(data)
 

@@ -1,20 +1,153 @@
-"""This process's place in the tensor-parallel group; tp size 1 needs no torch.distributed at all."""
+"""Each engine's tensor-parallel group, the collectives layers call through it, and which device a rank uses.
+
+A group belongs to one engine, not to the process: spawned engines build theirs from their own
+store and port, never `torch.distributed`'s global default group, so engines of any sizes live
+side by side in one process. Layers read the group they are built under (`building_model_for`)
+and call only the collectives below: this is the one seam a faster all-reduce plugs into.
+"""
+import os
 import socket
+import threading
+from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# Collectives wait this long for a peer before gloo/NCCL give up on their own; a dead or stuck
+# rank is caught much sooner by the executor's watcher (runner/multiproc_executor.py).
+GROUP_TIMEOUT = timedelta(minutes=30)
+
+# Test mode (off by default): every rank on one GPU, gloo collectives on CUDA tensors, eager.
+# It exercises the multi-rank CUDA path on a host with a single GPU, where NCCL cannot run two ranks.
+ONE_GPU_TEST_MODE_ENV = "TPENGINE_TEST_ONE_GPU_TP"
+
+
+def one_gpu_test_mode() -> bool:
+    return os.environ.get(ONE_GPU_TEST_MODE_ENV) == "1"
+
+
+class TensorParallelGroup:
+    """This rank's place in its engine's group; size 1 needs no torch.distributed at all."""
+
+    def __init__(self, rank: int = 0, size: int = 1, process_group: dist.ProcessGroup | None = None):
+        assert size == 1 or process_group is not None, "a multi-rank group needs a process group"
+        self.rank = rank
+        self.size = size
+        self.process_group = process_group
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum tensor over the ranks, in place."""
+        if self.size > 1:
+            self.process_group.allreduce([tensor]).wait()
+
+    def all_reduce_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's value."""
+        if self.size == 1:
+            return value
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        self.process_group.allreduce([t], options).wait()
+        return int(t.item())
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's tensor, in rank order, on rank 0; None on the other ranks."""
+        if self.size == 1:
+            return [tensor]
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        gathered = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
+        self.process_group.gather(gathered, [tensor], options).wait()
+        return gathered[0] if self.rank == 0 else None
+
+    def abort(self) -> None:
+        """Make collectives blocked in another thread return with an error (a peer is gone)."""
+        if self.process_group is not None:
+            self.process_group.abort()
+
+    def shutdown(self) -> None:
+        """Release the communicator between steps, every rank alike (what destroy_process_group does)."""
+        if self.process_group is not None:
+            self.process_group.shutdown()
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> "TensorParallelGroup":
+        """This rank's group of an engine whose store rank 0 serves; every rank calls it at start."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before the communicator exists: NCCL binds to the current device
+        return cls(rank, size, new_process_group(dist.PrefixStore("tp", store), rank, size, device,
+                                                 pick_backend(device)))
+
+
+SINGLE_RANK = TensorParallelGroup()
+
+_building = threading.local()
+
+
+@contextmanager
+def building_model_for(group: TensorParallelGroup):
+    """Layers constructed inside this block shard themselves for group (per thread, restored after)."""
+    previous = getattr(_building, "group", None)
+    _building.group = group
+    try:
+        yield
+    finally:
+        _building.group = previous
+
+
+def get_tp_group() -> TensorParallelGroup:
+    """The group of the model being built in this thread; a single rank outside building_model_for."""
+    return getattr(_building, "group", None) or SINGLE_RANK
+
 
 def get_tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return get_tp_group().rank
 
 
 def get_tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return get_tp_group().size
 
 
 def pick_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" and not one_gpu_test_mode() else "gloo"
+
+
+def new_process_group(store: dist.Store, rank: int, size: int, device: torch.device,
+                      backend: str) -> dist.ProcessGroup:
+    """A process group of its own, outside torch.distributed's global state.
+
+    Built as torch's own object-oriented API (torch.distributed._dist2) builds one; gloo serves
+    CUDA tensors too, which the one-GPU test mode relies on.
+    """
+    group = dist.ProcessGroup(store, rank, size)
+    if backend == "gloo":
+        gloo = dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            group._register_backend(torch.device(device_type), dist.ProcessGroup.BackendType.GLOO, gloo)
+        return group
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = GROUP_TIMEOUT
+    nccl = dist.ProcessGroupNCCL(store, rank, size, options)
+    nccl.eager_connect_single_device(device)  # binds the communicator to this rank's GPU, as device_id does
+    group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, nccl)
+    return group
+
+
+def serve_store(timeout: timedelta) -> dist.TCPStore:
+    """Rank 0's store for one engine, on a port the OS picks; workers connect with connect_store."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def connect_store(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
+
+
+def world_tp_group() -> TensorParallelGroup:
+    """Under torchrun: the launch script's global group is the engine's."""
+    return TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -27,3 +160,39 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 def divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
     return numerator // denominator
+
+
+# --- which device a rank uses ---------------------------------------------------------------------
+
+def local_device_index(rank: int, launched_by_torchrun: bool, environ=os.environ) -> int:
+    """The GPU of this node that a rank uses: LOCAL_RANK under torchrun (on a node whose ranks are not
+    numbered from 0 the rank itself would be wrong), the rank when the engine spawned its ranks on
+    one node, GPU 0 for every rank in the one-GPU test mode."""
+    if one_gpu_test_mode():
+        return 0
+    if launched_by_torchrun and "LOCAL_RANK" in environ:
+        return int(environ["LOCAL_RANK"])
+    return rank
+
+
+def resolve_device(device: str, index: int = 0) -> torch.device:
+    """The torch device that the `device` setting means for a rank using GPU `index` of its node."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"this rank would use GPU {index}, but {torch.cuda.device_count()} GPU(s) are visible")
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def check_gpus_for(tensor_parallel_size: int, device: str) -> None:
+    """ValueError when the engine would spawn more ranks than there are GPUs (two ranks on one GPU)."""
+    if device == "cpu" or not torch.cuda.is_available() or one_gpu_test_mode() or dist.is_initialized():
+        return
+    visible = torch.cuda.device_count()
+    if tensor_parallel_size > visible:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs one GPU per rank, "
+                         f"but {visible} GPU(s) are visible")

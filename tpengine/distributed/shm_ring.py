@@ -21,14 +21,16 @@ storing ``seq = k + 1`` after its bytes and ``message_len``; a reader whose read
 count is ``k`` waits for that seq, copies the bytes, then stores ``k + 1`` as its
 read count. The writer may fill chunk ``k`` once every read count exceeds
 ``k - num_slots``. Correctness rests on each side's shared-memory accesses becoming
-visible in program order, which holds on x86-64 (TSO); a weakly ordered CPU such
-as aarch64 would need a real memory fence around the seq and read-count stores.
+visible in program order, which holds on x86 (TSO). Python cannot fence its stores on
+a weakly ordered CPU such as aarch64, so the writer refuses to run there
+(``stores_are_ordered``): callers use another channel.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -37,7 +39,14 @@ from multiprocessing import shared_memory, util
 
 import _posixshmem
 
-__all__ = ["PeerDiedError", "ShmRingReader", "ShmRingWriter"]
+__all__ = ["PeerDiedError", "ShmRingReader", "ShmRingWriter", "stores_are_ordered"]
+
+_TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def stores_are_ordered(machine: str | None = None) -> bool:
+    """Whether this CPU makes each process's stores visible in program order, as the ring needs."""
+    return (platform.machine() if machine is None else machine).lower() in _TSO_MACHINES
 
 
 class PeerDiedError(RuntimeError):
@@ -68,7 +77,6 @@ _SEQ = 0
 _MESSAGE_LEN = 1
 
 _DEFAULT_ERROR_CAPACITY = 16 << 10
-_TRUNCATION_MARKER = b"\n...[truncated]"
 
 # Busy-poll (yielding) this long first. The gap between two engine steps (rank 0 samples,
 # schedules, encodes) is usually shorter, so a busy engine's next step lands within
@@ -189,12 +197,18 @@ def _attach_untracked(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def _release_writer_segment(segment: shared_memory.SharedMemory, words: memoryview) -> None:
+def _release_writer_segment(segment: shared_memory.SharedMemory, words: memoryview, linked: list[bool]) -> None:
     try:
         words[_WRITER_CLOSED_WORD] = 1  # lets waiting readers tell a shutdown from a hang
         words.release()
         segment.close()
     finally:
+        _unlink_once(segment, linked)
+
+
+def _unlink_once(segment: shared_memory.SharedMemory, linked: list[bool]) -> None:
+    if linked[0]:
+        linked[0] = False
         segment.unlink()
 
 
@@ -211,8 +225,11 @@ class ShmRingWriter:
     ) -> None:
         if num_readers < 1 or num_slots < 1 or slot_size < 1:
             raise ValueError("num_readers, num_slots and slot_size must be positive")
-        if error_capacity <= len(_TRUNCATION_MARKER):
-            raise ValueError(f"error_capacity must exceed {len(_TRUNCATION_MARKER)} bytes")
+        if error_capacity < 1:
+            raise ValueError("error_capacity must be positive")
+        if not stores_are_ordered():
+            raise RuntimeError(f"the shared-memory ring relies on x86 store ordering; this CPU is "
+                               f"{platform.machine()}: use the broadcast channel")
         layout = _Layout(num_readers, num_slots, slot_size, error_capacity)
         self._layout = layout
         self._segment = shared_memory.SharedMemory(
@@ -222,8 +239,9 @@ class ShmRingWriter:
         self._words = self._buf[: layout.control_bytes].cast("Q")
         # Runs on close(), garbage collection, interpreter exit and multiprocessing-child exit
         # (fork/forkserver children skip atexit); never in a forked copy of this process.
+        self._linked = [True]
         self._finalizer = util.Finalize(
-            self, _release_writer_segment, (self._segment, self._words), exitpriority=0
+            self, _release_writer_segment, (self._segment, self._words, self._linked), exitpriority=0
         )
 
         words = self._words
@@ -341,8 +359,19 @@ class ShmRingWriter:
             if pid and not _pid_alive(pid):
                 raise PeerDiedError(f"reader {reader} (pid {pid}) of shm ring {self.name} died")
 
+    def lagging_readers(self) -> list[int]:
+        """Readers that have not yet taken every chunk written so far."""
+        return [r for r in range(self._layout.num_readers) if self._read_count_of(r) < self._chunks_written]
+
+    def unlink(self) -> None:
+        """Remove the segment's name now; mappings stay valid, so call it once every reader attached.
+
+        Then no way the processes end (even SIGKILL of them all) can leave the segment behind.
+        """
+        _unlink_once(self._segment, self._linked)
+
     def close(self) -> None:
-        """Unlink the segment; idempotent. Readers already attached keep their mapping."""
+        """Unlink the segment (if still linked) and unmap it; idempotent. Attached readers keep their mapping."""
         self._finalizer()
 
     def __enter__(self) -> ShmRingWriter:
@@ -460,11 +489,20 @@ class ShmRingReader:
         if self._words[_WRITER_CLOSED_WORD]:
             raise EOFError(f"writer closed shm ring {self._name}")
 
+    @property
+    def error_capacity(self) -> int:
+        """The most bytes post_error takes."""
+        return self._layout.error_capacity
+
     def post_error(self, payload: bytes) -> None:
-        """Leave an error report (e.g. a traceback) for the writer; overlong ones are truncated."""
+        """Leave an error report (e.g. a traceback) for the writer.
+
+        ValueError when it exceeds ``error_capacity``: cutting an encoded report would leave the
+        writer bytes it cannot decode, so the caller shortens its text before encoding.
+        """
         capacity = self._layout.error_capacity
         if len(payload) > capacity:
-            payload = payload[: capacity - len(_TRUNCATION_MARKER)] + _TRUNCATION_MARKER
+            raise ValueError(f"error report of {len(payload)} bytes exceeds the ring's {capacity}-byte error slot")
         start = self._layout.error_data(self._index)
         self._words[self._line + _ERROR_POSTED] = 0
         self._buf[start : start + len(payload)] = payload

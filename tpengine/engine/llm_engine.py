@@ -37,7 +37,8 @@ def _eos_token_ids(model: str, hf_config) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | os.PathLike, **kwargs):
+        model = os.fspath(model)
         config = EngineConfig(model=model, **kwargs)
         hf_config = load_hf_config(model)
         config.validate(hf_config)
@@ -45,6 +46,7 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model)
+        eos_token_ids = _eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         if config.tensor_parallel_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -54,7 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len, eos_token_ids=_eos_token_ids(model, hf_config),
+            max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching)
         self._prompts: dict[int, str | list[int]] = {}
 

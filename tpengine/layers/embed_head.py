@@ -1,18 +1,18 @@
 """Vocabulary-parallel embedding and LM head; the vocabulary is padded to a multiple of tp."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.distributed.parallel_state import get_tp_rank, get_tp_size
+from tpengine.distributed.parallel_state import get_tp_group
 from tpengine.layers.linear import linear, prepack_weight_for_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.num_embeddings = num_embeddings
         padded = -(-num_embeddings // self.tp_size) * self.tp_size
         self.num_embeddings_per_partition = padded // self.tp_size
@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
         y = F.embedding((x - self.vocab_start_idx) * in_shard, self.weight)
         y = y * in_shard.unsqueeze(1)
-        dist.all_reduce(y)
+        self.tp_group.all_reduce(y)
         return y
 
 
@@ -50,9 +50,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
-            gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            dist.gather(logits, gathered, dst=0)
-            if self.tp_rank != 0:
+            gathered = self.tp_group.gather_to_first(logits)
+            if gathered is None:
                 return None
             logits = torch.cat(gathered, dim=-1)
         return logits[..., :self.num_embeddings]  # padding columns are never sampled

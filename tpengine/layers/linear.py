@@ -1,10 +1,9 @@
 """Linear layers that shard across the tensor-parallel group; each parameter loads its own shard."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tpengine.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+from tpengine.distributed.parallel_state import divide, get_tp_group
 
 
 # oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
@@ -37,8 +36,9 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -61,19 +61,11 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, tp_dim=None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0)
+        super().__init__(input_size, divide(output_size, get_tp_group().size), bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed_weight)
@@ -98,7 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False):
-        tp_size = get_tp_size()
+        tp_size = get_tp_group().size
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         if total_num_kv_heads >= tp_size:
@@ -126,7 +118,7 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
+        super().__init__(divide(input_size, get_tp_group().size), output_size, bias, tp_dim=1)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank: added once, after the reduce
@@ -136,8 +128,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.packed_weight)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
+        self.tp_group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,6 +1,7 @@
 """Rank 0's view of all ranks: run a step everywhere, sample on rank 0, hand back token ids."""
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import StepMessage, slim_step
+from tpengine.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup, resolve_device
 from tpengine.runner.model_runner import ModelRunner
 from tpengine.runner.sampler import Sampler
 
@@ -8,9 +9,9 @@ from tpengine.runner.sampler import Sampler
 class Executor:
     """tp=1: rank 0 alone. MultiprocExecutor adds the workers."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup = SINGLE_RANK, device=None):
         self.config = config
-        self.runner = ModelRunner(config, rank=0)
+        self.runner = ModelRunner(config, group, device or resolve_device(config.device))
         self.sampler = Sampler()
 
     @property

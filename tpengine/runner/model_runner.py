@@ -3,13 +3,12 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
 from tpengine.distributed.messages import PrefillSeq, StepMessage
-from tpengine.distributed.parallel_state import get_tp_size
+from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.models.loader import load_model
 from tpengine.models.qwen3 import Qwen3ForCausalLM
 from tpengine.runner.cuda_graphs import GRAPH_SAFE_BACKENDS, DecodeCudaGraphs
@@ -20,16 +19,6 @@ DEFAULT_CPU_KVCACHE_GB = 4.0
 # CPU: a prefill step runs in passes of at most this many tokens. Activations of a 2048-token pass
 # stay in reused heap memory and in cache; one pass over ~10k tokens was ~15% slower (docs/benchmarks.md).
 CPU_PREFILL_PASS_TOKENS = 2048
-
-
-def resolve_device(device: str, rank: int = 0) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
@@ -43,20 +32,37 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def available_host_memory() -> int:
+    """Bytes the host can still hand out without swapping (Linux MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / (1 << 30):.2f} GiB"
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup, device: torch.device):
         self.config = config
-        self.rank = rank
+        self.group = group
+        self.rank = rank = group.rank
         self.block_size = config.kvcache_block_size
         self.prefill_pass_tokens = None  # set for the CPU below
         hf_config = load_hf_config(config.model)
         self.hf_config = hf_config
-        self.device = resolve_device(config.device, rank)
+        self.device = device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif get_tp_size() > 1:
+        elif group.size > 1:
             # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // get_tp_size()))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
@@ -65,7 +71,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), building_model_for(group):
                 self.model = Qwen3ForCausalLM(hf_config, make_backend(self.backend_name))
         finally:
             torch.set_default_dtype(default_dtype)
@@ -100,27 +106,47 @@ class ModelRunner:
         return -(-self.max_model_len // self.block_size)
 
     def _num_kvcache_blocks(self) -> int:
+        num_blocks, problem = self._kvcache_blocks_that_fit()
+        # every rank must agree on the ledger's size, and on failing: take the smallest (0 where one fails)
+        agreed = self.group.all_reduce_min(0 if problem else num_blocks, self.device)
+        if problem:
+            raise ValueError(problem)
+        if agreed < 1:
+            raise ValueError(f"no room for a single KV-cache block of {self._block_bytes()} bytes on every rank; "
+                             f"lower kvcache_block_size or free memory")
+        return agreed
+
+    def _kvcache_blocks_that_fit(self) -> tuple[int, str | None]:
+        """The blocks this rank can hold, and why not when a setting asks for more than there is."""
         config = self.config
-        if config.num_kvcache_blocks is not None:
-            return config.num_kvcache_blocks
-        # never more than the limits can ever use
-        useful = config.max_num_seqs * self._max_num_blocks_per_seq()
+        block_bytes = self._block_bytes()
         if self.device.type == "cuda":
             # total * utilization, less what is in use now (weights, CUDA context, other processes) and
             # the activation peak the warm-up measured
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1.0 - config.gpu_memory_utilization) * total - self.activation_peak_bytes
+            available = free - (1.0 - config.gpu_memory_utilization) * total - self.activation_peak_bytes
+            where = f"GPU {self.device.index} at gpu_memory_utilization={config.gpu_memory_utilization}"
         else:
-            budget = (config.kvcache_memory_gb or DEFAULT_CPU_KVCACHE_GB) * (1 << 30)
-        num_blocks = min(useful, int(budget) // self._block_bytes())
-        if get_tp_size() > 1:  # every rank must agree on the ledger's size: take the smallest
-            t = torch.tensor([num_blocks], dtype=torch.int64, device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
-        if num_blocks < 1:
-            raise ValueError(f"no room for a single KV-cache block of {self._block_bytes()} bytes; "
-                             f"lower kvcache_block_size or free memory")
-        return num_blocks
+            ranks_on_host = self.group.size  # CPU ranks of one engine share the host's memory
+            available = available_host_memory() / ranks_on_host
+            where = f"this host per rank ({ranks_on_host} rank(s))"
+        if config.num_kvcache_blocks is not None:
+            need = config.num_kvcache_blocks * block_bytes
+            if need > available:
+                return 0, (f"num_kvcache_blocks={config.num_kvcache_blocks} needs a KV cache of {_gib(need)} per "
+                           f"rank, but {_gib(max(available, 0))} is available on {where}")
+            return config.num_kvcache_blocks, None
+        if self.device.type == "cuda":
+            budget = available
+        elif config.kvcache_memory_gb is not None:
+            budget = config.kvcache_memory_gb * (1 << 30)
+            if budget > available:
+                return 0, (f"kvcache_memory_gb={config.kvcache_memory_gb} asks for a KV cache of {_gib(budget)} per "
+                           f"rank, but {_gib(available)} is available on {where}")
+        else:
+            budget = min(DEFAULT_CPU_KVCACHE_GB * (1 << 30), available)
+        useful = config.max_num_seqs * self._max_num_blocks_per_seq()  # never more than the limits can use
+        return max(0, min(useful, int(budget) // block_bytes)), None
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         layer = self.attention_layers[0]
@@ -128,7 +154,12 @@ class ModelRunner:
         # CUDA: zeroed once, so no stale NaN bit pattern in an unwritten slot reaches a masked-out product
         # (0 * NaN) in the torch backend; CPU: as before, not touched up front
         allocate = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_cache = allocate(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.kv_cache = allocate(shape, dtype=self.dtype, device=self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError included: the sizing above misjudged what is free
+            size = num_blocks * self._block_bytes()
+            raise ValueError(f"could not allocate a KV cache of {num_blocks} blocks ({_gib(size)}) on "
+                             f"{self.device}: {e}") from None
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -170,6 +201,14 @@ class ModelRunner:
         self._free_kv_cache()
         torch.cuda.empty_cache()
         return max(peak, 0)
+
+    def close(self) -> None:
+        """Release CUDA graphs (captured graphs hold collectives) and their pool, and let queued work
+        finish, before the caller tears down the group."""
+        self.cuda_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # --- inputs ---------------------------------------------------------------------------------
 

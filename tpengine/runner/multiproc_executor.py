@@ -1,35 +1,52 @@
 """tp>1: rank 0 plus N-1 worker processes, spawned here or started by torchrun, fed through the control plane.
 
 Any worker failure becomes a WorkerFailedError on rank 0 naming the rank, and every rank is
-stopped; the ring's segment is unlinked whatever way the engine ends.
+stopped; the ring's segment is unlinked as soon as every worker has attached, so no way the
+processes end can leave it behind. A watcher thread turns a dead rank inside an NCCL collective,
+and a rank that does not answer within the step deadline, into that same error.
 """
 import base64
 import logging
 import os
+import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
+from contextlib import contextmanager
+from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
-from tpengine.distributed.messages import (InitMessage, ShutdownMessage, StepMessage, decode_error, encode)
-from tpengine.distributed.parallel_state import find_free_port, pick_backend
-from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter
+from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepMessage, decode_error, encode
+from tpengine.distributed.parallel_state import (TensorParallelGroup, check_gpus_for, local_device_index,
+                                                 new_process_group, resolve_device, serve_store, world_tp_group)
+from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter, stores_are_ordered
+from tpengine.errors import WorkerFailedError
 from tpengine.runner.executor import Executor
-from tpengine.runner.model_runner import resolve_device
 
 logger = logging.getLogger("tpengine")
 
-WORKER_START_TIMEOUT_S = 300.0
+WORKER_START_TIMEOUT_S = 900.0  # start-up loads the checkpoint: minutes for a big one from a slow disk
 WORKER_EXIT_TIMEOUT_S = 10.0
+WATCH_INTERVAL_S = 0.1
+REPORT_WAIT_S = 2.0  # after a failed collective, how long a dying worker gets to post its traceback
+
+_executors: "weakref.WeakSet[MultiprocExecutor]" = weakref.WeakSet()
 
 
-class WorkerFailedError(RuntimeError):
-    """A tensor-parallel worker died or raised; the engine is shut down."""
+def _disown_in_forked_child() -> None:
+    for executor in list(_executors):
+        executor.disown()
+
+
+os.register_at_fork(after_in_child=_disown_in_forked_child)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -40,6 +57,28 @@ def _describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of pid ('T': stopped), '' if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _reports_a_lost_peer(traceback: str) -> bool:
+    """A report that only says another rank went away: the rank that went is the cause."""
+    last = traceback.strip().splitlines()[-1] if traceback.strip() else ""
+    return any(sign in last for sign in ("by peer", "PeerDiedError", "Broken pipe", "Connection reset"))
+
+
+def _decode_report(data: bytes) -> str:
+    try:
+        return decode_error(data).traceback
+    except msgspec.DecodeError:
+        return f"(an error report of {len(data)} bytes that could not be decoded)"
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -47,57 +86,81 @@ class MultiprocExecutor(Executor):
         self.processes: list[subprocess.Popen] = []  # empty under torchrun: rank 0 does not own the others
         self.ring: ShmRingWriter | None = None
         self.channel = None
+        self.group: TensorParallelGroup | None = None
+        self.store = None
         self.closed = False
+        self.owner_pid = os.getpid()
         self.num_threads = torch.get_num_threads()  # a CPU rank 0 shares the cores with its workers until shutdown
+        self._busy: tuple[float, float, str] | None = None  # (since, limit, what) while rank 0 waits on the ranks
+        self._verdict: WorkerFailedError | None = None  # the watcher's finding, set before it stops the ranks
+        self._aborted = False
+        _executors.add(self)
         try:
             if dist.is_initialized():
                 self._join_torchrun_group()
             else:
                 self._spawn_workers()
-            super().__init__(config)  # rank 0's own shard; its setup collectives run in step with the workers'
+            threading.Thread(target=_watch, args=(weakref.ref(self),), name="tpengine-watcher", daemon=True).start()
+            with self._deadline(WORKER_START_TIMEOUT_S, "start-up"):
+                # rank 0's own shard; its setup collectives run in step with the workers'
+                super().__init__(config, self.group, self.device)
         except BaseException as e:
             self._stop_after(e)
 
     # --- start ----------------------------------------------------------------------------------
 
     def _spawn_workers(self) -> None:
-        self.ring = self.channel = ShmRingWriter(self.world_size - 1)
-        init_method = f"tcp://127.0.0.1:{find_free_port()}"
-        init = base64.b64encode(encode(InitMessage(self.config, self.ring.name))).decode()
+        check_gpus_for(self.world_size, self.config.device)
+        self.device = resolve_device(self.config.device, local_device_index(0, launched_by_torchrun=False))
+        self.store = serve_store(timedelta(seconds=WORKER_START_TIMEOUT_S))
+        if stores_are_ordered():
+            self.ring = ShmRingWriter(self.world_size - 1)
+        else:
+            logger.warning("control plane: a gloo broadcast, not the shared-memory ring, which needs x86 store "
+                           "ordering (this CPU is %s)", platform.machine())
+        init = base64.b64encode(encode(InitMessage(self.config, self.ring and self.ring.name))).decode()
         # A fresh interpreter per worker (not multiprocessing): the user's __main__ is never re-run.
+        # Its stdin is a pipe only this process holds: the worker exits when this process ends.
         for rank in range(1, self.world_size):
-            command = [sys.executable, "-m", "tpengine.runner.worker", str(rank), str(self.world_size), init_method, init]
-            self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+            command = [sys.executable, "-m", "tpengine.runner.worker", str(rank), str(self.world_size),
+                       str(self.store.port), init]
+            self.processes.append(subprocess.Popen(command, stdin=subprocess.PIPE))
         self._wait_for_workers_to_attach()
-        backend = pick_backend(resolve_device(self.config.device, 0))
-        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=self.world_size)
+        if self.ring is not None:
+            self.ring.unlink()  # every worker holds its mapping: nothing can leave the segment behind now
+        self.group = TensorParallelGroup.create(self.store, 0, self.world_size, self.device)
+        self.channel = self.ring or BroadcastChannel(new_process_group(
+            dist.PrefixStore("control", self.store), 0, self.world_size, self.device, "gloo"), src=0)
 
     def _wait_for_workers_to_attach(self) -> None:
+        keys = [f"attached/{rank}" for rank in range(1, self.world_size)]
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        while True:
-            try:
-                self.ring.wait_for_readers(timeout=0.1)
-                return
-            except TimeoutError:
-                self._raise_if_a_worker_died()
-                if time.monotonic() > deadline:
-                    raise WorkerFailedError(f"workers did not start within {WORKER_START_TIMEOUT_S:.0f} s")
+        while not self.store.check(keys):
+            self._raise_if_a_worker_died()
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"workers did not start within {WORKER_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
 
     def _join_torchrun_group(self) -> None:
         if dist.get_world_size() != self.world_size or dist.get_rank() != 0:
             raise ValueError(f"under torchrun, LLM(tensor_parallel_size={self.world_size}) runs on rank 0 of a "
                              f"group of that size; this is rank {dist.get_rank()} of {dist.get_world_size()}")
+        self.device = resolve_device(self.config.device, local_device_index(0, launched_by_torchrun=True))
         control = BroadcastChannel(dist.new_group(backend="gloo"))
-        # One host (torchrun's local world is the whole world): steps go through shared memory.
+        # One host (torchrun's local world is the whole world) with ordered stores: steps go through shared memory.
         one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(self.world_size)
-        if one_host:
+        if one_host and stores_are_ordered():
             self.ring = ShmRingWriter(self.world_size - 1)
-        control.write(encode(InitMessage(self.config, self.ring.name if one_host else None)))
+        control.write(encode(InitMessage(self.config, self.ring and self.ring.name)))
         self.channel = self.ring or control
         logger.info("control plane to %d workers: %s", self.world_size - 1,
-                    "shared-memory ring" if one_host else "gloo broadcast (ranks on several hosts)")
+                    "shared-memory ring" if self.ring else
+                    "gloo broadcast (ranks on several hosts)" if not one_host else
+                    f"gloo broadcast (the ring needs x86 store ordering; this CPU is {platform.machine()})")
         if self.ring is not None:
             self.ring.wait_for_readers(timeout=WORKER_START_TIMEOUT_S)
+            self.ring.unlink()
+        self.group = world_tp_group()
 
     # --- steps ----------------------------------------------------------------------------------
 
@@ -106,53 +169,112 @@ class MultiprocExecutor(Executor):
 
     def execute(self, seqs, is_prefill: bool) -> list[int]:
         if self.closed:
-            raise RuntimeError("the engine is shut down (a worker failed, or shutdown() was called)")
+            raise RuntimeError("the engine is shut down (a worker failed, shutdown() was called, "
+                               "or this is a forked copy of the process that owns it)")
         try:
-            return super().execute(seqs, is_prefill)
+            with self._deadline(self.config.step_timeout_s, "one step"):
+                return super().execute(seqs, is_prefill)
         except BaseException as e:
             self._stop_after(e)
+
+    @contextmanager
+    def _deadline(self, limit_s: float, what: str):
+        """While inside, the watcher stops every rank if this takes longer than limit_s."""
+        self._busy = (time.monotonic(), limit_s, what)
+        try:
+            yield
+        finally:
+            self._busy = None
+
+    # --- watching (from the watcher thread) -----------------------------------------------------
+
+    def watch_once(self) -> None:
+        busy = self._busy
+        if busy is None or self._aborted:
+            return
+        since, limit_s, what = busy
+        if any(p.poll() is not None for p in self.processes):
+            # NCCL does not fail a collective whose peer died (gloo does): make the blocked call return
+            if self.group is not None and self.device.type == "cuda":
+                self._abort_group()
+            return
+        if time.monotonic() - since > limit_s:
+            ranks = self._silent_ranks()
+            self._verdict = WorkerFailedError(
+                f"tensor-parallel worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                f"did not answer within step_timeout_s={limit_s:g} s ({what}); every rank was stopped")
+            for process in self.processes:
+                process.kill()
+            if not self.processes or self.device.type == "cuda":
+                self._abort_group()  # no process of ours to kill, or NCCL: unblock rank 0's collective
+
+    def _silent_ranks(self) -> list[int]:
+        """Ranks that hold the others up: stopped ones, else ones that never took the step, else all."""
+        stopped = [rank for rank, p in enumerate(self.processes, 1) if _process_state(p.pid) in ("T", "t")]
+        if stopped:
+            return stopped
+        if self.ring is not None and (lagging := [reader + 1 for reader in self.ring.lagging_readers()]):
+            return lagging
+        return list(range(1, self.world_size))
+
+    def _abort_group(self) -> None:
+        self._aborted = True
+        try:
+            self.group.abort()
+        except Exception:
+            logger.exception("aborting the tensor-parallel group failed")
 
     # --- failure --------------------------------------------------------------------------------
 
     def _stop_after(self, error: BaseException):
-        """Stop every rank, then re-raise error, as a WorkerFailedError naming the rank if a worker caused it."""
-        failure = self._failure(error)
-        self.shutdown(graceful=False)
+        """Stop every rank first, then re-raise error, as a WorkerFailedError naming the rank if a worker caused it."""
+        evidence = None
+        try:
+            evidence = self._collect_evidence(error)
+        finally:
+            self.shutdown(graceful=False)
+        failure = self._verdict or self._failure(error, evidence)
         if failure is not None:
             raise failure from error
         raise error
 
     def _raise_if_a_worker_died(self) -> None:
         if any(p.poll() is not None for p in self.processes):
-            raise self._failure(None) or WorkerFailedError("a tensor-parallel worker exited during start-up")
+            evidence = self._collect_evidence(None)
+            raise self._failure(None, evidence) or WorkerFailedError("a tensor-parallel worker exited during start-up")
 
-    def _failure(self, error: BaseException | None) -> WorkerFailedError | None:
-        """A WorkerFailedError naming the failed rank, or None if error was not a worker's fault."""
-        if isinstance(error, (KeyboardInterrupt, ValueError, WorkerFailedError)):
+    def _collect_evidence(self, error: BaseException | None) -> tuple[dict[int, int], dict[int, bytes]] | None:
+        """Exit codes of dead workers and their raw error reports; nothing decoded, nothing that raises."""
+        if isinstance(error, (KeyboardInterrupt, ValueError, WorkerFailedError)) or self._verdict is not None:
             return None
         # A collective that failed on rank 0 may be a worker dying right now: give it a moment
         # to post its traceback or be reaped.
-        deadline = time.monotonic() + (2.0 if error is not None else 0.0)
+        deadline = time.monotonic() + (REPORT_WAIT_S if error is not None else 0.0)
         while True:
-            dead = [(rank, p.poll()) for rank, p in enumerate(self.processes, start=1) if p.poll() is not None]
-            reports = self._error_reports()  # read after the exit codes: a worker posts before it exits
+            dead = {rank: p.poll() for rank, p in enumerate(self.processes, 1) if p.poll() is not None}
+            reports = self.ring.reader_errors() if self.ring is not None else {}  # a worker posts before it exits
             if reports or dead or time.monotonic() >= deadline:
-                break
+                return dead, {reader + 1: data for reader, data in reports.items()}
             time.sleep(0.05)
+
+    def _failure(self, error: BaseException | None, evidence) -> WorkerFailedError | None:
+        """A WorkerFailedError naming the failed rank, or None if error was not a worker's fault."""
+        if evidence is None:
+            return None
+        dead, raw_reports = evidence
+        reports = {rank: _decode_report(data) for rank, data in raw_reports.items()}
+        # a rank that died without a word outranks the peers reporting their broken connection to it
+        silent_deaths = [rank for rank in sorted(dead) if rank not in reports]
+        if silent_deaths:
+            rank = silent_deaths[0]
+            return WorkerFailedError(f"tensor-parallel worker rank {rank} {_describe_exit(dead[rank])}")
         if reports:
-            rank = min(reports)
+            causes = [rank for rank in sorted(reports) if not _reports_a_lost_peer(reports[rank])] or sorted(reports)
+            rank = causes[0]
             return WorkerFailedError(f"tensor-parallel worker rank {rank} raised an exception:\n{reports[rank]}")
-        if dead:
-            rank, exitcode = dead[0]
-            return WorkerFailedError(f"tensor-parallel worker rank {rank} {_describe_exit(exitcode)}")
         if isinstance(error, PeerDiedError) or "by peer" in str(error):
             return WorkerFailedError(f"a tensor-parallel worker is gone: {error}")
         return None
-
-    def _error_reports(self) -> dict[int, str]:
-        if self.ring is None:
-            return {}
-        return {index + 1: decode_error(data).traceback for index, data in self.ring.reader_errors().items()}
 
     # --- stop -----------------------------------------------------------------------------------
 
@@ -163,23 +285,51 @@ class MultiprocExecutor(Executor):
             return
         self.closed = True
         workers_alive = all(p.poll() is None for p in self.processes)
-        graceful = graceful and workers_alive
+        graceful = graceful and workers_alive and not self._aborted
         if self.channel is not None and graceful:
             try:
                 self.channel.write(encode(ShutdownMessage()), **({"timeout": 2.0} if self.ring else {}))
             except Exception:
-                pass  # a worker already gone: it is killed below
+                graceful = False  # a worker already gone: it is killed below
+        runner = getattr(self, "runner", None)
+        if runner is not None and graceful:
+            runner.close()  # CUDA graphs hold collectives: released before the group goes
         for process in self.processes:
             try:
                 process.wait(timeout=WORKER_EXIT_TIMEOUT_S if graceful else 0)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            if process.stdin is not None:
+                process.stdin.close()
         if self.ring is not None:
             self.ring.close()
+        if self.processes and self.group is not None:  # under torchrun the launch script owns the group
+            if graceful:
+                self.group.shutdown()
+            elif not self._aborted:
+                self._abort_group()
+        self.group = self.store = None
         torch.set_num_threads(self.num_threads)
-        if dist.is_initialized() and self.processes:  # under torchrun the launch script owns the group
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+
+    def disown(self) -> None:
+        """In a forked child: this engine is the parent's. Never use or tear it down from here, and
+        let go of the pipes that keep its workers alive."""
+        self.closed = True
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
+
+
+def _watch(executor_ref: "weakref.ref[MultiprocExecutor]") -> None:
+    """The watcher thread: holds no strong reference, so a dropped engine is still collected."""
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        executor = executor_ref()
+        if executor is None or executor.closed:
+            return
+        try:
+            executor.watch_once()
+        except Exception:
+            logger.exception("the tensor-parallel watcher failed")
+        del executor

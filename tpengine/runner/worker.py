@@ -1,60 +1,80 @@
 """A worker rank's life: join the group, load its shard, then run every step rank 0 sends until told to stop."""
 import base64
-import ctypes
 import os
 import signal
 import sys
+import threading
 import traceback
 
 import torch.distributed as dist
 
 from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
-from tpengine.distributed.messages import (InitMessage, ShutdownMessage, WorkerError, decode_control, encode)
-from tpengine.distributed.parallel_state import pick_backend
+from tpengine.distributed.messages import InitMessage, ShutdownMessage, decode_control, encode_error
+from tpengine.distributed.parallel_state import (TensorParallelGroup, connect_store, local_device_index,
+                                                 new_process_group, resolve_device, world_tp_group)
 from tpengine.distributed.shm_ring import ShmRingReader
-from tpengine.runner.model_runner import ModelRunner, resolve_device
+from tpengine.runner.model_runner import ModelRunner
 
 
-def serve(config: EngineConfig, rank: int, channel) -> None:
+def serve(config: EngineConfig, group: TensorParallelGroup, device, channel) -> None:
     """Execute steps from channel (a ring reader or broadcast channel) until a ShutdownMessage."""
-    runner = ModelRunner(config, rank)
-    while True:
-        message = decode_control(channel.read())
-        if isinstance(message, ShutdownMessage):
-            return
-        runner.execute(message)
-
-
-def _die_with_parent() -> None:
-    # Linux: the kernel SIGKILLs this worker if rank 0 dies, however it dies.
-    parent_pid = os.getppid()
-    PR_SET_PDEATHSIG = 1
+    runner = ModelRunner(config, group, device)
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if parent_pid == 1 or os.getppid() != parent_pid:  # rank 0 died before prctl took effect
+        while True:
+            message = decode_control(channel.read())
+            if isinstance(message, ShutdownMessage):
+                return
+            runner.execute(message)
+    finally:
+        runner.close()
+
+
+def _exit_with_rank0() -> None:
+    """Die as soon as rank 0's process ends, whichever thread started us and however it ends.
+
+    Rank 0 holds the only write end of this process's stdin and never writes: the kernel closes
+    it when rank 0's process is gone, and the read below returns EOF.
+    """
+    def watch() -> None:
+        while os.read(0, 4096):
+            pass
         os._exit(1)
 
+    threading.Thread(target=watch, name="tpengine-rank0-watch", daemon=True).start()
 
-def spawned_worker_main(rank: int, world_size: int, init_method: str, init_bytes: bytes) -> None:
+
+def spawned_worker_main(rank: int, world_size: int, store_port: int, init_bytes: bytes) -> None:
     """Entry point of a worker process that LLM(tensor_parallel_size=N) started."""
-    _die_with_parent()
+    _exit_with_rank0()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops every rank
     init = decode_control(init_bytes)
-    assert isinstance(init, InitMessage) and init.ring_name is not None
-    ring = ShmRingReader(init.ring_name, rank - 1)
+    assert isinstance(init, InitMessage)
+    ring = None if init.ring_name is None else ShmRingReader(init.ring_name, rank - 1)
     try:
-        device = resolve_device(init.config.device, rank)
-        dist.init_process_group(pick_backend(device), init_method=init_method, rank=rank, world_size=world_size)
-        serve(init.config, rank, ring)
+        store = connect_store(store_port)
+        store.set(f"attached/{rank}", "1")  # rank 0 waits for every rank's mark before it unlinks the ring
+        device = resolve_device(init.config.device, local_device_index(rank, launched_by_torchrun=False))
+        group = TensorParallelGroup.create(store, rank, world_size, device)
+        channel = ring or BroadcastChannel(new_process_group(dist.PrefixStore("control", store), rank, world_size,
+                                                             device, "gloo"), src=0)
+        serve(init.config, group, device, channel)
+        group.shutdown()
     except BaseException:
-        ring.post_error(encode(WorkerError(rank, traceback.format_exc())))
-        ring.close()
+        if ring is not None:
+            try:
+                ring.post_error(encode_error(rank, traceback.format_exc(), ring.error_capacity))
+            except BaseException:
+                pass  # rank 0 still sees this rank exit with code 1
+        else:
+            traceback.print_exc()
+        sys.stderr.flush()
         os._exit(1)  # skip atexit and group teardown: peers must see this rank go, not wait on it
-    ring.close()
-    dist.destroy_process_group()
+    if ring is not None:
+        ring.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing left to tear down that another rank waits on
 
 
 def torchrun_worker_main() -> None:
@@ -65,10 +85,11 @@ def torchrun_worker_main() -> None:
     assert isinstance(init, InitMessage)
     channel = control if init.ring_name is None else ShmRingReader(init.ring_name, rank - 1)
     try:
-        serve(init.config, rank, channel)
+        device = resolve_device(init.config.device, local_device_index(rank, launched_by_torchrun=True))
+        serve(init.config, world_tp_group(), device, channel)
     except BaseException:
         if isinstance(channel, ShmRingReader):
-            channel.post_error(encode(WorkerError(rank, traceback.format_exc())))
+            channel.post_error(encode_error(rank, traceback.format_exc(), channel.error_capacity))
         raise
     finally:
         if isinstance(channel, ShmRingReader):
@@ -76,5 +97,5 @@ def torchrun_worker_main() -> None:
 
 
 if __name__ == "__main__":
-    rank, world_size, init_method, init = sys.argv[1:]
-    spawned_worker_main(int(rank), int(world_size), init_method, base64.b64decode(init))
+    rank, world_size, store_port, init = sys.argv[1:]
+    spawned_worker_main(int(rank), int(world_size), int(store_port), base64.b64decode(init))
