@@ -8,12 +8,13 @@ import torch
 from tpengine import LLM
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.kernels.cpu import paged_decode_attention as cpu_paged_attention
+from tpengine.kernels.cpu.build import has_compiler
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object only: no GPU is touched
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.mark.skipif(not cpu_paged_attention.has_compiler(), reason="no C++ compiler here")
+@pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
 def test_auto_on_cpu_is_the_cpu_kernel():
     assert resolve_backend_name("auto", CPU, 256) == "cpu"
     assert resolve_backend_name("auto", CPU, 16, torch.float32) == "cpu"
@@ -40,7 +41,7 @@ def test_cpu_backend_without_a_compiler_raises_naming_the_compiler(no_compiler):
         resolve_backend_name("cpu", CPU, 256)
 
 
-@pytest.mark.skipif(not cpu_paged_attention.has_compiler(), reason="no C++ compiler here")
+@pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
 def test_auto_on_cpu_with_an_unusable_cache_folder_falls_back_to_torch(monkeypatch, tmp_path, caplog):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")

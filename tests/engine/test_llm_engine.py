@@ -4,7 +4,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
-from tpengine.kernels.cpu.paged_decode_attention import has_compiler
+from tpengine.kernels.cpu.build import has_compiler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 VOCAB = TP_MODEL["vocab_size"]

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from tpengine.kernels.cpu.paged_decode_attention import has_compiler, paged_decode_attention
+from tpengine.kernels.cpu.build import has_compiler
+from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 
 # skipped only where there is no compiler: a kernel that fails to build here is a failure
 pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")

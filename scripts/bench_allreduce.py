@@ -1,0 +1,125 @@
+"""All-reduce between tensor-parallel ranks on one CPU host: the shared-memory all-reduce against gloo,
+and end to end, scripts/bench.py's tpengine run at tp=2 against tp=1; each pair in the same run.
+
+Latency: --tp rank processes (one torch thread each) join one gloo group and one shared-memory
+all-reduce; for every size, rounds alternate --iters back-to-back float32 all-reduces through each;
+rank 0 reports the median microseconds per call (every call is a full synchronisation of the ranks).
+
+End to end (--end-to-end): scripts/bench.py's workload and model (defaults: 64 sequences of the CPU
+bench model, sampling at temperature 0.6), tpengine alone, timed at tp=1 and at tp=2 alternately
+--repeat times; the fastest run of each counts.
+
+    .venv/bin/python scripts/bench_allreduce.py                       # latency, 128 KB and 19 MB
+    .venv/bin/python scripts/bench_allreduce.py --end-to-end --repeat 3
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, SCRIPTS)
+import bench  # noqa: E402  scripts/bench.py: the end-to-end workload and its report helpers
+
+from tpengine.distributed.parallel_state import find_free_port  # noqa: E402
+from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="ranks for the latency runs (default 2)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[128 << 10, 19 << 20],
+                   help="tensor sizes in bytes (default: 128 KB, a decode step's; 19 MB, a long prefill's)")
+    p.add_argument("--iters", type=int, default=200, help="all-reduces per round and size (fewer for big sizes)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--slot-bytes", type=int, default=DEFAULT_SLOT_BYTES)
+    p.add_argument("--end-to-end", action="store_true", help="also time scripts/bench.py's run at tp=1 and tp=2")
+    p.add_argument("--repeat", type=int, default=2, help="end-to-end runs of each tp, alternating")
+    return p.parse_args(argv)
+
+
+def time_calls(all_reduce, tensor: torch.Tensor, iters: int) -> list[float]:
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        all_reduce(tensor)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def latency_rank(rank: int, args, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp)
+    shm, line = connect(rank, args.tp, dist.all_reduce, slot_bytes=args.slot_bytes)
+    assert shm is not None, line
+    for size in args.sizes:
+        tensor = torch.randn(size // 4)
+        iters = max(5, min(args.iters, args.iters * (1 << 20) // size))
+        times = {"shm": [], "gloo": []}
+        for _ in range(args.rounds):
+            for name, all_reduce in (("shm", shm.all_reduce), ("gloo", dist.all_reduce)):
+                time_calls(all_reduce, tensor, 3)  # warm
+                times[name] += time_calls(all_reduce, tensor, iters)
+        if rank == 0:
+            results.append((size, statistics.median(times["shm"]), statistics.median(times["gloo"])))
+    shm.close()
+    dist.destroy_process_group()
+
+
+def measure_latency(args) -> list[tuple[int, float, float]]:
+    with mp.Manager() as manager:
+        results = manager.list()
+        mp.spawn(latency_rank, args=(args, find_free_port(), results), nprocs=args.tp)
+        return list(results)
+
+
+def measure_end_to_end(repeat: int) -> dict[int, float]:
+    import tempfile
+    options = bench.parse_args(["--skip-hf"])
+    with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
+        model = bench.write_model("cpu", os.path.join(tmp, "model"))
+        from transformers import AutoConfig
+        prompts, output_lens = bench.make_workload(options, AutoConfig.from_pretrained(model).vocab_size)
+        useful = sum(output_lens)
+        best: dict[int, float] = {}
+        num_threads = torch.get_num_threads()
+        for round_ in range(repeat):
+            for tp in (1, 2):
+                options.tp = tp
+                seconds = bench.time_tpengine(options, model, prompts, output_lens)
+                torch.set_num_threads(num_threads)
+                best[tp] = min(best.get(tp, seconds), seconds)
+                print(f"[round {round_ + 1}/{repeat}] tp={tp}: {seconds:.2f}s ({useful / seconds:,.1f} tok/s), "
+                      f"load {bench.load_average()}", file=sys.stderr)
+    return {tp: useful / seconds for tp, seconds in best.items()}, useful
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_before = bench.load_average()
+    print(f"machine: {bench.machine_line('cpu', torch.get_num_threads())}")
+    print(f"revision {bench.git_revision()}; load average before {load_before}")
+    print(f"\nall-reduce latency, {args.tp} ranks, float32, slot {args.slot_bytes >> 10} KB, median µs per call:\n")
+    print("| size | shared memory | gloo | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for size, shm, gloo in measure_latency(args):
+        label = f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB" if size >= 1 << 10 else f"{size} B"
+        print(f"| {label} | {shm * 1e6:,.1f} | {gloo * 1e6:,.1f} | {gloo / shm:.1f}x |")
+    if args.end_to_end:
+        rates, useful = measure_end_to_end(args.repeat)
+        print(f"\nend to end, scripts/bench.py --skip-hf workload ({useful} output tokens), best of {args.repeat}:\n")
+        print("| tp | output tok/s |")
+        print("|---:|---:|")
+        for tp, tok_s in rates.items():
+            print(f"| {tp} | {tok_s:,.1f} |")
+        print(f"\ntp=2 / tp=1: {rates[2] / rates[1]:.2f}x")
+    print(f"\nload average after {bench.load_average()}")
+
+
+if __name__ == "__main__":
+    main()
