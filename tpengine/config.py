@@ -23,7 +23,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     attention_backend: str = "auto"
-    seed: int = 0
+    seed: int | None = 0                        # unseeded sampled requests draw from a generator seeded by it; None: random
     # a worker that takes longer than this over one step is taken for stuck (stopped, a wedged kernel
     # or host): every rank is stopped and the step fails with WorkerFailedError naming it
     step_timeout_s: float = 300.0
@@ -39,6 +39,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         block_size = self.kvcache_block_size
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.num_kvcache_blocks is not None:
             positive("num_kvcache_blocks")
         if self.dtype not in DTYPES:

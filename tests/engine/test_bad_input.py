@@ -28,7 +28,7 @@ def test_bad_request_raises_value_error_and_others_still_finish(llm, tiny_model,
         llm.add_request(prompt, params)
     outputs = {}
     while llm.has_unfinished_requests():
-        for out in llm.step()[0]:
+        for out in llm.step():
             outputs[out.request_id] = out
     assert sorted(outputs) == sorted(ids)
     assert [outputs[i].token_ids for i in ids] == hf_greedy(tiny_model, good, GREEDY.max_tokens)

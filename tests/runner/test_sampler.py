@@ -2,9 +2,16 @@
 import torch
 
 from tpengine import SamplingParams
+from tpengine.engine.sequence import Sequence
 from tpengine.runner.sampler import Sampler
 
-sampler = Sampler()
+_sampler = Sampler(seed=None)
+
+
+def sampler(logits, params, positions):
+    """Token ids for rows with these params, each row keyed by its position."""
+    seqs = [Sequence([1] * (n + 1), p) for p, n in zip(params, positions)]
+    return _sampler(logits, seqs).token_ids
 
 
 def random_logits(batch, vocab=50, seed=0):

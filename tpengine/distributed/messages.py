@@ -9,6 +9,7 @@ class PrefillSeq(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]        # only the tokens scheduled this step (a chunk, after any cached prefix)
     num_cached_tokens: int      # tokens before the chunk whose K/V is already in the cache
     block_table: list[int]
+    copy_source_block: int = -1  # >= 0: first copy that block's K/V into the last of block_table (a forked completion)
 
 
 class DecodeSeq(msgspec.Struct, array_like=True, gc=False):
@@ -48,7 +49,7 @@ def slim_step(seqs, is_prefill: bool) -> StepMessage:
     if is_prefill:
         return StepMessage(prefill=[
             PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
-                       seq.num_cached_tokens, seq.block_table)
+                       seq.num_cached_tokens, seq.block_table, seq.copy_source_block)
             for seq in seqs], decode=[])
     return StepMessage(prefill=[], decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table)
                                            for seq in seqs])

@@ -137,6 +137,19 @@ class BlockManager:
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
+    def fork(self, child: Sequence, parent: Sequence) -> None:
+        """Give child (another completion of parent's prompt) the prompt's K/V without computing it again:
+        the full blocks before the last prompt token are shared; the block holding that token is copied
+        into a new one (child.copy_source_block), where the child recomputes the token for its own logits."""
+        assert not child.block_table and child.num_tokens == parent.num_prompt_tokens and self.free_block_ids
+        last = (parent.num_prompt_tokens - 1) // self.block_size
+        for block_id in parent.block_table[:last]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.block_table.append(self._allocate_block())
+        child.copy_source_block = parent.block_table[last]
+        child.num_cached_tokens = parent.num_prompt_tokens - 1
+
     def can_append(self, seq: Sequence) -> bool:
         # A new block is needed only when the token to compute is the first of a block.
         return len(self.free_block_ids) >= (seq.num_tokens % self.block_size == 1)

@@ -1,12 +1,16 @@
-"""Rank 0's driver: requests in, scheduled steps out to the executor, finished outputs back."""
+"""Rank 0's driver: requests in, scheduled steps out to the executor, per-request outputs back."""
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence as SequenceLike
+from itertools import count
 
 from tqdm.auto import tqdm
 
 from tpengine.config import EngineConfig, load_hf_config
+from tpengine.engine.detokenizer import Detokenizer
+from tpengine.engine.inputs import parse_prompt, prompt_list
+from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.outputs import RequestOutput
@@ -47,6 +51,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(model)
         eos_token_ids = _eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
+        self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
         if config.tensor_parallel_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -58,97 +63,195 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching)
-        self._prompts: dict[int, str | list[int]] = {}
+        self._request_ids = count()
+        self._requests: dict[int, Request] = {}
+        self._num_per_step_requests = 0     # live requests that need work every step (text, stops, logprobs)
+        self._pending: dict[int, RequestOutput] = {}  # outputs the next step() reports first (generate, abort)
+        self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
+        self.generation_tokens_total = 0    # tokens sampled
+
+    # --- metrics (cheap: read by a server every scrape) ---------------------------------------------
+
+    @property
+    def num_requests_running(self) -> int:
+        """Completions being decoded (each of a request's n counts)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_requests_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks in use, 0..1."""
+        manager = self.scheduler.block_manager
+        return 1.0 - manager.num_free_blocks / manager.num_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     # --- requests -------------------------------------------------------------------------------
 
-    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
+    def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool) -> Request:
+        """Validate one request and build it; nothing is queued (so a bad one leaves no trace)."""
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        params = sampling_params
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none: use stop_token_ids")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        prompt, token_ids = parse_prompt(prompt, self.tokenizer)
         if not token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
         for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        block_size = self.config.kvcache_block_size
+        seqs = [Sequence(token_ids, params, block_size=block_size)]
+        for i in range(1, params.n):  # child i samples with seed + i: reproducible, and distinct from its siblings
+            child_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0]))
+        return Request(next(self._request_ids), prompt, token_ids, params, seqs, self.detokenizer, stream)
 
-    def _make_sequence(self, prompt: str | list[int], sampling_params: SamplingParams) -> Sequence:
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        token_ids = self._prompt_token_ids(prompt)
-        self.scheduler.check_fits(len(token_ids), sampling_params.max_tokens)
-        return Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
+    def _queue(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = request
+        self._num_per_step_requests += request.per_step
 
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams = SamplingParams()) -> int:
-        """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input."""
-        seq = self._make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        self._prompts[seq.seq_id] = prompt
-        return seq.seq_id
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = True) -> int:
+        """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input.
+        step() reports it every step it gets a token (stream=True), or once, when it finishes."""
+        request = self._make_request(prompt, sampling_params, stream)
+        self._queue(request)
+        return request.request_id
 
     def abort(self, request_id: int) -> RequestOutput | None:
-        seq = self.scheduler.abort(request_id)
-        return None if seq is None else self._output(seq)
+        """Stop a request now; returns its final output (the next step() reports it too), or None if it is not live."""
+        output = self._abort(request_id)
+        if output is not None:
+            self._pending[request_id] = output
+        return output
+
+    def _abort(self, request_id: int) -> RequestOutput | None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished and self.scheduler.abort(seq.seq_id) is not None:
+                request.on_finish(seq)
+        self._num_per_step_requests -= request.per_step
+        return request.output()
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        return not self.scheduler.is_finished() or bool(self._pending)
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def step(self) -> tuple[list[RequestOutput], int]:
-        """Run one scheduled step. Returns the requests that finished and the number of tokens
-        computed: positive for a prefill step, negative (minus the batch size) for a decode step."""
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step. Returns one cumulative RequestOutput for every request that got a token,
+        finished or was aborted since the last step() (finished=True on its last one)."""
+        outputs, _ = self._step()
+        if self._pending:
+            pending, self._pending = self._pending, {}
+            for output in outputs:
+                pending[output.request_id] = output  # newer: it holds everything the older one did
+            outputs = list(pending.values())
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], int]:
+        """One step; its outputs and the tokens it computed (positive: prefill, negative: -decode batch)."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             # add() admits only requests that fit the cache alone, so with work queued something runs
             assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.executor.execute(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        return [self._output(seq) for seq in finished], num_tokens
+        sampled = self.executor.execute(seqs, is_prefill)
+        if is_prefill:
+            self.prompt_tokens_total += num_tokens
+            for seq in seqs:
+                seq.copy_source_block = -1  # the forks' copies were sent with this step
+        finished = self.scheduler.postprocess(seqs, sampled.token_ids)
+        if is_prefill:
+            self.generation_tokens_total += sum(1 for seq in seqs if seq.num_tokens > seq.num_prompt_tokens)
+        else:
+            self.generation_tokens_total += len(seqs)
+        touched: dict[int, Request] = {}
+        if self._num_per_step_requests:
+            self._process_tokens(seqs, sampled.logprobs, touched)
+        else:  # no request reads anything before its end: only the finished ones need work
+            for seq in finished:
+                self._process_finished(seq, touched)
+        return [request.output() for request in touched.values() if request.stream or request.finished], num_tokens
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
-        text = None if self.tokenizer is None else self.tokenizer.decode(completion, skip_special_tokens=True)
-        return RequestOutput(
-            request_id=seq.seq_id, prompt=self._prompts.pop(seq.seq_id, None),
-            prompt_token_ids=seq.prompt_token_ids, token_ids=completion, text=text,
-            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_prompt_cached_tokens, 0))
+    def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
+        # once per scheduled sequence per step: attribute tests only for a request that needs nothing
+        for i, seq in enumerate(seqs):
+            request = seq.request
+            if seq.finish_reason is not None:  # finished in this step
+                if request.per_step and seq.finish_reason != "abort":
+                    stop = request.on_token(seq, logprobs[i])
+                    if stop is not None:  # its last token (max_tokens) completed a stop string
+                        seq.finish_reason, seq.stop_reason = "stop", stop
+                self._process_finished(seq, touched)
+            elif request.per_step and seq.num_cached_tokens == seq.num_tokens - 1:  # it got a token
+                stop = request.on_token(seq, logprobs[i])
+                if stop is None:
+                    touched[request.request_id] = request
+                else:
+                    self.scheduler.finish(seq, "stop", stop)  # frees its blocks now
+                    self._process_finished(seq, touched)
 
-    def generate(self, prompts: SequenceLike, sampling_params: SamplingParams | SequenceLike = SamplingParams(),
+    def _process_finished(self, seq: Sequence, touched: dict[int, Request]) -> None:
+        request = seq.request
+        request.on_finish(seq)
+        touched[request.request_id] = request
+        if request.finished:
+            del self._requests[request.request_id]
+            self._num_per_step_requests -= request.per_step
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        Every prompt is checked before any is queued: one bad prompt raises ValueError naming it,
-        and nothing is left half-run.
+        A prompt is a string, a list of token ids, a 1-D integer torch/numpy array, or a dict with 'prompt' or 'prompt_token_ids'; prompts is one prompt or an iterable of them. Every prompt is
+        checked before any is queued: one bad prompt raises ValueError naming it, and nothing is left
+        half-run. Requests queued before with add_request keep running; their outputs wait for step().
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if isinstance(sampling_params, SamplingParams):
+        prompts = prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        seqs = []
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        else:
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                             f"got {type(sampling_params).__name__}")
+        requests = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
-                seqs.append(self._make_sequence(prompt, params))
+                requests.append(self._make_request(prompt, params, stream=False))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        for prompt, seq in zip(prompts, seqs):
-            self.scheduler.add(seq)
-            self._prompts[seq.seq_id] = prompt
+        for request in requests:
+            self._queue(request)
+        own = {request.request_id for request in requests}
         outputs: dict[int, RequestOutput] = {}
-        progress = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        progress = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
-            while self.has_unfinished_requests():
+            while len(outputs) < len(requests):
                 started = time.perf_counter()
-                finished, num_tokens = self.step()
+                step_outputs, num_tokens = self._step()
                 elapsed = time.perf_counter() - started
                 if num_tokens > 0:
                     prefill_rate = num_tokens / elapsed
@@ -156,17 +259,19 @@ class LLMEngine:
                     decode_rate = -num_tokens / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
-                for output in finished:
-                    outputs[output.request_id] = output
-                    progress.update(1)
+                for output in step_outputs:
+                    if output.request_id in own:
+                        outputs[output.request_id] = output
+                        progress.update(1)
+                    else:  # someone else's request: step() hands it out
+                        self._pending[output.request_id] = output
         except BaseException:
-            for seq in seqs:  # leave the engine clean for the next call
-                self.scheduler.abort(seq.seq_id)
-                self._prompts.pop(seq.seq_id, None)
+            for request in requests:  # leave the engine clean for the next call
+                self._abort(request.request_id)
             raise
         finally:
             progress.close()
-        return [outputs[seq.seq_id] for seq in seqs]
+        return [outputs[request.request_id] for request in requests]
 
     # --- lifetime -------------------------------------------------------------------------------
 

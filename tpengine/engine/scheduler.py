@@ -59,6 +59,18 @@ class Scheduler:
         num_running = len(self.running)
         while self.waiting and num_running + len(scheduled) < self.max_num_seqs and token_budget > 0:
             seq = self.waiting[0]
+            if not seq.block_table and seq.parent is not None:
+                parent = seq.parent
+                if parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens:
+                    if not block_manager.free_block_ids:
+                        break
+                    block_manager.fork(seq, parent)
+                    seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
+                    seq.parent = None
+                elif not parent.is_finished:
+                    break  # its parent's prompt is being computed: wait for it, then fork it
+                else:
+                    seq.parent = None  # nothing left to fork: prefill as any request (prefix hits apply)
             if not seq.block_table:
                 num_cached_blocks = block_manager.can_allocate(seq)
                 if num_cached_blocks == -1:
@@ -137,20 +149,27 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if num_cached_tokens < seq.num_tokens:
                 continue  # a chunk of prefill that did not reach the last token: nothing sampled
+            if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
+                self.finish(seq, "abort")
+                finished.append(seq)
+                continue
             seq.append_token(token_id)
             # add() folded EOS and max_model_len into these two fields.
-            if token_id in seq.eos_and_stop_token_ids:
-                seq.finish_reason = "stop"
+            if token_id in seq.eos_and_stop_token_ids and seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens:
+                # a stop token the user listed is the reason; EOS has none
+                self.finish(seq, "stop", token_id if token_id in seq.sampling_params.stop_token_ids else None)
             elif seq.num_tokens >= seq.max_num_tokens:
-                seq.finish_reason = "length"
+                self.finish(seq, "length")
             else:
                 continue
-            self._finish(seq)
             finished.append(seq)
         return finished
 
-    def _finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a running sequence now and free its blocks (also for a stop string the engine matched)."""
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
         self.block_manager.deallocate(seq)
         self.running.remove(seq)
 

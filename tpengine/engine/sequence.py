@@ -20,11 +20,12 @@ class Sequence:
         "seq_id", "block_size", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
-        "num_prompt_cached_tokens", "finish_reason",
+        "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
+        "copy_source_block", "request",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
-                 block_size: int | None = None):
+                 block_size: int | None = None, *, index: int = 0, parent: "Sequence | None" = None):
         self.seq_id = next(Sequence.counter)
         self.block_size = block_size or Sequence.default_block_size
         self.status = SequenceStatus.WAITING
@@ -45,6 +46,14 @@ class Sequence:
         self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
         self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.min_tokens = sampling_params.min_tokens
+        self.index = index                  # which of its request's n completions
+        # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
+        # of computing the prompt again. Cleared once they have blocks of their own.
+        self.parent = parent
+        self.copy_source_block = -1         # a fork's first step copies this block into its last one
+        self.request = None                 # the engine's per-request state; the ledger never reads it
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -3,7 +3,7 @@ from tpengine.config import EngineConfig
 from tpengine.distributed.messages import StepMessage, slim_step
 from tpengine.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup, resolve_device
 from tpengine.runner.model_runner import ModelRunner
-from tpengine.runner.sampler import Sampler
+from tpengine.runner.sampler import Sampler, SamplerOutput
 
 
 class Executor:
@@ -12,7 +12,7 @@ class Executor:
     def __init__(self, config: EngineConfig, group: TensorParallelGroup = SINGLE_RANK, device=None):
         self.config = config
         self.runner = ModelRunner(config, group, device or resolve_device(config.device))
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -21,11 +21,11 @@ class Executor:
     def send_to_workers(self, step: StepMessage) -> None:
         """Hand the step to the other ranks before rank 0 runs its own part."""
 
-    def execute(self, seqs, is_prefill: bool) -> list[int]:
+    def execute(self, seqs, is_prefill: bool) -> SamplerOutput:
         step = slim_step(seqs, is_prefill)
         self.send_to_workers(step)
         logits = self.runner.execute(step)
-        return self.sampler(logits, [seq.sampling_params for seq in seqs], [seq.num_tokens for seq in seqs])
+        return self.sampler(logits, seqs)
 
     def shutdown(self) -> None:
         pass

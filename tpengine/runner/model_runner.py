@@ -267,12 +267,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepMessage) -> torch.Tensor | None:
         """Run one step; rank 0 gets the logits of each sequence's last token, other ranks None."""
+        if step.is_prefill:
+            self._copy_forked_blocks(step)
         passes = self.prefill_passes(step) if step.is_prefill and self.prefill_pass_tokens else None
         if passes is None or len(passes) == 1:
             return self._run(step)
         # every rank splits the step the same way, so the collectives inside each pass line up
         logits = [self._run(piece, ends) for piece, ends in passes]
         return torch.cat(logits) if self.rank == 0 else None
+
+    def _copy_forked_blocks(self, step: StepMessage) -> None:
+        # Before any forward pass writes: a forked completion's source block may be freed and reused this step.
+        copies = [(seq.copy_source_block, seq.block_table[-1]) for seq in step.prefill if seq.copy_source_block >= 0]
+        if copies:
+            source, target = self._tensor([c[0] for c in copies]), self._tensor([c[1] for c in copies])
+            self.kv_cache.index_copy_(2, target, self.kv_cache.index_select(2, source))
 
     def prefill_passes(self, step: StepMessage) -> list[tuple[StepMessage, list[int]]]:
         """The prefill step as passes of at most prefill_pass_tokens tokens, a long chunk split across

@@ -1,73 +1,164 @@
-"""Token sampling on rank 0: greedy, temperature, top-k, top-p, min-p, and per-request seeds."""
+"""Token sampling on rank 0: penalties, min_tokens, greedy or filtered sampling, logprobs, and seeds.
+
+Per step the host sends the device only small tensors, each by one pinned non-blocking copy (the
+random numbers included: they are drawn on the host), and waits on the device once, for the result.
+"""
+from typing import NamedTuple
+
 import torch
 
 from tpengine.layers.compile import compiled_on_cuda
-from tpengine.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
+_MASK64 = (1 << 64) - 1
 
 
-def _noise_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
-    # Stateless: a seeded request's draw depends only on its seed and how many tokens it has,
-    # so its tokens are the same whatever else shares the batch, and after a preemption.
-    return torch.Generator(device).manual_seed((seed * _SEED_STRIDE + position) % (1 << 63))
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (seed, position): a seeded request gets the same
+    tokens whatever shares its batch, after a preemption, and on any device (splitmix64 on the host)."""
+    z = (seed * _SEED_STRIDE + position) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * (1.0 / (1 << 53))
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]                          # -1 for a row with no finite distribution (NaN logits)
+    logprobs: list[dict[int, float] | None]       # per row: token id -> log-probability, None unless asked
+
+
+def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(map(len, rows)))
+    return _to_device([row + [pad] * (width - len(row)) for row in rows], torch.int64, device)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-        """logits: [batch, vocab]; positions[i]: how many tokens sequence i has (keys its seeded draw)."""
-        logits = logits.float()
+    def __init__(self, seed: int | None = None):
+        # Unseeded sampled rows draw from this host generator: the engine's seed makes a run repeatable.
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs) -> SamplerOutput:
+        """logits: [batch, vocab] for seqs (rank 0's Sequences: their params, tokens and counts)."""
+        device = logits.device
+        params = [seq.sampling_params for seq in seqs]
+        raw = logits.float()
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # float32 log-softmax of the raw logits (vLLM's default), only for rows that asked
+        raw_logprobs = raw[_to_device(logprob_rows, torch.int64, device)].log_softmax(-1) if logprob_rows else None
+        logits = self._penalized(raw, seqs, params)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not random_rows:
-            return logits.argmax(dim=-1).tolist()
-        if len(random_rows) == len(params):
-            return self._draw(logits, params, positions)
-        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
-        token_ids = [0] * len(params)
-        for rows, ids in (
-            (greedy_rows, self._rows(logits, greedy_rows).argmax(dim=-1).tolist()),
-            (random_rows, self._draw(self._rows(logits, random_rows), [params[i] for i in random_rows],
-                                     [positions[i] for i in random_rows])),
-        ):
-            for i, token in zip(rows, ids):
-                token_ids[i] = token
-        return token_ids
+        token_ids = logits.argmax(dim=-1)
+        # NaN anywhere in a row makes argmax pick it; an all -inf row picks -inf: neither is a token
+        valid = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).isfinite()
+        if random_rows:
+            rows = _to_device(random_rows, torch.int64, device)
+            picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows])
+            token_ids.index_copy_(0, rows, picked)
+            valid.index_copy_(0, rows, picked_valid)
+        token_ids = torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
+        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        if logprob_rows:
+            self._gather_logprobs(raw_logprobs, logprob_rows, params, token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs)
 
     @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        return logits[torch.tensor(rows, device=logits.device)]
+    def _gather_logprobs(raw_logprobs, rows, params, token_ids, out) -> None:
+        device = raw_logprobs.device
+        sampled = _to_device([max(token_ids[i], 0) for i in rows], torch.int64, device)
+        sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+        k = max(params[i].logprobs for i in rows)
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        top_lp = top_lp.tolist() if k else None
+        top_ids = top_ids.tolist() if k else None
+        for j, i in enumerate(rows):
+            if token_ids[i] < 0:
+                continue
+            n = params[i].logprobs
+            entry = dict(zip(top_ids[j][:n], top_lp[j][:n])) if n else {}
+            entry[token_ids[i]] = sampled_lp[j]
+            out[i] = entry
 
-    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
+    @staticmethod
+    def _penalized(logits: torch.Tensor, seqs, params) -> torch.Tensor:
+        """Repetition (prompt + generated, transformers' definition), frequency and presence (generated)
+        penalties, then min_tokens: a completion shorter than it cannot sample its stop tokens."""
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        short_rows = [i for i, seq in enumerate(seqs)
+                      if seq.min_tokens and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens]
+        if not penalty_rows and not short_rows:
+            return logits
+        device, vocab = logits.device, logits.size(1)
+        logits = logits.clone()
+        if penalty_rows:
+            rows = _to_device(penalty_rows, torch.int64, device)
+            # padded with an extra column `vocab` that is dropped: one scatter for every row
+            padded = _padded([seqs[i].token_ids for i in penalty_rows], vocab, device)
+            generated = _padded([seqs[i].token_ids[seqs[i].num_prompt_tokens:] for i in penalty_rows], vocab, device)
+            counts = torch.zeros(len(penalty_rows), vocab + 1, device=device).scatter_add_(
+                1, generated, torch.ones_like(generated, dtype=torch.float32))[:, :vocab]
+            seen = torch.zeros(len(penalty_rows), vocab + 1, dtype=torch.bool, device=device).scatter_(
+                1, padded, True)[:, :vocab]
+            rep = _to_device([params[i].repetition_penalty for i in penalty_rows], torch.float32, device).unsqueeze(1)
+            freq = _to_device([params[i].frequency_penalty for i in penalty_rows], torch.float32, device).unsqueeze(1)
+            pres = _to_device([params[i].presence_penalty for i in penalty_rows], torch.float32, device).unsqueeze(1)
+            rows_logits = logits[rows]
+            rows_logits = torch.where(seen, torch.where(rows_logits < 0, rows_logits * rep, rows_logits / rep),
+                                      rows_logits)
+            rows_logits = rows_logits - freq * counts - pres * (counts > 0)
+            logits[rows] = rows_logits
+        if short_rows:
+            pairs = [(i, t) for i in short_rows for t in seqs[i].eos_and_stop_token_ids if t < vocab]
+            if pairs:
+                logits[_to_device([r for r, _ in pairs], torch.int64, device),
+                       _to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
+        return logits
+
+    def _draw(self, logits: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from its filtered distribution, by inverse CDF: one uniform draw per row
         picks the token whose slice of the cumulative distribution holds it. float64 keeps the slices
         of unlikely tokens exact over a large vocabulary. (An exponential race needs a draw per
-        vocabulary entry: 13x the time on the CPU, docs/benchmarks.md.)"""
+        vocabulary entry: 13x the time on the CPU, docs/benchmarks.md.) Also returns which rows had a
+        distribution at all."""
         device = logits.device
+        params = [seq.sampling_params for seq in seqs]
         cdf = self._filtered_probs(logits, params).cumsum(dim=-1, dtype=torch.float64)
-        uniform = torch.rand(len(params), 1, dtype=torch.float64, device=device)
-        for row, (p, position) in enumerate(zip(params, positions)):
-            if p.seed is not None:  # its own stream: the same tokens whatever else is in the batch
-                uniform[row] = torch.rand(1, dtype=torch.float64, device=device,
-                                          generator=_noise_generator(p.seed, position, device))
+        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None:
+                uniform[row] = seeded_uniform(seq.sampling_params.seed, seq.num_tokens)
+        if device.type != "cpu":
+            uniform = uniform.pin_memory().to(device, non_blocking=True)
+        total = cdf[:, -1:]
         # right side: the first token whose cumulative mass exceeds the draw, so a token filtered
         # to probability 0 (an empty slice) is never picked
-        picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=cdf.size(1) - 1)
-        return picked.squeeze(1).tolist()
+        picked = torch.searchsorted(cdf, uniform.unsqueeze(1) * total, right=True).clamp_(max=cdf.size(1) - 1)
+        valid = (total.squeeze(1) > 0) & total.squeeze(1).isfinite()
+        return picked.squeeze(1), valid
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         # Which limits any row sets is decided here, in Python: no tensor work for an unused filter,
         # and no data-dependent branch inside the compiled math.
         device = logits.device
-        temperatures = torch.tensor([p.temperature for p in params], device=device)
+        temperatures = _to_device([p.temperature for p in params], torch.float32, device)
         top_ks = top_ps = min_ps = None
         if any(p.top_k != -1 for p in params):
             vocab = logits.size(1)
-            top_ks = torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device)
+            top_ks = _to_device([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], torch.int64, device)
         if any(p.top_p < 1.0 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], device=device)
+            top_ps = _to_device([p.top_p for p in params], torch.float32, device)
         if any(p.min_p > 0.0 for p in params):
-            min_ps = torch.tensor([p.min_p for p in params], device=device)
+            min_ps = _to_device([p.min_p for p in params], torch.float32, device)
         return filtered_probs(logits, temperatures, top_ks, top_ps, min_ps)
 
 

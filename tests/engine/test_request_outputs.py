@@ -1,0 +1,111 @@
+"""step() and generate() outputs as vLLM users read them: cumulative per-step outputs, n completions
+sharing the prompt's blocks, abort mid-stream, requests of others left to step(), the engine seed."""
+import pytest
+
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tpengine import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+VOCAB = TP_MODEL["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+def run_steps(llm) -> list[list[RequestOutput]]:
+    steps = []
+    while llm.has_unfinished_requests():
+        steps.append(llm.step())
+    return steps
+
+
+def test_step_reports_every_request_that_got_a_token_cumulatively(llm, tiny_model):
+    prompts = random_prompts(0, [5, 23], VOCAB)
+    ids = [llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+           for p, n in zip(prompts, (3, 6))]
+    seen = {i: [] for i in ids}
+    for outputs in run_steps(llm):
+        for out in outputs:
+            seen[out.request_id].append(out)
+    expected = hf_greedy(tiny_model, prompts, 6)
+    for request_id, n, ref in zip(ids, (3, 6), expected):
+        history = seen[request_id]
+        assert [len(o.outputs[0].token_ids) for o in history] == list(range(1, n + 1))
+        assert [o.finished for o in history] == [False] * (n - 1) + [True]
+        assert all(isinstance(o.outputs[0], CompletionOutput) and o.outputs[0].index == 0 for o in history)
+        assert history[-1].token_ids == ref[:n] and history[-1].finish_reason == "length"
+        assert [o.finish_reason for o in history[:-1]] == [None] * (n - 1)
+
+
+def test_generate_leaves_requests_added_before_to_step(llm, tiny_model):
+    first, second = random_prompts(1, [9, 12], VOCAB)
+    request_id = llm.add_request(first, GREEDY)
+    [out] = llm.generate([second], GREEDY, use_tqdm=False)
+    assert out.token_ids == hf_greedy(tiny_model, [second], GREEDY.max_tokens)[0]
+    assert llm.has_unfinished_requests()
+    final = [o for outputs in run_steps(llm) for o in outputs if o.request_id == request_id]
+    assert final[-1].finished and final[-1].token_ids == hf_greedy(tiny_model, [first], GREEDY.max_tokens)[0]
+
+
+def test_abort_in_the_middle_of_a_stream_ends_it_and_frees_its_blocks(llm):
+    request_id = llm.add_request(random_prompts(2, [30], VOCAB)[0], SamplingParams(temperature=0.0, max_tokens=50))
+    for _ in range(4):
+        llm.step()
+    assert llm.kv_cache_usage > 0 and llm.num_requests_running == 1
+    aborted = llm.abort(request_id)
+    assert aborted.finished and aborted.finish_reason == "abort" and len(aborted.token_ids) == 4
+    assert llm.kv_cache_usage == 0.0 and llm.num_requests_running == 0
+    assert [o.request_id for o in llm.step()] == [request_id]  # the next step reports the abort
+    assert not llm.has_unfinished_requests() and llm.abort(request_id) is None
+
+
+@pytest.mark.parametrize("prompt_len", [40, 48, 49])  # last block partly filled, exactly full, one token in
+def test_n_greedy_completions_share_the_prompt_kv_and_each_matches_transformers(llm, tiny_model, prompt_len):
+    prompt = random_prompts(3, [prompt_len], VOCAB)[0]
+    before = llm.prompt_tokens_total
+    [out] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=3),
+                         use_tqdm=False)
+    # the prompt is computed once; each other completion recomputes only its last token in a copied block
+    assert llm.prompt_tokens_total - before <= prompt_len + 2
+    expected = hf_greedy(tiny_model, [prompt], 8)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in out.outputs] == [expected] * 3
+
+
+def test_seeded_n_is_reproducible_distinct_and_child_i_uses_seed_plus_i(llm):
+    prompt = random_prompts(4, [20], VOCAB)[0]
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=4, seed=11)
+    [first] = llm.generate([prompt], params, use_tqdm=False)
+    [again] = llm.generate([prompt], params, use_tqdm=False)
+    completions = [c.token_ids for c in first.outputs]
+    assert completions == [c.token_ids for c in again.outputs]
+    assert len({tuple(c) for c in completions}) == 4
+    singles = llm.generate([prompt] * 4, [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=11 + i)
+                                          for i in range(4)], use_tqdm=False)
+    assert [s.token_ids for s in singles] == completions
+
+
+def test_metrics_count_tokens_and_report_cache_use(llm):
+    prompt_before, generated_before = llm.prompt_tokens_total, llm.generation_tokens_total
+    llm.generate([[1] * 10, [2] * 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert llm.generation_tokens_total - generated_before == 10
+    assert 0 < llm.prompt_tokens_total - prompt_before <= 17
+    assert llm.kv_cache_usage == 0.0 and llm.num_requests_waiting == 0 and llm.num_preemptions >= 0
+
+
+def test_engine_seed_makes_unseeded_sampling_repeatable(tiny_model):
+    prompts = random_prompts(5, [6, 9], VOCAB)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    texts = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=128, seed=seed) as engine:
+            texts[name] = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+            # a per-request seed wins over the engine's
+            [seeded] = engine.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True,
+                                                                   seed=99), use_tqdm=False)
+            texts[name + "-seeded"] = seeded.token_ids
+    assert texts["a"] == texts["b"] and texts["a"] != texts["c"]
+    assert texts["a-seeded"] == texts["b-seeded"] == texts["c-seeded"]

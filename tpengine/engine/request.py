@@ -1,0 +1,83 @@
+"""One request on rank 0: its n completions (Sequences), their text, logprobs, and what step() reports."""
+from tpengine.engine.detokenizer import Detokenizer, IncrementalText
+from tpengine.engine.sequence import Sequence
+from tpengine.outputs import CompletionOutput, RequestOutput
+from tpengine.sampling_params import SamplingParams
+
+
+class Request:
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "per_step",
+                 "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished")
+
+    def __init__(self, request_id: int, prompt, prompt_token_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], detokenizer: Detokenizer | None, stream: bool):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.stream = stream                # report every step (cumulative), or only when finished
+        self.detokenizer = detokenizer
+        # Text is grown every step only where someone reads it before the end: a stream or stop strings.
+        self.per_step = stream or bool(params.stop) or params.logprobs is not None
+        track_text = detokenizer is not None and (stream or bool(params.stop))
+        self.texts = [IncrementalText(detokenizer, params, prompt_token_ids) if track_text else None for _ in seqs]
+        self.num_decoded = [len(prompt_token_ids)] * len(seqs)   # per completion: tokens already in its text
+        self.logprobs = None if params.logprobs is None else [[] for _ in seqs]
+        self.cumulative_logprobs = [0.0] * len(seqs)
+        self.num_unfinished = len(seqs)
+        for seq in seqs:
+            seq.request = self
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def on_token(self, seq: Sequence, logprobs: dict[int, float] | None) -> str | None:
+        """seq got a token this step (it may have finished with it); returns a stop string it now ends with."""
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs[seq.index].append(logprobs)
+            self.cumulative_logprobs[seq.index] += logprobs[seq.last_token]
+        text = self.texts[seq.index]
+        if text is None:
+            return None
+        end = self._text_end(seq)
+        start, self.num_decoded[seq.index] = self.num_decoded[seq.index], end
+        return text.append(seq.token_ids, start, end, match_stop=seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
+
+    def on_finish(self, seq: Sequence) -> None:
+        """seq finished (by any reason): complete its text."""
+        self.num_unfinished -= 1
+        if self.detokenizer is None or isinstance(seq.stop_reason, str):
+            return  # no text, or a stop string already cut it
+        text = self.texts[seq.index]
+        if text is None:  # a final-only request without stop strings: its text is made once, here
+            text = self.texts[seq.index] = IncrementalText(self.detokenizer, self.params, self.prompt_token_ids)
+        end = self._text_end(seq)
+        text.append(seq.token_ids, self.num_decoded[seq.index], end, match_stop=False)
+        self.num_decoded[seq.index] = end
+        text.finish()
+
+    def _text_end(self, seq: Sequence) -> int:
+        # A stop token ends the text before it (vLLM), unless the stop is asked for in the output.
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and \
+                not self.params.include_stop_str_in_output:
+            return seq.num_tokens - 1
+        return seq.num_tokens
+
+    def output(self) -> RequestOutput:
+        """Everything so far (cumulative); a running completion's text holds back a possible stop-string start."""
+        completions = []
+        for seq, text in zip(self.seqs, self.texts):
+            if text is None:
+                text_so_far = None if self.detokenizer is None else ""
+            else:
+                text_so_far = text.text if seq.is_finished else text.visible_text
+            completions.append(CompletionOutput(
+                index=seq.index, text=text_so_far, token_ids=seq.completion_token_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=None if self.logprobs is None else list(self.logprobs[seq.index]),
+                cumulative_logprob=None if self.logprobs is None else self.cumulative_logprobs[seq.index]))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=completions, finished=self.finished,
+                             num_cached_tokens=max(self.seqs[0].num_prompt_cached_tokens, 0))
