@@ -1,7 +1,5 @@
-"""Triton kernels for the paged KV cache and attention."""
+"""Triton kernels for the paged KV cache and attention, one module each.
 
-from .paged_decode_attention import paged_decode_attention
-from .paged_prefill_attention import paged_prefill_attention
-from .store_kvcache import store_kvcache
-
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kvcache"]
+Nothing is imported here: the flash-attn backend takes only the store kernel, which runs on any
+Triton, while the attention kernels need triton.knobs (Triton >= 3.4).
+"""

@@ -1,6 +1,10 @@
 """Which attention backend a setting means on which device, and the errors that name what is missing."""
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -92,6 +96,85 @@ def test_auto_on_cuda_picks_flash_attn_where_it_can_run(flash_attn_installed):
 @pytest.mark.parametrize("block_size, dtype", [(16, torch.bfloat16), (256, torch.float32)])
 def test_auto_on_cuda_falls_back_to_triton_where_flash_attn_cannot_run(block_size, dtype, flash_attn_installed):
     assert resolve_backend_name("auto", CUDA, block_size, dtype) == "triton"
+
+
+@pytest.fixture
+def triton_without_knobs(monkeypatch):
+    """As if the installed Triton were older than 3.4: `from triton import knobs` fails."""
+    import triton
+    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.setitem(sys.modules, "triton.knobs", None)
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_older_than_3_4_raises_naming_the_version(triton_without_knobs):
+    with pytest.raises(ValueError, match=r"attention_backend='triton' needs triton >= 3\.4.*found"):
+        resolve_backend_name("triton", CUDA, 16, torch.float32)
+
+
+def test_triton_missing_raises_naming_the_package(no_triton):
+    with pytest.raises(ValueError, match="attention_backend='triton' needs the triton package"):
+        resolve_backend_name("triton", CUDA, 16, torch.float32)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("broken", ["triton_without_knobs", "no_triton"])
+def test_auto_on_cuda_without_a_usable_triton_falls_back_to_torch_and_says_why(broken, request, caplog):
+    request.getfixturevalue(broken)
+    with caplog.at_level(logging.WARNING, logger="tpengine"):
+        assert resolve_backend_name("auto", CUDA, 16, torch.bfloat16) == "torch"
+    assert "attention backend 'triton' needs" in caplog.text
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_on_cpu_without_the_interpreter_raises_naming_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend='triton' runs on the CPU only in .*TRITON_INTERPRET=1"):
+        resolve_backend_name("triton", CPU, 16, torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend_name("triton", CPU, 16, torch.float32) == "triton"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_llm_asking_for_triton_on_cpu_without_the_interpreter_raises(tiny_model, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLM(tiny_model, attention_backend="triton", device="cpu")
+
+
+# Run in a fresh interpreter: flash_attn is a stand-in (its kernels need CUDA), Triton is hidden or
+# not, and the real store runs on CPU tensors. With Triton, only its store kernel may be imported:
+# the attention kernels' module reads triton.knobs, which a Triton older than 3.4 lacks.
+FLASH_ATTN_IMPORT = textwrap.dedent("""
+    import sys, types
+    import torch
+    if sys.argv[1] == "no_triton":
+        sys.modules["triton"] = None
+    sys.modules["flash_attn"] = types.SimpleNamespace(flash_attn_varlen_func=None, flash_attn_with_kvcache=None)
+    from tpengine.attention.flash_attn_backend import FlashAttnBackend
+    assert "tpengine.kernels.triton.paged_attention_tile" not in sys.modules
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
+    k_cache, v_cache = torch.zeros(2, 16, 2, 4), torch.zeros(2, 16, 2, 4)
+    FlashAttnBackend().store_kvcache(k, -k, k_cache, v_cache, torch.tensor([17, -1, 0]))
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[0, 0], -k[2])
+    assert k_cache.count_nonzero() == k[0].count_nonzero() + k[2].count_nonzero()  # the -1 row stored nothing
+    print("graph safe" if FlashAttnBackend.cuda_graph_safe else "eager")
+""")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("triton_state, decode", [("no_triton", "eager"), ("triton", "graph safe")])
+def test_flash_attn_backend_needs_only_the_triton_store_kernel_or_no_triton(triton_state, decode):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # with Triton, its store kernel runs on CPU
+    result = subprocess.run([sys.executable, "-c", FLASH_ATTN_IMPORT, triton_state], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == decode.split()
 
 
 def test_unknown_backend_name_raises():

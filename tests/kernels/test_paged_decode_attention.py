@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpengine.kernels.triton import paged_decode_attention
+from tpengine.kernels.triton.paged_decode_attention import paged_decode_attention
 
 pytestmark = pytest.mark.usefixtures("triton_device")
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpengine.kernels.triton import paged_prefill_attention
+from tpengine.kernels.triton.paged_prefill_attention import paged_prefill_attention
 
 pytestmark = pytest.mark.usefixtures("triton_device")
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpengine.kernels.triton import store_kvcache
+from tpengine.kernels.triton.store_kvcache import store_kvcache
 
 pytestmark = pytest.mark.usefixtures("triton_device")
 

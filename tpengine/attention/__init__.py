@@ -10,6 +10,8 @@ from tpengine.attention.metadata import AttentionMetadata
 logger = logging.getLogger("tpengine")
 
 
+# the first Triton with triton.knobs, which the attention kernels read (setup.cfg pins the same)
+TRITON_MIN_VERSION = "3.4"
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV: page_block_size must be a multiple of 256
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -25,6 +27,22 @@ def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype
         return f"needs dtype float16 or bfloat16, got {str(dtype).removeprefix('torch.')}"
     if importlib.util.find_spec("flash_attn") is None:
         return "needs the flash-attn package (pip install 'tpengine[cuda]')"
+    return None
+
+
+def triton_problem(device: torch.device) -> str | None:
+    """Why the triton backend cannot run here, or None. Imports triton: only this backend needs it."""
+    try:
+        import triton
+    except ImportError as error:
+        return f"needs the triton package (pip install 'tpengine[triton]'): {error}"
+    try:
+        from triton import knobs
+    except ImportError:
+        return f"needs triton >= {TRITON_MIN_VERSION} (it has triton.knobs), found {triton.__version__}"
+    if device.type == "cpu" and not knobs.runtime.interpret:
+        return ("runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests); "
+                "use attention_backend='cpu' or 'torch'")
     return None
 
 
@@ -46,8 +64,11 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
         if device.type == "cuda":
             if flash_attn_problem(device, block_size, dtype) is None:
                 return "flash_attn"
-            if importlib.util.find_spec("triton") is not None:
+            problem = triton_problem(device)
+            if problem is None:
                 return "triton"
+            logger.warning("attention backend 'triton' %s; using 'torch', which decodes without CUDA graphs",
+                           problem)
             return "torch"
         problem = cpu_kernel_problem(device)
         if problem is None:
@@ -62,8 +83,10 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
         problem = flash_attn_problem(device, block_size, dtype)
         if problem is not None:
             raise ValueError(f"attention_backend='flash_attn' {problem}")
-    if name == "triton" and importlib.util.find_spec("triton") is None:
-        raise ValueError("attention_backend='triton' needs the triton package (pip install 'tpengine[triton]')")
+    if name == "triton":
+        problem = triton_problem(device)
+        if problem is not None:
+            raise ValueError(f"attention_backend='triton' {problem}")
     return name
 
 

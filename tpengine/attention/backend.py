@@ -8,6 +8,8 @@ from tpengine.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # its store and decode run without a host sync, so a decode step can be captured in a CUDA graph
+    cuda_graph_safe: bool = False
 
     @abstractmethod
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

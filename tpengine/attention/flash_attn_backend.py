@@ -1,19 +1,28 @@
 """Paged attention through flash-attn (CUDA, fp16/bf16, kvcache_block_size a multiple of 256).
 
 Imported only by make_backend when this backend is chosen, so flash_attn is needed only then.
+Triton is not needed: its store kernel is used when Triton imports (any version), else the torch store.
 """
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.kernels.triton import store_kvcache
+from tpengine.attention.torch_backend import store_kvcache_masked
+
+try:
+    from tpengine.kernels.triton.store_kvcache import store_kvcache as triton_store_kvcache
+except ImportError:
+    triton_store_kvcache = None
 
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    # the torch store's mask syncs with the host, which capture forbids: without Triton, decode is eager
+    cuda_graph_safe = triton_store_kvcache is not None
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)  # the Triton kernel: slot -1 is skipped
+        # both skip slot -1 (a padding row)
+        (triton_store_kvcache or store_kvcache_masked)(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
         block_table = None

@@ -13,14 +13,19 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     return cache[block_table[:num_blocks]].flatten(0, 1)[:num_tokens]
 
 
+def store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Each token's K/V into its cache slot, skipping slot -1 (padding); the mask costs a host sync."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+        store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
         out = torch.empty_like(q)

@@ -1,11 +1,14 @@
 """Paged attention through the Triton kernels in tpengine.kernels.triton (CUDA, or CPU under TRITON_INTERPRET=1)."""
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.kernels.triton import paged_decode_attention, paged_prefill_attention, store_kvcache
+from tpengine.kernels.triton.paged_decode_attention import paged_decode_attention
+from tpengine.kernels.triton.paged_prefill_attention import paged_prefill_attention
+from tpengine.kernels.triton.store_kvcache import store_kvcache
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    cuda_graph_safe = True
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)

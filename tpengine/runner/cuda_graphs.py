@@ -10,8 +10,6 @@ from torch import nn
 from tpengine.attention.metadata import AttentionMetadata
 
 MAX_GRAPH_BATCH_SIZE = 512
-# The torch backend's store masks its slots with a host sync, which capture forbids.
-GRAPH_SAFE_BACKENDS = ("triton", "flash_attn")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

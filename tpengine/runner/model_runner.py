@@ -11,7 +11,7 @@ from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.models.loader import load_model
 from tpengine.models.qwen3 import Qwen3ForCausalLM
-from tpengine.runner.cuda_graphs import GRAPH_SAFE_BACKENDS, DecodeCudaGraphs
+from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 
 logger = logging.getLogger("tpengine")
 
@@ -72,7 +72,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), building_model_for(group):
-                self.model = Qwen3ForCausalLM(hf_config, make_backend(self.backend_name))
+                self.attention_backend = make_backend(self.backend_name)
+                self.model = Qwen3ForCausalLM(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
@@ -88,12 +89,13 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_kvcache_blocks)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            if self.backend_name in GRAPH_SAFE_BACKENDS:
+            if self.attention_backend.cuda_graph_safe:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self.model, hf_config.hidden_size, self.dtype, self.device, config.max_num_seqs,
                     self._max_num_blocks_per_seq(), self.block_size)
             elif rank == 0:
-                logger.info("no CUDA graphs with the %s attention backend: decode runs eagerly", self.backend_name)
+                logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
+                            "host): decode runs eagerly", self.backend_name)
 
     # --- KV cache -------------------------------------------------------------------------------
 
