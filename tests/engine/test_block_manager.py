@@ -18,11 +18,19 @@ def block_size(monkeypatch):
 def prefill(bm: BlockManager, token_ids: list[int]) -> Sequence:
     """Allocate a new sequence and run its whole prefill as one step, as the scheduler would."""
     seq = Sequence(token_ids)
-    num_cached_blocks = bm.can_allocate(seq)
-    assert num_cached_blocks != -1
-    bm.allocate(seq, num_cached_blocks)
+    match = bm.can_allocate(seq)
+    assert match is not None
+    bm.allocate(seq, match)
+    bm.release_copy_sources()  # the step ran: its copies are done
     run_step(bm, seq, seq.num_tokens - seq.num_cached_tokens)
+    bm.index_written_tail(seq)  # as postprocess does after a prefill step
     return seq
+
+
+def num_cached(bm: BlockManager, seq: Sequence) -> int:
+    """Tokens of seq the cache would give it, or -1 if its blocks do not fit."""
+    match = bm.can_allocate(seq)
+    return -1 if match is None else match.num_cached_tokens
 
 
 def run_step(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
@@ -85,8 +93,8 @@ def test_sequences_with_a_shared_prefix_share_its_blocks_with_ref_counts():
     bm = BlockManager(8, BS)
     a = prefill(bm, list(range(9)))
     b = Sequence(list(range(9)))
-    assert bm.can_allocate(b) == 2
-    bm.allocate(b, 2)
+    assert bm.can_allocate(b).block_ids == a.block_table[:2]
+    bm.allocate(b, bm.can_allocate(b))
     assert b.block_table[:2] == a.block_table[:2]
     assert b.block_table[2] != a.block_table[2]  # a partly filled last block is never shared
     assert [bm.blocks[i].ref_count for i in b.block_table] == [2, 2, 1]
@@ -124,7 +132,7 @@ def test_same_tokens_after_a_different_prefix_hash_differently_and_do_not_hit():
     b = Sequence([2, 2, 2, 2, 5, 6, 7, 8, 0])
     assert bm.blocks[a.block_table[1]].hash != compute_block_hash([5, 6, 7, 8])
     assert bm.blocks[a.block_table[1]].hash == compute_block_hash([5, 6, 7, 8], compute_block_hash([1, 1, 1, 1]))
-    assert bm.can_allocate(b) == 0  # block 1's tokens match, but its context does not
+    assert num_cached(bm, b) == 0  # block 1's tokens match, but its context does not
 
 
 def test_a_hash_hit_with_different_token_ids_is_not_reused():
@@ -134,16 +142,18 @@ def test_a_hash_hit_with_different_token_ids_is_not_reused():
     # Simulate an xxhash collision: other's first-block hash points at a's block.
     bm.hash_to_block_id[compute_block_hash(other[:BS])] = a.block_table[0]
     seq = Sequence(other)
-    assert bm.can_allocate(seq) == 0
-    bm.allocate(seq, 0)
+    assert num_cached(bm, seq) == 0
+    bm.allocate(seq, bm.can_allocate(seq))
     assert a.block_table[0] not in seq.block_table
 
 
 def test_a_registered_block_whose_token_ids_differ_is_not_reused():
     bm = BlockManager(8, BS)
     a = prefill(bm, [1, 2, 3, 4, 0])
-    bm.blocks[a.block_table[0]].token_ids = [1, 2, 3, 5]  # same hash in the table, other content
-    assert bm.can_allocate(Sequence([1, 2, 3, 4, 0])) == 0
+    bm.blocks[a.block_table[0]].token_ids[3] = 5  # same hash in the table, other content
+    match = bm.can_allocate(Sequence([1, 2, 3, 4, 0]))
+    # not shared by reference; the head its content does share ([1, 2, 3]) is copied (was: 0 tokens)
+    assert match.block_ids == [] and match.copy_src == a.block_table[0] and match.num_cached_tokens == 3
 
 
 # --- registration (hash_blocks) -------------------------------------------------------------
@@ -190,8 +200,8 @@ def test_an_in_use_hit_needs_no_free_block():
     bm = BlockManager(4, BS)
     prefill(bm, list(range(9)))  # holds 3 blocks, 1 free
     seq = Sequence(list(range(9)))  # 3 blocks: 2 in-use hits + 1 new
-    assert bm.can_allocate(seq) == 2
-    bm.allocate(seq, 2)
+    assert num_cached(bm, seq) == 2 * BS
+    bm.allocate(seq, bm.can_allocate(seq))
     assert bm.num_free_blocks == 0
     assert_consistent(bm)
 
@@ -203,8 +213,8 @@ def test_a_freed_hit_is_taken_back_out_of_the_free_queue_and_counts_as_a_free_bl
     bm.deallocate(a)
     prefill(bm, [100])  # takes the head of the free queue (block 3), leaves 3 free
     seq = Sequence(list(range(9)))
-    assert bm.can_allocate(seq) == 2  # 2 freed hits + 1 new block = 3 free blocks
-    bm.allocate(seq, 2)
+    assert num_cached(bm, seq) == 2 * BS  # 2 freed hits + 1 new block = 3 free blocks
+    bm.allocate(seq, bm.can_allocate(seq))
     assert seq.block_table[:2] == old
     assert all(bm.blocks[i].ref_count == 1 and i in bm.used_block_ids for i in old)
     assert not set(old) & set(bm.free_block_ids)
@@ -216,23 +226,30 @@ def test_can_allocate_refuses_when_freed_hits_plus_new_blocks_exceed_the_free_qu
     a = prefill(bm, list(range(9)))
     bm.deallocate(a)
     prefill(bm, list(range(100, 105)))  # holds 2 blocks, 2 free
-    assert bm.can_allocate(Sequence(list(range(9)))) == -1  # 2 freed hits still need 2 + 1 free
+    assert bm.can_allocate(Sequence(list(range(9)))) is None  # 2 freed hits still need 2 + 1 free
 
 
 def test_the_last_block_is_never_looked_up():
     bm = BlockManager(8, BS)
-    prefill(bm, list(range(8)))  # both blocks registered
+    a = prefill(bm, list(range(8)))  # both blocks registered
     seq = Sequence(list(range(8)))
-    assert bm.can_allocate(seq) == 1  # block 1 is recomputed to get logits for the next token
-    bm.allocate(seq, 1)
-    assert seq.num_cached_tokens == BS
+    match = bm.can_allocate(seq)
+    # Block 1 is never hit as a whole: its last token is recomputed to get logits for the next one.
+    # Its first BS - 1 tokens are copied (the seed recomputed the whole block: num_cached_tokens BS).
+    assert match.block_ids == a.block_table[:1] and match.copy_src == a.block_table[1]
+    bm.allocate(seq, match)
+    assert seq.num_cached_tokens == 2 * BS - 1
 
 
 def test_hits_must_be_contiguous_from_the_first_block():
     bm = BlockManager(8, BS)
     a = prefill(bm, list(range(13)))
-    bm.hash_to_block_id.pop(bm.blocks[a.block_table[1]].hash)  # block 1 no longer cached
-    assert bm.can_allocate(Sequence(list(range(13)))) == 1
+    bm.hash_to_block_id.pop(bm.blocks[a.block_table[1]].hash)  # block 1 no longer in the hash table
+    match = bm.can_allocate(Sequence(list(range(13))))
+    # Block 2 is not hit past the gap. Block 1's content is still indexed as a head, so it is copied
+    # (was: num_cached_tokens BS).
+    assert match.block_ids == a.block_table[:1] and match.copy_src == a.block_table[1]
+    assert match.num_cached_tokens == 2 * BS
 
 
 def test_a_freed_block_keeps_its_hash_and_can_still_hit():
@@ -244,7 +261,7 @@ def test_a_freed_block_keeps_its_hash_and_can_still_hit():
     assert set(full_blocks) <= set(bm.free_block_ids)
     assert [bm.blocks[i].hash for i in full_blocks] == hashes
     assert [bm.hash_to_block_id[h] for h in hashes] == full_blocks
-    assert bm.can_allocate(Sequence(list(range(9)))) == 2
+    assert num_cached(bm, Sequence(list(range(9)))) == 2 * BS
 
 
 def test_a_freed_block_stops_hitting_once_it_is_overwritten():
@@ -257,11 +274,11 @@ def test_a_freed_block_stops_hitting_once_it_is_overwritten():
     assert block1 in other.block_table and block0 not in other.block_table
     assert h1 not in bm.hash_to_block_id and bm.hash_to_block_id[h0] == block0
     bm.deallocate(other)
-    assert bm.can_allocate(Sequence(list(range(9)))) == 1  # block 0 still hits, block 1 no longer
+    assert num_cached(bm, Sequence(list(range(9)))) == BS  # block 0 still hits, block 1 no longer
     other = prefill(bm, list(range(200, 221)))  # all 6 blocks: block 0 overwritten too
     bm.deallocate(other)
     assert h0 not in bm.hash_to_block_id
-    assert bm.can_allocate(Sequence(list(range(9)))) == 0
+    assert num_cached(bm, Sequence(list(range(9)))) == 0
 
 
 def test_overwriting_a_block_keeps_a_table_entry_that_points_at_a_newer_block():
@@ -279,8 +296,8 @@ def test_overwriting_a_block_keeps_a_table_entry_that_points_at_a_newer_block():
     prefill(bm, list(range(100, 112)))  # overwrites a's three blocks only
     assert bm.hash_to_block_id[h0] == b_blocks[0]
     seq = Sequence(list(range(9)))
-    assert bm.can_allocate(seq) == 2
-    bm.allocate(seq, 2)
+    assert num_cached(bm, seq) == 2 * BS
+    bm.allocate(seq, bm.can_allocate(seq))
     assert seq.block_table[:2] == b_blocks[:2] and not set(seq.block_table) & set(a_blocks[:2])
 
 
@@ -293,11 +310,12 @@ def test_a_preempted_sequence_rehits_its_own_freed_blocks():
     full_blocks = seq.block_table[:2]
     bm.deallocate(seq)  # preemption by recompute
     assert seq.num_cached_tokens == 0 and not seq.block_table
-    num_cached_blocks = bm.can_allocate(seq)
-    assert num_cached_blocks == 2
-    bm.allocate(seq, num_cached_blocks)
+    match = bm.can_allocate(seq)
+    assert match.block_ids == full_blocks
+    bm.allocate(seq, match)
     assert seq.block_table[:2] == full_blocks
-    assert seq.num_cached_tokens == 8  # only tokens 8 and 9 are recomputed
+    # only token 9 is recomputed: token 8's K/V is copied from its freed last block (was: 8 and 9)
+    assert seq.num_cached_tokens == 9
 
 
 def test_taking_back_a_freed_block_keeps_the_fifo_order_of_the_rest():
@@ -317,8 +335,8 @@ def test_disabled_prefix_caching_never_hits():
     assert bm.hash_to_block_id == {}
     assert all(bm.blocks[i].hash == -1 for i in a.block_table)
     seq = Sequence(list(range(9)))
-    assert bm.can_allocate(seq) == 0
-    bm.allocate(seq, 0)
+    assert num_cached(bm, seq) == 0
+    bm.allocate(seq, bm.can_allocate(seq))
     assert seq.num_cached_tokens == 0 and not set(seq.block_table) & set(a.block_table)
 
 
@@ -356,17 +374,103 @@ def _prefilled_at_256(monkeypatch, token_ids: list[int]) -> BlockManager:
     return bm
 
 
-def test_a_600_token_shared_prefix_reuses_512_tokens_at_block_size_256(monkeypatch):
+def test_a_600_token_shared_prefix_reuses_600_tokens_at_block_size_256(monkeypatch):
     shared = list(range(1000, 1600))
     bm = _prefilled_at_256(monkeypatch, shared + [1] * 40)
     seq = Sequence(shared + [2] * 40)
     bm.allocate(seq, bm.can_allocate(seq))
-    assert seq.num_cached_tokens == 512  # the 88 tokens of the partial third block are recomputed
+    # the seed reused 512 (whole blocks); the 88 shared tokens of the third block are now copied
+    assert seq.num_cached_tokens == 600
 
 
-def test_an_exact_512_token_repeat_reuses_256_tokens_at_block_size_256(monkeypatch):
+def test_an_exact_512_token_repeat_reuses_511_tokens_at_block_size_256(monkeypatch):
     prompt = list(range(1000, 1512))
     bm = _prefilled_at_256(monkeypatch, prompt)
     seq = Sequence(prompt)
     bm.allocate(seq, bm.can_allocate(seq))
-    assert seq.num_cached_tokens == 256  # the last block is recomputed for the next token's logits
+    # the seed reused 256 and recomputed the whole last block; now only the last token, for its logits
+    assert seq.num_cached_tokens == 511
+
+
+# --- exact reuse: block heads copied on top of the seed's whole blocks ----------------------
+
+def test_a_prefix_ending_mid_block_copies_the_shared_head_into_a_fresh_block():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, list(range(10)))
+    seq = Sequence(list(range(6)) + [50, 51])
+    bm.allocate(seq, bm.can_allocate(seq))
+    assert seq.block_table[0] == a.block_table[0]  # whole blocks still shared by reference
+    assert seq.block_table[1] not in a.block_table  # the partly matching block is the request's own
+    assert bm.block_copies == [(a.block_table[1], seq.block_table[1], 2)]  # tokens 4 and 5
+    assert seq.num_cached_tokens == 6
+    assert bm.blocks[a.block_table[1]].ref_count == 2  # a's, and the pin until the copy ran
+    bm.release_copy_sources()
+    assert bm.block_copies == [] and bm.blocks[a.block_table[1]].ref_count == 1
+    assert_consistent(bm)
+
+
+def test_a_freed_copy_source_is_pinned_so_the_same_step_cannot_hand_it_out():
+    bm = BlockManager(3, BS)
+    a = prefill(bm, list(range(6)))  # block 0 full, block 1 holds tokens 4 and 5
+    bm.deallocate(a)  # free queue: 2 1 0
+    seq = Sequence(list(range(5)) + [77])
+    bm.allocate(seq, bm.can_allocate(seq))  # block 0 taken back, block 1 pinned, block 2 fresh
+    assert seq.block_table == [0, 2] and bm.block_copies == [(1, 2, 1)]
+    assert 1 not in bm.free_block_ids and bm.blocks[1].ref_count == 1
+    assert bm.can_allocate(Sequence([300])) is None  # nothing free: block 1 cannot be overwritten now
+    bm.release_copy_sources()
+    assert list(bm.free_block_ids) == [1] and bm.blocks[1].ref_count == 0
+    assert bm.blocks[1].token_ids == [4, 5]  # still cached: it can serve the next request too
+    assert_consistent(bm)
+
+
+def test_a_copy_whose_freed_source_does_not_fit_is_dropped_instead_of_waited_for():
+    bm = BlockManager(2, BS)
+    a = prefill(bm, list(range(6)))
+    bm.deallocate(a)  # free queue: 1 0
+    seq = Sequence(list(range(5)) + [77])  # needs both blocks: no room to pin block 1 as well
+    match = bm.can_allocate(seq)
+    assert match.copy_src == -1 and match.num_cached_tokens == BS
+    bm.allocate(seq, match)
+    assert bm.block_copies == [] and seq.block_table == [0, 1]
+
+
+def test_overwriting_a_block_drops_its_head_entry():
+    bm = BlockManager(3, BS)
+    a = prefill(bm, list(range(6)))
+    bm.deallocate(a)
+    assert len(bm.heads) == 2  # block 0 whole, block 1's written head
+    prefill(bm, list(range(100, 112)))  # takes all three blocks
+    assert len(bm.heads) == 3 and bm.heads.longest_match(-1, [0, 1, 2, 3]) == (-1, 0)
+    assert all(bm.blocks[i].parent_hash is not None for i in range(3))
+
+
+def test_a_finished_sequences_generated_tokens_are_reused_too():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, [1, 2, 3, 4, 5])
+    for token_id in (6, 7):
+        decode_step(bm, a, token_id)
+    a.append_token(8)  # sampled, its K/V never computed
+    bm.deallocate(a)
+    seq = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    bm.allocate(seq, bm.can_allocate(seq))
+    assert seq.num_cached_tokens == 7  # tokens 1-7 were written; 8 was only sampled
+
+
+def test_prefix_cache_counters_count_prompt_tokens_and_hits():
+    bm = BlockManager(8, BS)
+    prefill(bm, list(range(10)))
+    seq = Sequence(list(range(7)) + [99])
+    bm.allocate(seq, bm.can_allocate(seq))
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (10 + 8, 0 + 7)
+    assert bm.usage == 4 / 8  # a's 3 (its block 1 also pinned as the source) and seq's fresh block 1
+
+
+def test_the_seeds_whole_block_cache_stays_reachable(monkeypatch):
+    monkeypatch.setattr(Sequence, "default_block_size", 256)
+    shared = list(range(1000, 1600))
+    bm = BlockManager(16, 256, exact_prefix_caching=False)
+    prefill(bm, shared + [1] * 40)
+    seq = Sequence(shared + [2] * 40)
+    bm.allocate(seq, bm.can_allocate(seq))
+    assert seq.num_cached_tokens == 512 and bm.block_copies == [] and len(bm.heads) == 0

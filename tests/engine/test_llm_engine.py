@@ -56,9 +56,9 @@ def test_second_pass_hits_prefix_cache_and_still_matches(tiny_model, block_size)
     assert_parity(tiny_model, prompts, first)
     assert_parity(tiny_model, prompts, second)
     assert [o.num_cached_tokens for o in first] == [0, 0, 0]
-    # whole blocks only, never the last block of the prompt
-    assert [o.num_cached_tokens for o in second] == [((n - 1) // block_size) * block_size
-                                                    for n in (40, 2 * block_size + 7, block_size)]
+    # exact reuse: all but the last token, computed for its logits (the seed's whole blocks gave
+    # ((n - 1) // block_size) * block_size)
+    assert [o.num_cached_tokens for o in second] == [n - 1 for n in (40, 2 * block_size + 7, block_size)]
 
 
 def test_shared_long_prefix_is_reused_and_matches(tiny_model):
@@ -68,7 +68,9 @@ def test_shared_long_prefix_is_reused_and_matches(tiny_model):
         llm.generate([prompts[0]], GREEDY, use_tqdm=False)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, outputs)
-    assert all(o.num_cached_tokens == 96 for o in outputs)
+    # exact reuse: the repeat all but its last token, the others the 100 shared tokens (the seed's whole
+    # blocks gave 96 each)
+    assert [o.num_cached_tokens for o in outputs] == [104, 100, 100]
 
 
 def test_preemption_under_a_small_cache_still_matches(tiny_model):
@@ -105,4 +107,6 @@ def test_prefill_in_passes_splitting_prompts_still_matches(tiny_model, pass_toke
         second = llm.generate([p + [5, 6, 7] for p in prompts], GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, first)
     assert_parity(tiny_model, [p + [5, 6, 7] for p in prompts], second)
-    assert [o.num_cached_tokens for o in second] == [0, 16, 144, 64, 0]  # the prompts' whole blocks
+    # exact reuse: each whole first prompt, copied past its last whole block (the seed's whole blocks
+    # gave [0, 16, 144, 64, 0])
+    assert [o.num_cached_tokens for o in second] == [1, 30, 150, 64, 9]

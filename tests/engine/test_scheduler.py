@@ -1,9 +1,10 @@
 """Scheduler: batching, chunked prefill, preemption, finishing, admission and abort, with fake sampled tokens."""
 import random
+from collections import Counter
 
 import pytest
 
-from tpengine.engine.scheduler import Scheduler
+from tpengine.engine.scheduler import MAX_WAIT_STEPS, Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.sampling_params import SamplingParams
 
@@ -322,13 +323,22 @@ def _check_step(scheduler: Scheduler, batch: list[Sequence], is_prefill: bool, k
     assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
     if not is_prefill:
         assert all(seq.num_scheduled_tokens == 1 for seq in batch)
+    # block-head copies first, as every rank does before the forward; a source is pinned until they ran
+    pins, copied_rows = Counter(), Counter()
+    for src, dst, num_tokens in scheduler.block_copies:
+        assert bm.blocks[src].ref_count > 0 and src not in bm.free_block_ids and bm.blocks[dst].ref_count == 1
+        kv[dst][:num_tokens] = kv[src][:num_tokens]
+        pins[src] += 1
+        copied_rows[src] = max(copied_rows[src], num_tokens)
     for seq in batch:
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
         assert seq.num_scheduled_tokens > 0 and end <= seq.num_tokens
         assert len(seq.block_table) >= (end + block_size - 1) // block_size
         for pos in range(seq.num_cached_tokens, end):
             block_id = seq.block_table[pos // block_size]
-            assert bm.blocks[block_id].ref_count == 1  # never write into a shared block
+            # never write into a shared block; an owner may append to a block whose head is copied
+            assert bm.blocks[block_id].ref_count - pins[block_id] == 1
+            assert pos % block_size >= copied_rows[block_id]
             kv[block_id][pos % block_size] = seq.token_ids[pos]
     for seq in batch:
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -336,8 +346,15 @@ def _check_step(scheduler: Scheduler, batch: list[Sequence], is_prefill: bool, k
         assert read == seq.token_ids[:end]  # prefix hits and reused blocks hold the right K/V
 
 
-def _check_ledger(scheduler: Scheduler) -> None:
+def _check_ledger(scheduler: Scheduler, kv: list[list]) -> None:
     bm = scheduler.block_manager
+    # every indexed head is in the index, and the (fake) cache really holds those tokens
+    indexed = [block for block in bm.blocks if block.parent_hash is not None]
+    assert len(bm.heads) == len(indexed)
+    for block in indexed:
+        assert bm.heads.longest_match(block.parent_hash, block.token_ids)[1] == len(block.token_ids)
+        assert kv[block.block_id][:len(block.token_ids)] == block.token_ids
+    assert not bm.block_copies  # pins last one step
     holders = [0] * bm.num_blocks
     for seq in (*scheduler.waiting, *scheduler.running):
         for block_id in seq.block_table:
@@ -384,7 +401,7 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
         queued = [*scheduler.waiting, *scheduler.running]
         if queued and rng.random() < 0.02:
             scheduler.abort(rng.choice(queued).seq_id)
-        _check_ledger(scheduler)
+        _check_ledger(scheduler, kv)
     assert_all_blocks_free(scheduler)
     for seq in seqs:
         assert seq.status == SequenceStatus.FINISHED
@@ -396,3 +413,98 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
             assert last in seq.sampling_params.stop_token_ids or (last == EOS and not seq.ignore_eos)
         else:
             assert seq.finish_reason == "abort"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shared_prefixes_arriving_over_time_keep_every_invariant(monkeypatch, seed):
+    """Prompts cut from a few stems around block edges arrive while others run, finish, get preempted
+    (a small cache) and aborted; every step the fake cache proves each reused token is the right one."""
+    rng = random.Random(1000 + seed)
+    block_size = rng.choice([4, 8])
+    monkeypatch.setattr(Sequence, "default_block_size", block_size)
+    scheduler = Scheduler(
+        num_kvcache_blocks=rng.randint(40 // block_size, 96 // block_size), kvcache_block_size=block_size,
+        max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(16, 64), max_model_len=40,
+        eos_token_ids=frozenset([EOS]))
+    stems = [[rng.randrange(1, 4) for _ in range(5 * block_size)] for _ in range(3)]
+    edges = [k * block_size + d for k in range(1, 4) for d in (-1, 0, 1, block_size // 2)]
+    kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
+    num_arrivals, steps, num_copies = 60, 0, 0
+    while num_arrivals or not scheduler.is_finished():
+        if num_arrivals and rng.random() < 0.5:
+            num_arrivals -= 1
+            prompt = rng.choice(stems)[:rng.choice(edges)] + [rng.randrange(1, 50) for _ in range(rng.randint(0, 6))]
+            scheduler.add(Sequence(prompt or [1], SamplingParams(max_tokens=rng.randint(1, 12))))
+        steps += 1
+        assert steps < 5_000, "the scheduler stopped making progress"
+        batch, is_prefill = scheduler.schedule()
+        if not batch:
+            continue
+        num_copies += len(scheduler.block_copies)
+        _check_step(scheduler, batch, is_prefill, kv)
+        scheduler.postprocess(batch, [rng.randrange(1, 4) for _ in batch])
+        queued = [*scheduler.waiting, *scheduler.running]
+        if queued and rng.random() < 0.03:
+            scheduler.abort(rng.choice(queued).seq_id)
+        _check_ledger(scheduler, kv)
+    assert_all_blocks_free(scheduler)
+    bm = scheduler.block_manager
+    assert num_copies > 0 and bm.prefix_cache_hits > 0 and scheduler.num_preemptions > 0
+
+
+# --- prefix sharing within a step, cache-aware admission ------------------------------------
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_request_sharing_what_the_batch_computes_waits_one_step_then_reuses_it(exact):
+    scheduler = make_scheduler(exact_prefix_caching=exact)
+    shared = list(range(100, 110))  # two whole blocks of 4 and half a block
+    a, b, c = Sequence(shared + [1, 2]), Sequence(shared + [3, 4]), Sequence([50, 51, 52])
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    batch, _, _ = step(scheduler)
+    if not exact:  # the seed's cache: arrival order, each computes its own prefix
+        assert batch == [a, b, c] and b.num_prompt_cached_tokens == 0
+        return
+    assert batch == [a, c]  # b would compute a's prefix a second time
+    batch, is_prefill = scheduler.schedule()
+    assert batch == [b] and is_prefill
+    assert b.num_cached_tokens == b.num_prompt_cached_tokens == 10  # to the token
+    assert scheduler.block_copies == [(a.block_table[2], b.block_table[2], 2)]
+    assert b.block_table[:2] == a.block_table[:2]
+
+
+def test_a_request_with_no_hit_is_overtaken_only_until_it_has_waited_max_wait_steps():
+    scheduler = make_scheduler(max_num_seqs=1)
+    cached = list(range(100, 120))
+    add(scheduler, 20, first_token=100, max_tokens=1)
+    step(scheduler)  # now cached; it finished at its first token
+    cold = add(scheduler, 3, first_token=500, max_tokens=1)  # queued after step 1
+    admitted = []
+    for i in range(2 * MAX_WAIT_STEPS):
+        scheduler.add(Sequence(cached + [1000 + i], SamplingParams(max_tokens=1)))  # a hit arrives every step
+        batch, _, _ = step(scheduler)
+        admitted.extend(batch)
+    # hits go first while cold is young; once it has waited MAX_WAIT_STEPS nothing overtakes it
+    assert admitted.index(cold) == MAX_WAIT_STEPS - 1
+    assert all(seq.num_prompt_cached_tokens == 20 for seq in admitted[:MAX_WAIT_STEPS - 1])
+
+
+def test_without_exact_prefix_caching_admission_is_first_come_first_served():
+    scheduler = make_scheduler(max_num_seqs=1, exact_prefix_caching=False)
+    add(scheduler, 20, first_token=100, max_tokens=1)
+    step(scheduler)
+    cold = add(scheduler, 3, first_token=500, max_tokens=1)
+    scheduler.add(Sequence(list(range(100, 120)) + [7], SamplingParams(max_tokens=1)))
+    assert step(scheduler)[0] == [cold]
+
+
+def test_prefix_cache_counters_and_kv_usage_are_read_from_the_scheduler():
+    scheduler = make_scheduler(num_kvcache_blocks=16)
+    a = add(scheduler, 9, max_tokens=4)
+    step(scheduler)
+    assert scheduler.kv_cache_usage == 3 / 16
+    add(scheduler, 9, max_tokens=4)
+    step(scheduler)
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (9 + 9, 0 + 8)
+    scheduler.abort(a.seq_id)
+    assert scheduler.kv_cache_usage == 3 / 16  # the second request's own blocks, shared ones included

@@ -9,7 +9,6 @@ class PrefillSeq(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]        # only the tokens scheduled this step (a chunk, after any cached prefix)
     num_cached_tokens: int      # tokens before the chunk whose K/V is already in the cache
     block_table: list[int]
-    copy_source_block: int = -1  # >= 0: first copy that block's K/V into the last of block_table (a forked completion)
 
 
 class DecodeSeq(msgspec.Struct, array_like=True, gc=False):
@@ -18,9 +17,18 @@ class DecodeSeq(msgspec.Struct, array_like=True, gc=False):
     block_table: list[int]
 
 
+class BlockCopy(msgspec.Struct, array_like=True, gc=False):
+    """Copy the first num_tokens K/V rows of block src into block dst (every layer, K and V)."""
+    src: int
+    dst: int
+    num_tokens: int
+
+
 class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     prefill: list[PrefillSeq]
     decode: list[DecodeSeq]
+    # prefix-cache hits that end inside a block: done on every rank before the step's forward
+    block_copies: list[BlockCopy] = []
 
     @property
     def is_prefill(self) -> bool:
@@ -44,13 +52,14 @@ class WorkerError(msgspec.Struct, array_like=True, tag="error"):
 ControlMessage = StepMessage | InitMessage | ShutdownMessage
 
 
-def slim_step(seqs, is_prefill: bool) -> StepMessage:
-    """What workers need of this step's sequences: never the whole token history in decode."""
+def slim_step(seqs, is_prefill: bool, block_copies=()) -> StepMessage:
+    """What workers need of this step's sequences: never the whole token history in decode.
+    block_copies: the scheduler's (src, dst, num_tokens) for this step."""
     if is_prefill:
         return StepMessage(prefill=[
             PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
-                       seq.num_cached_tokens, seq.block_table, seq.copy_source_block)
-            for seq in seqs], decode=[])
+                       seq.num_cached_tokens, seq.block_table)
+            for seq in seqs], decode=[], block_copies=[BlockCopy(*copy) for copy in block_copies])
     return StepMessage(prefill=[], decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table)
                                            for seq in seqs])
 

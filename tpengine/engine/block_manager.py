@@ -1,25 +1,33 @@
 """The paged-KV-cache ledger: which physical blocks each sequence owns, and the prefix cache.
 
-Plain bookkeeping: no tensors here. Rules follow the seed design (nano-vllm's BlockManager),
-with one change: the free queue is an OrderedDict, so taking back a freed block on a prefix
-hit is O(1) while the queue keeps its FIFO order.
+Plain bookkeeping: no tensors here. Rules follow the seed design (nano-vllm's BlockManager):
+full blocks are found through the xxhash chain and shared by reference, the last block is never
+looked up as a whole, freed blocks keep their hash until overwritten. One change: the free queue
+is an OrderedDict, so taking back a freed block on a prefix hit is O(1) while the queue keeps its
+FIFO order.
+
+On top of the seed, reuse is exact to the token: where the chain of whole-block hits ends, the
+cached block that shares the longest head with the request's next block (found in a HeadIndex) has
+that head copied into the request's own fresh block, so only the tokens after it are computed.
 """
 from array import array
 from collections import OrderedDict
 
 import xxhash
 
+from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1           # -1: not full, or not registered in the prefix cache
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # the tokens whose K/V the block holds (all of them once full)
+        self.parent_hash: int | None = None  # chain hash before it while in the head index, else None
 
     def update(self, hash: int, token_ids: list[int]) -> None:
         self.hash = hash
@@ -29,6 +37,7 @@ class Block:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.parent_hash = None
 
 
 def compute_block_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -40,16 +49,39 @@ def compute_block_hash(token_ids: list[int], prefix: int = -1) -> int:
     return h.intdigest()
 
 
+class PrefixMatch:
+    """What a sequence would reuse: whole blocks shared by reference, then the head of copy_src."""
+    __slots__ = ("block_ids", "copy_src", "num_copied_tokens", "num_cached_tokens", "num_new_blocks")
+
+    def __init__(self, block_ids: list[int], copy_src: int, num_copied_tokens: int, num_cached_tokens: int,
+                 num_new_blocks: int):
+        self.block_ids = block_ids
+        self.copy_src = copy_src                  # -1: nothing copied
+        self.num_copied_tokens = num_copied_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.num_new_blocks = num_new_blocks      # free blocks the allocation takes
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 exact_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False: the seed's cache alone, reuse rounded down to whole blocks (kept for comparison)
+        self.exact_prefix_caching = enable_prefix_caching and exact_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
+        self.heads = HeadIndex()  # every block with written K/V, under the chain hash before it
         # FIFO: take from the head, return to the tail; values unused. O(1) removal by id.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        # (src, dst, num_tokens): K/V rows to copy on every rank before this step's forward. Each
+        # src is pinned (one extra reference) until release_copy_sources, so that no allocation of
+        # the same step can hand it out and overwrite it before the copy ran.
+        self.block_copies: list[tuple[int, int, int]] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up, and how many of them hit (for metrics)
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -59,96 +91,163 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (freed blocks still cached count as free)."""
+        return len(self.used_block_ids) / len(self.blocks)
+
+    # --- blocks ---------------------------------------------------------------------------------
+
     def _allocate_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
-        # The block is about to be overwritten: drop its prefix-cache entry, unless the
+        # The block is about to be overwritten: drop its prefix-cache entries, unless the hash
         # table already points at a newer block with the same content.
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+        if block.parent_hash is not None:
+            self.heads.remove(block.parent_hash, block.token_ids, block_id)
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
 
     def _deallocate_block(self, block_id: int) -> None:
-        # Hash and token ids stay: the block can still be hit until it is overwritten.
+        # Hash, token ids and head-index entry stay: the block can still be hit until it is overwritten.
         assert self.blocks[block_id].ref_count == 0
         self.used_block_ids.remove(block_id)
         self.free_block_ids[block_id] = None
 
-    def _cached_block_ids(self, seq: Sequence):
-        """Yield (block_id, hash) for the contiguous run of prefix-cache hits of seq.
+    def _take(self, block_id: int) -> None:
+        """One more reference to a cached block: shared if in use, else taken back out of the free queue."""
+        block = self.blocks[block_id]
+        if block_id in self.used_block_ids:
+            block.ref_count += 1
+        else:
+            block.ref_count = 1
+            del self.free_block_ids[block_id]
+            self.used_block_ids.add(block_id)
 
-        The last block is never looked up: prefill must compute at least one token to get
-        the logits that sample the next one.
-        """
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._deallocate_block(block_id)
+
+    # --- lookup ---------------------------------------------------------------------------------
+
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chain hashes of seq's first num_blocks (full) blocks, memoized on seq: tokens are only appended."""
+        hashes = seq.block_hashes
+        h = hashes[-1] if hashes else -1
+        for i in range(len(hashes), num_blocks):
+            h = compute_block_hash(seq.block(i), h)
+            hashes.append(h)
+        return hashes
+
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """Whole blocks of seq the hash table holds now, by hash alone: a cheap score for admission."""
         if not self.enable_prefix_caching:
-            return
-        h = -1
-        for i in range(seq.num_blocks - 1):
-            token_ids = seq.block(i)
-            h = compute_block_hash(token_ids, h)
-            block_id = self.hash_to_block_id.get(h, -1)
-            # Compare tokens too, so an xxhash collision can never reuse the wrong block.
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
-                return  # hits must be contiguous: later K/V depends on this block's
-            yield block_id
+            return 0
+        hash_to_block_id = self.hash_to_block_id
+        n = 0
+        for h in self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]:
+            if h not in hash_to_block_id:
+                break
+            n += 1
+        return n
 
-    def can_allocate(self, seq: Sequence) -> int:
-        """Number of prefix-cache blocks seq would hit, or -1 if free blocks can't cover the rest."""
-        num_cached_blocks = 0
-        num_new_blocks = seq.num_blocks
-        for block_id in self._cached_block_ids(seq):
-            num_cached_blocks += 1
-            # An in-use hit is shared and costs no free block; a freed hit is taken back
-            # out of the free queue, so it still counts as one.
-            if block_id in self.used_block_ids:
-                num_new_blocks -= 1
-        if len(self.free_block_ids) < num_new_blocks:
-            return -1
-        return num_cached_blocks
+    def match(self, seq: Sequence) -> PrefixMatch:
+        """The longest prefix of seq the cache holds, leaving at least its last token to compute."""
+        block_ids: list[int] = []
+        copy_src, num_copied = -1, 0
+        if self.enable_prefix_caching:
+            block_size = self.block_size
+            parent = -1
+            # The last block is never looked up as a whole: prefill must compute at least one token
+            # to get the logits that sample the next one.
+            num_full = seq.num_blocks - 1
+            for i, h in enumerate(self.block_hashes(seq, num_full)[:num_full]):
+                block_id = self.hash_to_block_id.get(h, -1)
+                # Compare tokens too, so an xxhash collision can never reuse the wrong block.
+                if block_id == -1 or self.blocks[block_id].token_ids != seq.block(i):
+                    break  # hits must be contiguous: later K/V depends on this block's
+                block_ids.append(block_id)
+                parent = h
+            if self.exact_prefix_caching:
+                start = len(block_ids) * block_size
+                head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
+                if head:
+                    copy_src, num_copied = self.heads.longest_match(parent, head)
+        used = self.used_block_ids
+        num_new_blocks = seq.num_blocks - sum(1 for b in block_ids if b in used)
+        if copy_src != -1 and copy_src not in used:
+            num_new_blocks += 1  # pinning a freed source takes it out of the free queue for the step
+        return PrefixMatch(block_ids, copy_src, num_copied, len(block_ids) * self.block_size + num_copied,
+                           num_new_blocks)
 
-    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+    def can_allocate(self, seq: Sequence) -> PrefixMatch | None:
+        """What seq would reuse from the prefix cache, or None if free blocks can't cover the rest."""
+        match = self.match(seq)
+        # An in-use hit is shared and costs no free block; a freed hit is taken back out of the
+        # free queue, so it still counts as one.
+        num_free = len(self.free_block_ids)
+        if num_free < match.num_new_blocks and match.copy_src != -1 and match.copy_src not in self.used_block_ids:
+            # pinning the freed source is what does not fit: compute its head instead of waiting
+            match = PrefixMatch(match.block_ids, -1, 0, len(match.block_ids) * self.block_size,
+                                match.num_new_blocks - 1)
+        return match if num_free >= match.num_new_blocks else None
+
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
         assert not seq.block_table
-        cached = self._cached_block_ids(seq)
-        for _ in range(num_cached_blocks):
-            block_id = next(cached)
-            block = self.blocks[block_id]
-            if block_id in self.used_block_ids:
-                block.ref_count += 1
-            else:
-                block.ref_count = 1
-                del self.free_block_ids[block_id]
-                self.used_block_ids.add(block_id)
+        for block_id in match.block_ids:
+            self._take(block_id)
             seq.block_table.append(block_id)
-        for _ in range(num_cached_blocks, seq.num_blocks):
+        if match.copy_src != -1:
+            self._take(match.copy_src)  # pinned before any fresh block is taken below
+        for _ in range(len(match.block_ids), seq.num_blocks):
             seq.block_table.append(self._allocate_block())
-        seq.num_cached_tokens = num_cached_blocks * self.block_size
+        if match.copy_src != -1:
+            self.block_copies.append((match.copy_src, seq.block_table[len(match.block_ids)],
+                                      match.num_copied_tokens))
+        seq.num_cached_tokens = match.num_cached_tokens
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += match.num_cached_tokens
+
+    def release_copy_sources(self) -> None:
+        """The step's copies ran (or the step is gone): unpin their sources."""
+        for src, _, _ in self.block_copies:
+            self._release(src)
+        self.block_copies.clear()
+
+    # --- release and growth ---------------------------------------------------------------------
 
     def deallocate(self, seq: Sequence) -> None:
+        self.index_written_tail(seq)  # its partly filled last block stays reusable while unwritten
         # Reverse order: a sequence's later blocks are overwritten first, its early blocks
         # (the likeliest shared prefix) stay in the cache longest.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._deallocate_block(block_id)
+            self._release(block_id)
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
     def fork(self, child: Sequence, parent: Sequence) -> None:
         """Give child (another completion of parent's prompt) the prompt's K/V without computing it again:
-        the full blocks before the last prompt token are shared; the block holding that token is copied
-        into a new one (child.copy_source_block), where the child recomputes the token for its own logits."""
+        the full blocks before the last prompt token are shared; the head of the block holding that
+        token is copied into a new one (block_copies), where the child recomputes the token for its own
+        logits. Works with the prefix cache off too."""
         assert not child.block_table and child.num_tokens == parent.num_prompt_tokens and self.free_block_ids
-        last = (parent.num_prompt_tokens - 1) // self.block_size
+        num_cached_tokens = parent.num_prompt_tokens - 1
+        last = num_cached_tokens // self.block_size
         for block_id in parent.block_table[:last]:
             self.blocks[block_id].ref_count += 1
             child.block_table.append(block_id)
         child.block_table.append(self._allocate_block())
-        child.copy_source_block = parent.block_table[last]
-        child.num_cached_tokens = parent.num_prompt_tokens - 1
+        num_copied = num_cached_tokens - last * self.block_size
+        if num_copied:
+            self._take(parent.block_table[last])  # pinned like any copy source (parent holds it too)
+            self.block_copies.append((parent.block_table[last], child.block_table[-1], num_copied))
+        child.num_cached_tokens = num_cached_tokens
 
     def can_append(self, seq: Sequence) -> bool:
         # A new block is needed only when the token to compute is the first of a block.
@@ -158,6 +257,15 @@ class BlockManager:
         if seq.num_tokens % self.block_size == 1:
             seq.block_table.append(self._allocate_block())
 
+    # --- registration ---------------------------------------------------------------------------
+
+    def _index_head(self, block: Block, parent_hash: int, token_ids: list[int]) -> None:
+        if block.parent_hash is not None:
+            self.heads.remove(block.parent_hash, block.token_ids, block.block_id)
+        block.parent_hash = parent_hash
+        block.token_ids = token_ids
+        self.heads.add(parent_hash, token_ids, block.block_id)
+
     def hash_blocks(self, seq: Sequence) -> None:
         """Register the blocks that the current step filled (call before num_cached_tokens moves)."""
         if not self.enable_prefix_caching:
@@ -166,10 +274,30 @@ class BlockManager:
         end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         if start == end:
             return
-        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
+        hashes = self.block_hashes(seq, end)
+        h = hashes[start - 1] if start > 0 else -1
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             token_ids = seq.block(i)
-            h = compute_block_hash(token_ids, h)
+            if self.exact_prefix_caching:
+                self._index_head(block, h, token_ids)
+            h = hashes[i]
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id  # the newest block with this content wins
+
+    def index_written_tail(self, seq: Sequence) -> None:
+        """Index the written head of seq's partly filled last block, so a request sharing only part
+        of a block can copy it (rows only ever get appended to it while seq holds it)."""
+        num_written = seq.num_cached_tokens % self.block_size
+        if not self.exact_prefix_caching or num_written == 0:
+            return
+        i = seq.num_cached_tokens // self.block_size
+        block = self.blocks[seq.block_table[i]]
+        if any(dst == block.block_id for _, dst, _ in self.block_copies):
+            return  # its step never completed (copies are released once it did): the head may be unwritten
+        if block.parent_hash is not None and len(block.token_ids) == num_written:
+            return  # indexed already, as written now
+        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+        if i > 0 and parent == -1:
+            return  # its context is not in the hash chain: nothing could find it
+        self._index_head(block, parent, seq.token_ids[i * self.block_size:seq.num_cached_tokens])

@@ -84,8 +84,17 @@ class LLMEngine:
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use, 0..1."""
-        manager = self.scheduler.block_manager
-        return 1.0 - manager.num_free_blocks / manager.num_blocks
+        return self.scheduler.kv_cache_usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens whose K/V came from the cache instead of being computed."""
+        return self.scheduler.prefix_cache_hits
 
     @property
     def num_preemptions(self) -> int:
@@ -175,11 +184,9 @@ class LLMEngine:
             assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        sampled = self.executor.execute(seqs, is_prefill)
+        sampled = self.executor.execute(seqs, is_prefill, self.scheduler.block_copies)
         if is_prefill:
             self.prompt_tokens_total += num_tokens
-            for seq in seqs:
-                seq.copy_source_block = -1  # the forks' copies were sent with this step
         finished = self.scheduler.postprocess(seqs, sampled.token_ids)
         if is_prefill:
             self.generation_tokens_total += sum(1 for seq in seqs if seq.num_tokens > seq.num_prompt_tokens)

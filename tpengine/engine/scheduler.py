@@ -1,22 +1,59 @@
 """Decides each step's batch: prefill first (the head may be chunked), else decode; preempts by recompute."""
 from collections import deque
 
-from tpengine.engine.block_manager import BlockManager
+from tpengine.engine.block_manager import BlockManager, PrefixMatch
+from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
+
+# Cache-aware admission orders only this many requests from the head of the waiting queue, so its
+# cost per step stays bounded; the rest keep arrival order.
+ADMISSION_WINDOW = 128
+# A request that has waited this many steps is admitted in arrival order, ahead of every younger
+# one, and is never held back: no request waits unboundedly behind cache hits.
+MAX_WAIT_STEPS = 16
+# Holding a request back one step pays off when the batch computes at least this many more of its
+# tokens than the cache holds (or a whole block, for smaller blocks).
+MIN_SHARED_TOKENS_TO_WAIT = 32
 
 
 class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, exact_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
+        # exact_prefix_caching=False keeps the seed's whole-block cache and plain arrival order
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching,
+                                          exact_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_steps = 0
+        self._prefill_step = False
+
+    # --- read-only counters, for metrics ----------------------------------------------------------
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far (re-prefills after preemption included)."""
+        return self.block_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens whose K/V came from the cache instead of being computed."""
+        return self.block_manager.prefix_cache_hits
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks held by requests, 0.0 to 1.0."""
+        return self.block_manager.usage
+
+    @property
+    def block_copies(self) -> list[tuple[int, int, int]]:
+        """(src, dst, num_tokens) block-head copies the scheduled step needs before its forward."""
+        return self.block_manager.block_copies
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -43,10 +80,15 @@ class Scheduler:
         if not seq.ignore_eos:
             seq.eos_and_stop_token_ids = seq.eos_and_stop_token_ids | self.eos_token_ids
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+        seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        scheduled = self._schedule_prefill()
+        self.num_steps += 1
+        if self.block_manager.block_copies:
+            self.block_manager.release_copy_sources()  # the last step never reached postprocess
+        scheduled = self._schedule_prefill() if self.waiting else []
+        self._prefill_step = bool(scheduled)
         if scheduled:
             return scheduled, True
         return self._schedule_decode(), False
@@ -57,8 +99,20 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         # max_num_seqs bounds the running set, not only each batch: admitted sequences hold blocks
         num_running = len(self.running)
-        while self.waiting and num_running + len(scheduled) < self.max_num_seqs and token_budget > 0:
-            seq = self.waiting[0]
+        room = self.max_num_seqs - num_running
+        waiting = self.waiting
+        # every new admission takes a free block; only a partly prefilled sequence needs none
+        if room <= 0 or not (block_manager.num_free_blocks or waiting[0].block_table):
+            return scheduled
+        # The requests this step may admit leave the queue; the others go back in arrival order.
+        head = [waiting.popleft() for _ in range(min(len(waiting), ADMISSION_WINDOW + room))]
+        # what this batch computes, block by block: a request sharing it waits a step to reuse it
+        computing = HeadIndex() if block_manager.exact_prefix_caching else None
+        oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
+        chunked = None
+        for seq in self._admission_order(head):
+            if num_running + len(scheduled) >= self.max_num_seqs or token_budget <= 0:
+                break
             if not seq.block_table and seq.parent is not None:
                 parent = seq.parent
                 if parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens:
@@ -68,31 +122,89 @@ class Scheduler:
                     seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
                     seq.parent = None
                 elif not parent.is_finished:
-                    break  # its parent's prompt is being computed: wait for it, then fork it
+                    continue  # its parent's prompt is being computed: wait for it, then fork it
                 else:
                     seq.parent = None  # nothing left to fork: prefill as any request (prefix hits apply)
             if not seq.block_table:
-                num_cached_blocks = block_manager.can_allocate(seq)
-                if num_cached_blocks == -1:
+                match = block_manager.can_allocate(seq)
+                if match is None:
                     break
-                num_new_tokens = seq.num_tokens - num_cached_blocks * block_manager.block_size
+                if (computing is not None and seq.arrival_step > oldest_fresh_step
+                        and self._waits_for_batch(seq, match, computing)):
+                    continue
+                num_new_tokens = seq.num_tokens - match.num_cached_tokens
                 if scheduled and num_new_tokens > token_budget:
                     break  # only the first sequence of a batch may be chunked
-                block_manager.allocate(seq, num_cached_blocks)
+                block_manager.allocate(seq, match)
                 if seq.num_prompt_cached_tokens < 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
-            # A partly prefilled sequence stays at the head of waiting until its last chunk, so it
-            # is always first in its batch: the check above is the only one a later sequence needs.
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, token_budget)
             token_budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
+            if computing is not None:
+                self._note_computing(seq, computing)
             if seq.num_scheduled_tokens < num_new_tokens:
-                break  # chunked: the rest comes in later steps
+                chunked = seq  # the rest comes in later steps
+                break
             seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
             self.running.append(seq)
+        waiting.extendleft(reversed([seq for seq in head if seq.status == SequenceStatus.WAITING
+                                     and seq is not chunked]))
+        if chunked is not None:
+            # first in the next batch: the only sequence of a batch that may be chunked is its first
+            waiting.appendleft(chunked)
         return scheduled
+
+    def _admission_order(self, head: list[Sequence]) -> list[Sequence]:
+        """head in the order to try: a partly prefilled sequence first, then, of the first
+        ADMISSION_WINDOW, requests that waited MAX_WAIT_STEPS in arrival order and the rest by cached
+        prefix, longest first (arrival order among equals); then the others in arrival order."""
+        block_manager = self.block_manager
+        if len(head) < 2 or not block_manager.exact_prefix_caching:
+            return head
+        oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
+        num_cached_blocks = block_manager.num_cached_blocks
+
+        def priority(seq: Sequence) -> tuple[int, int]:
+            if seq.block_table:
+                return 0, 0
+            if seq.arrival_step <= oldest_fresh_step:
+                return 1, 0
+            return 2, -num_cached_blocks(seq)
+        # stable: ties keep queue order
+        return sorted(head[:ADMISSION_WINDOW], key=priority) + head[ADMISSION_WINDOW:]
+
+    def _waits_for_batch(self, seq: Sequence, match: PrefixMatch, computing: HeadIndex) -> bool:
+        """Whether seq should wait a step because this batch computes a longer head of its first
+        uncached block than the cache holds (then, admitted next step, it reuses those tokens).
+
+        Why this and not sharing within the step: the K/V seq would reuse is then written by an
+        earlier step's forward, like any prefix hit's, so every attention backend reads it exactly
+        as it reads a cached prefix. Reading K/V that another sequence of the same forward writes
+        would rely on each backend storing before it reads, and the torch backend reads fresh K/V
+        directly when a sequence has nothing cached.
+        """
+        block_size = self.block_manager.block_size
+        k = len(match.block_ids)
+        start = k * block_size
+        head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
+        if not head:
+            return False
+        parent = seq.block_hashes[k - 1] if k else -1
+        _, num_shared = computing.longest_match(parent, head)
+        return num_shared - match.num_copied_tokens >= min(block_size, MIN_SHARED_TOKENS_TO_WAIT)
+
+    def _note_computing(self, seq: Sequence, computing: HeadIndex) -> None:
+        """Add the blocks seq writes in this step to computing, each as far as it will be written."""
+        block_size = self.block_manager.block_size
+        start = seq.num_cached_tokens
+        end = start + seq.num_scheduled_tokens
+        first, last = start // block_size, (end - 1) // block_size
+        hashes = self.block_manager.block_hashes(seq, last)
+        for i in range(first, last + 1):
+            computing.add(hashes[i - 1] if i else -1,
+                          seq.token_ids[i * block_size:min((i + 1) * block_size, end)], seq.seq_id)
 
     def _schedule_decode(self) -> list[Sequence]:
         # This loop and postprocess run once per running sequence per step: locals are bound
@@ -136,8 +248,11 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Account for the step just run and append sampled tokens; returns the sequences that finished."""
-        hash_blocks = self.block_manager.hash_blocks
-        block_size = self.block_manager.block_size
+        block_manager = self.block_manager
+        if block_manager.block_copies:
+            block_manager.release_copy_sources()  # the step ran: its copies are done
+        hash_blocks = block_manager.hash_blocks
+        block_size = block_manager.block_size
         finished = []
         for seq, token_id in zip(seqs, token_ids):
             num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -163,6 +278,10 @@ class Scheduler:
             else:
                 continue
             finished.append(seq)
+        if self._prefill_step:
+            for seq in seqs:
+                if seq.block_table:  # not finished: its partly written last block can serve others
+                    block_manager.index_written_tail(seq)
         return finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

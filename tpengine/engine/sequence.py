@@ -21,7 +21,7 @@ class Sequence:
         "num_cached_tokens", "num_scheduled_tokens", "is_prefill", "block_table",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
-        "copy_source_block", "request",
+        "request", "block_hashes", "arrival_step",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
@@ -52,8 +52,9 @@ class Sequence:
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
         # of computing the prompt again. Cleared once they have blocks of their own.
         self.parent = parent
-        self.copy_source_block = -1         # a fork's first step copies this block into its last one
         self.request = None                 # the engine's per-request state; the ledger never reads it
+        self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
+        self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
 
     def __len__(self) -> int:
         return self.num_tokens

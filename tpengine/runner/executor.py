@@ -21,8 +21,8 @@ class Executor:
     def send_to_workers(self, step: StepMessage) -> None:
         """Hand the step to the other ranks before rank 0 runs its own part."""
 
-    def execute(self, seqs, is_prefill: bool) -> SamplerOutput:
-        step = slim_step(seqs, is_prefill)
+    def execute(self, seqs, is_prefill: bool, block_copies=()) -> SamplerOutput:
+        step = slim_step(seqs, is_prefill, block_copies)
         self.send_to_workers(step)
         logits = self.runner.execute(step)
         return self.sampler(logits, seqs)

@@ -264,26 +264,27 @@ class ModelRunner:
             context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
         return self._tensor(input_ids), self._tensor(positions), meta
 
+    def copy_blocks(self, step: StepMessage) -> None:
+        """Copy the heads of cached blocks into the blocks that reuse them (prefix hits that end inside a
+        block, n > 1 completions forking their prompt): plain rows of the cache tensor, the same on every
+        attention backend, done before any pass of the step writes or reads the cache."""
+        kv_cache = self.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+        for copy in step.block_copies:
+            kv_cache[:, :, copy.dst, :copy.num_tokens] = kv_cache[:, :, copy.src, :copy.num_tokens]
+
     # --- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, step: StepMessage) -> torch.Tensor | None:
         """Run one step; rank 0 gets the logits of each sequence's last token, other ranks None."""
-        if step.is_prefill:
-            self._copy_forked_blocks(step)
+        if step.block_copies:
+            self.copy_blocks(step)
         passes = self.prefill_passes(step) if step.is_prefill and self.prefill_pass_tokens else None
         if passes is None or len(passes) == 1:
             return self._run(step)
         # every rank splits the step the same way, so the collectives inside each pass line up
         logits = [self._run(piece, ends) for piece, ends in passes]
         return torch.cat(logits) if self.rank == 0 else None
-
-    def _copy_forked_blocks(self, step: StepMessage) -> None:
-        # Before any forward pass writes: a forked completion's source block may be freed and reused this step.
-        copies = [(seq.copy_source_block, seq.block_table[-1]) for seq in step.prefill if seq.copy_source_block >= 0]
-        if copies:
-            source, target = self._tensor([c[0] for c in copies]), self._tensor([c[1] for c in copies])
-            self.kv_cache.index_copy_(2, target, self.kv_cache.index_select(2, source))
 
     def prefill_passes(self, step: StepMessage) -> list[tuple[StepMessage, list[int]]]:
         """The prefill step as passes of at most prefill_pass_tokens tokens, a long chunk split across

@@ -167,13 +167,13 @@ class MultiprocExecutor(Executor):
     def send_to_workers(self, step: StepMessage) -> None:
         self.channel.write(encode(step))
 
-    def execute(self, seqs, is_prefill: bool) -> list[int]:
+    def execute(self, seqs, is_prefill: bool, block_copies=()) -> list[int]:
         if self.closed:
             raise RuntimeError("the engine is shut down (a worker failed, shutdown() was called, "
                                "or this is a forked copy of the process that owns it)")
         try:
             with self._deadline(self.config.step_timeout_s, "one step"):
-                return super().execute(seqs, is_prefill)
+                return super().execute(seqs, is_prefill, block_copies)
         except BaseException as e:
             self._stop_after(e)
 
