@@ -5,7 +5,7 @@ import pytest
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
-from tpengine.kernels.cpu.paged_decode_attention import has_compiler
+from tpengine.kernels.cpu.build import has_compiler
 
 VOCAB = TP_MODEL["vocab_size"]
 
