@@ -100,6 +100,16 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    @property
+    def max_request_len(self) -> int:
+        """Most tokens (prompt + output) one request can reach: max_model_len, or the whole cache if smaller."""
+        manager = self.scheduler.block_manager
+        return min(self.max_model_len, manager.num_blocks * manager.block_size)
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone; between steps nothing else would notice."""
+        self.executor.check_health()
+
     # --- requests -------------------------------------------------------------------------------
 
     def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool) -> Request:

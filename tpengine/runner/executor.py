@@ -27,5 +27,8 @@ class Executor:
         logits = self.runner.execute(step)
         return self.sampler(logits, seqs)
 
+    def check_health(self) -> None:
+        """Raise if some rank is gone (rank 0 alone: nothing to check)."""
+
     def shutdown(self) -> None:
         pass

@@ -186,6 +186,14 @@ class MultiprocExecutor(Executor):
         finally:
             self._busy = None
 
+    def check_health(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is shut down (a worker failed, or shutdown() was called)")
+        try:
+            self._raise_if_a_worker_died()
+        except WorkerFailedError as e:
+            self._stop_after(e)
+
     # --- watching (from the watcher thread) -----------------------------------------------------
 
     def watch_once(self) -> None:
