@@ -15,7 +15,16 @@ DEFAULT_TINY_CONFIG = dict(
     num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=1_000_000.0,
     rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.1,
 )
-TINY_MODEL_VERSION = "1"
+TINY_MODEL_VERSION = "2"  # 2: the tokenizer has a chat template
+
+# ChatML, the format Qwen models use, so `tpengine serve` chats with the embedded model out of the box.
+# Its markers are plain text to the byte tokenizer.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def write_byte_tokenizer(path: str) -> int:
@@ -28,7 +37,8 @@ def write_byte_tokenizer(path: str) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([EOS_TOKEN])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN,
+                            chat_template=CHATML_TEMPLATE).save_pretrained(path)
     return tokenizer.get_vocab_size()
 
 
