@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	else \
 		$(BIN)/pip install $$(test -d /opt/wheels && echo --find-links /opt/wheels) torch==2.13.0; \
 	fi
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,serve]'
 	@# the CPU attention kernel is compiled on first use; build it now so the first run does not wait
 	$(BIN)/python -c "from tpengine.kernels.cpu.paged_decode_attention import load; load()" \
 		|| echo "could not build the CPU attention kernel: the CPU will use the slower torch backend"

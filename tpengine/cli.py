@@ -1,7 +1,8 @@
-"""`tpengine generate ...` and `tpengine make-tiny-model PATH`."""
+"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`."""
 import argparse
 import json
 import logging
+import os
 import sys
 
 from tpengine.config import ATTENTION_BACKENDS, DTYPES
@@ -16,10 +17,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Generate a completion for each prompt. Prompts come from the command line, "
                     "from --file (one per line), or from standard input (one per line) when neither is given.")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
-    gen.add_argument("--model", help="local Qwen3 checkpoint folder (default: the embedded tiny random model, "
-                                     "written on first use; its text is meaningless)")
     gen.add_argument("--file", help="read prompts from this file, one per line ('-' for standard input)")
-    gen.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1 keeps all (default)")
@@ -27,17 +25,27 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: none)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (text and token ids)")
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
-    gen.add_argument("--dtype", default="auto", choices=DTYPES,
-                     help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA")
-    gen.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
-    gen.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
-    gen.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
-    gen.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                     help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
-                          "kernel built on first use), else torch, on the CPU (default auto)")
-    gen.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    _add_engine_args(gen)
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
+
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI API over HTTP",
+        description="Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions (streamed as "
+                    "server-sent events when asked), /v1/models, /health and Prometheus /metrics. "
+                    "SIGTERM or Ctrl-C stops it cleanly.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                           "only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--served-model-name", help="the model name clients send (default: the --model value, "
+                                                   "or tpengine-tiny for the embedded model)")
+    serve.add_argument("--api-key", default=os.environ.get("TPENGINE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TPENGINE_API_KEY, "
+                            "else no key)")
+    serve.add_argument("--chat-template", help="Jinja chat template file (or the template itself) for models "
+                                               "whose tokenizer has none, or to override it")
+    serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    _add_engine_args(serve)
+    serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
                                description="Write the embedded tiny random-weight Qwen3 checkpoint and its "
@@ -45,6 +53,34 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("path", help="output folder")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     return parser
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that build the engine, the same for generate and serve."""
+    parser.add_argument("--model", help="local Qwen3 checkpoint folder (default: the embedded tiny random model, "
+                                        "written on first use; its text is meaningless)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+    parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
+    parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
+    parser.add_argument("--max-num-seqs", type=int, default=512, help="most sequences in a batch (default 512)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                        help="most tokens in one prefill step (default 16384)")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
+                             "kernel built on first use), else torch, on the CPU (default auto)")
+    parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
+                kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager)
 
 
 def _read_prompts(args) -> list[str]:
@@ -69,10 +105,7 @@ def _generate(args) -> int:
     model = args.model or default_model_path()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
-    with LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
-             kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
-             max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-             enforce_eager=args.enforce_eager) as llm:
+    with LLM(model, **_engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     for prompt, out in zip(prompts, outputs):
         if args.json:
@@ -84,6 +117,18 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from tpengine.entrypoints.server import run_server
+    from tpengine.tiny_model import default_model_path
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
+    return run_server(model=args.model or default_model_path(),
+                      model_name=args.served_model_name or args.model or "tpengine-tiny",
+                      host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
+                      access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
+                      engine_kwargs=_engine_kwargs(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
@@ -92,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_model(args.path, seed=args.seed)
             print(args.path)
             return 0
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except ValueError as e:
         print(f"tpengine: error: {e}", file=sys.stderr)

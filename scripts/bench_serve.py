@@ -1,0 +1,252 @@
+"""Serving benchmark: `tpengine serve` under load against offline `LLM.generate`, same workload, same run.
+
+Like vLLM's serving benchmark: requests with random prompt token ids and random prompt and
+output lengths (ignore_eos, so each writes exactly its max_tokens) are sent to /v1/completions
+as streams, all at once (--request-rate inf, the default: saturation) or with Poisson arrivals at
+a rate. Per request the client records the time to the first token (TTFT), the gaps between
+streamed chunks (inter-token latency, ITL) and the end-to-end latency; output tok/s is all output
+tokens over the time from the first request sent to the last token received. Meanwhile a poller
+times GET /health (it must never wait for a step), and after the load the server's CPU use
+while idle is read from /proc.
+
+The baseline is the same workload through `LLM.generate` in this process (all requests at once,
+with the same engine settings), timed before the server starts, so the two never share the cores.
+The load generator is a minimal asyncio HTTP client (no client library), so its own CPU cost
+stays small next to the server's on a small machine; it runs on the same host as the server.
+
+On a machine that other work shares, run it with OMP_WAIT_POLICY=PASSIVE (the server inherits it):
+with more runnable threads than cores, OpenMP's spinning waits made one side or the other up to 10x
+slower at random, which says nothing about the server.
+
+The model is bench.py's random-weight CPU Qwen3 (or --model), without a tokenizer: prompts go as
+token ids and tokens are counted from the stream's token_ids (vLLM's return_token_ids).
+
+    .venv/bin/python scripts/bench_serve.py                          # saturation, 64 requests
+    .venv/bin/python scripts/bench_serve.py --request-rate 4         # Poisson arrivals, 4 req/s
+    .venv/bin/python scripts/bench_serve.py --model /path/to/Qwen3-0.6B --device cuda --num-prompts 256
+"""
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import write_model  # noqa: E402  (the same random-weight model bench.py measures)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="Qwen3 checkpoint folder (default: bench.py's random-weight model, written to a temp folder)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-input-len", type=int, default=16)
+    p.add_argument("--max-input-len", type=int, default=256)
+    p.add_argument("--min-output-len", type=int, default=16)
+    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals; inf sends all at once (default)")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-offline", action="store_true", help="measure the server only")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="alternate offline and server runs this many times and keep each side's fastest (noisy machines)")
+    return p.parse_args(argv)
+
+
+def make_workload(args) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    prompts = [[rng.randint(0, 9999) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_prompts)]
+    return prompts, [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_prompts)]
+
+
+def engine_flags(args) -> dict:
+    return dict(tensor_parallel_size=args.tp, device=args.device, max_model_len=args.max_input_len + args.max_output_len)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+# --- offline baseline -------------------------------------------------------------------------------
+
+def time_offline(args, model: str, prompts, output_lens) -> float:
+    from tpengine import LLM, SamplingParams
+    with LLM(model, **engine_flags(args)) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+    assert [len(out.outputs[0].token_ids) for out in outputs] == output_lens
+    return elapsed
+
+
+# --- the server and a minimal streaming client ------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, model: str, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tpengine.cli", "serve", "--model", model, "--port", str(port), "--quiet",
+               "--disable-access-log", "--served-model-name", "bench", "--tp", str(args.tp), "--device", args.device,
+               "--max-model-len", str(args.max_input_len + args.max_output_len)]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+
+async def http(port: int, method: str, path: str, body: dict | None = None):
+    """Send one request; returns (status, the response's reader, writer) after its headers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = b"" if body is None else json.dumps(body).encode()
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
+    status = int((await reader.readline()).split()[1])
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass
+    return status, reader, writer
+
+
+async def stream_completion(port: int, prompt: list[int], max_tokens: int, temperature: float) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    status, reader, writer = await http(port, "POST", "/v1/completions", body)
+    assert status == 200, f"server answered {status}"
+    token_times, num_tokens = [], 0
+    async for line in reader:  # chunked transfer: size lines interleave, the SSE lines are what count
+        if line.startswith(b"data: {"):
+            new = sum(len(choice["token_ids"]) for choice in json.loads(line[6:])["choices"])
+            if new:
+                token_times.append(time.perf_counter())
+                num_tokens += new
+    writer.close()
+    return {"sent": sent, "token_times": token_times, "num_tokens": num_tokens}
+
+
+async def poll_health(port: int, stop: asyncio.Event, latencies: list[float]) -> None:
+    while not stop.is_set():
+        started = time.perf_counter()
+        status, reader, writer = await http(port, "GET", "/health")
+        await reader.read()
+        writer.close()
+        assert status == 200
+        latencies.append(time.perf_counter() - started)
+        await asyncio.sleep(0.05)
+
+
+async def run_load(args, port: int, prompts, output_lens) -> tuple[list[dict], float, list[float]]:
+    await stream_completion(port, [1, 2, 3, 4], 4, args.temperature)  # warm-up
+    rng = random.Random(args.seed + 1)
+    stop, health = asyncio.Event(), []
+    poller = asyncio.ensure_future(poll_health(port, stop, health))
+    started = time.perf_counter()
+    tasks = []
+    for prompt, max_tokens in zip(prompts, output_lens):
+        tasks.append(asyncio.ensure_future(stream_completion(port, prompt, max_tokens, args.temperature)))
+        if args.request_rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.request_rate))
+    results = await asyncio.gather(*tasks)
+    elapsed = max(r["token_times"][-1] for r in results) - started
+    stop.set()
+    await poller
+    return results, elapsed, health
+
+
+def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if s.recv(64).split()[1] == b"200":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("the server did not become ready")
+        time.sleep(0.2)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_server(args, model: str, prompts, output_lens):
+    """Start a server, run the load, read its idle CPU, stop it: (results, seconds, /health latencies,
+    idle CPU fraction, exit status)."""
+    port = free_port()
+    server = start_server(args, model, port)
+    try:
+        wait_ready(port, server)
+        results, elapsed, health = asyncio.run(run_load(args, port, prompts, output_lens))
+        time.sleep(1.0)
+        idle_start = cpu_seconds(server.pid)
+        time.sleep(5.0)
+        idle_cpu = (cpu_seconds(server.pid) - idle_start) / 5.0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        exit_status = server.wait(timeout=60)
+    return results, elapsed, health, idle_cpu, exit_status
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    prompts, output_lens = make_workload(args)
+    num_output = sum(output_lens)
+    print(f"$ {shlex.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"{platform.machine()}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"load average before "
+          f"{os.getloadavg()[0]:.2f}; {args.num_prompts} requests, {sum(map(len, prompts))} prompt and "
+          f"{num_output} output tokens, request rate {args.request_rate}, tp={args.tp}")
+    offline_runs, server_runs = [], []
+    with tempfile.TemporaryDirectory() as folder:
+        model = args.model or write_model(args.device, folder)
+        for _ in range(args.repeat):
+            if not args.skip_offline:
+                offline_runs.append(time_offline(args, model, prompts, output_lens))
+            server_runs.append(run_server(args, model, prompts, output_lens))
+    offline_s = min(offline_runs) if offline_runs else None
+    results, elapsed, health, idle_cpu, exit_status = min(server_runs, key=lambda run: run[1])
+    print("rounds: offline " + ", ".join(f"{s:.2f} s" for s in offline_runs) + "; server "
+          + ", ".join(f"{run[1]:.2f} s" for run in server_runs))
+    assert [r["num_tokens"] for r in results] == output_lens, "the server wrote other lengths than asked"
+    ttft = [(r["token_times"][0] - r["sent"]) * 1e3 for r in results]
+    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["token_times"], r["token_times"][1:])]
+    e2e = [(r["token_times"][-1] - r["sent"]) * 1e3 for r in results]
+    print(f"\n| measure | server | offline LLM.generate |\n|---|---:|---:|")
+    offline_rate = f"{num_output / offline_s:,.1f}" if offline_s else "-"
+    print(f"| output tok/s | {num_output / elapsed:,.1f} | {offline_rate} |")
+    print(f"| wall time | {elapsed:.2f} s | {f'{offline_s:.2f} s' if offline_s else '-'} |")
+    for name, values in (("TTFT", ttft), ("inter-token latency", itl), ("end-to-end latency", e2e)):
+        print(f"| {name} p50 / p99 | {percentile(values, 50):,.1f} / {percentile(values, 99):,.1f} ms | |")
+    print(f"| GET /health under load p50 / p99 / max | {percentile(health, 50) * 1e3:.1f} / "
+          f"{percentile(health, 99) * 1e3:.1f} / {max(health) * 1e3:.1f} ms ({len(health)} polls) | |")
+    print(f"| server CPU while idle (5 s) | {idle_cpu * 100:.1f}% of a core | |")
+    if offline_s:
+        print(f"\nserver / offline throughput: {offline_s / elapsed:.3f} (the server loses "
+              f"{(1 - offline_s / elapsed) * 100:.1f}%)")
+    print(f"server exit status after SIGTERM: {exit_status}; load average after {os.getloadavg()[0]:.2f}; "
+          f"TTFT mean {statistics.mean(ttft):,.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

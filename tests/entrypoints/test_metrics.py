@@ -1,0 +1,83 @@
+"""/metrics: vLLM's names under tpengine:, parsed by prometheus_client, moving by exact counts."""
+import asyncio
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.entrypoints.conftest import BLOCK_SIZE
+
+NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+         "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
+         "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
+COUNTERS = ("tpengine:prompt_tokens_total", "tpengine:generation_tokens_total", "tpengine:prefix_cache_queries_total",
+            "tpengine:prefix_cache_hits_total", "tpengine:time_to_first_token_seconds_count",
+            "tpengine:inter_token_latency_seconds_count", "tpengine:e2e_request_latency_seconds_count")
+
+
+def read_counters(server) -> dict[str, float]:
+    values = {name: server.metric(name, model_name="tiny") for name in COUNTERS}
+    for reason in ("stop", "length", "abort"):
+        values[reason] = server.metric("tpengine:request_success_total", model_name="tiny", finished_reason=reason)
+    return values
+
+
+def test_metrics_parse_and_carry_vllms_names(server, client):
+    client.completions.create(model="tiny", prompt="warm", max_tokens=2)
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    families = {family.name: family.type for family in text_string_to_metric_families(text)}
+    for name in NAMES:
+        assert f"tpengine:{name}" in families, name
+    assert families["tpengine:time_to_first_token_seconds"] == "histogram"
+    assert families["tpengine:num_requests_running"] == "gauge"
+    assert families["tpengine:generation_tokens"] == "counter"
+
+
+def test_counters_move_by_exact_token_counts(server, client):
+    prompt = list(range(60, 60 + BLOCK_SIZE + 5))
+    before = read_counters(server)
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=7, temperature=0.0, extra_body={"ignore_eos": True})
+    client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    after = read_counters(server)
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["tpengine:prompt_tokens_total"] == 2 * len(prompt)
+    assert delta["tpengine:generation_tokens_total"] == 2 * 7
+    assert delta["tpengine:prefix_cache_queries_total"] == 2 * len(prompt)
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert delta["tpengine:prefix_cache_hits_total"] == cached == len(prompt) - 1  # the first run hit nothing
+    # token timings come from the streamed request, which the engine reports every step
+    assert delta["tpengine:time_to_first_token_seconds_count"] == 1
+    assert delta["tpengine:inter_token_latency_seconds_count"] == 6  # one per token after the first
+    assert delta["tpengine:e2e_request_latency_seconds_count"] == 2
+    assert (delta["length"], delta["stop"], delta["abort"]) == (2, 0, 0)
+
+
+def test_a_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
+    before = read_counters(server)
+    stream = client.completions.create(model="tiny", prompt="drop me", max_tokens=400, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert server.metric("tpengine:num_requests_running", model_name="tiny") == 1
+    assert server.metric("tpengine:kv_cache_usage_perc", model_name="tiny") > 0
+    stream.close()
+    server.wait_for_metric("tpengine:num_requests_running", 0.0, model_name="tiny")
+    assert server.metric("tpengine:kv_cache_usage_perc", model_name="tiny") == 0
+    after = read_counters(server)
+    assert after["abort"] - before["abort"] == 1
+    assert after["tpengine:generation_tokens_total"] - before["tpengine:generation_tokens_total"] < 400
+
+
+def test_a_cancelled_non_streamed_call_is_aborted(server, async_client):
+    before = read_counters(server)
+
+    async def start_then_cancel():
+        call = asyncio.ensure_future(async_client.completions.create(
+            model="tiny", prompt="cancel me", max_tokens=480, temperature=0.0, extra_body={"ignore_eos": True}))
+        while server.metric("tpengine:num_requests_running", model_name="tiny") == 0:
+            await asyncio.sleep(0.02)
+        call.cancel()
+
+    asyncio.run(start_then_cancel())
+    server.wait_for_metric("tpengine:num_requests_running", 0.0, model_name="tiny")
+    assert read_counters(server)["abort"] - before["abort"] == 1

@@ -1,0 +1,247 @@
+"""One thread owns the engine; the event loop talks to it through a queue and gets outputs back.
+
+Commands (add, abort, stop) cross to the engine thread through a thread-safe queue that the
+thread drains before every step, and blocks on while idle (an idle server sleeps). Each step's
+outputs go back to the loop in one call, into the asyncio queue of the HTTP request they belong
+to. A step runs off the event loop, so the server answers during a long prefill.
+"""
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from tpengine.engine.llm_engine import LLMEngine
+from tpengine.entrypoints.metrics import Metrics, RequestTimes
+from tpengine.outputs import RequestOutput
+from tpengine.sampling_params import SamplingParams
+
+logger = logging.getLogger("tpengine")
+
+# An idle engine thread wakes this often to notice a worker that died between requests.
+IDLE_HEALTH_CHECK_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed or was shut down: no request can run."""
+
+
+class Submission:
+    """One HTTP request's prompts in the engine; iterate it for {prompt index: latest output}."""
+
+    def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int):
+        self._engine = engine
+        self.key = key
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.num_unfinished = num_prompts
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    async def __aiter__(self) -> AsyncIterator[dict[int, RequestOutput]]:
+        while self.num_unfinished:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            # Outputs are cumulative: a consumer that fell behind needs only the latest of each prompt.
+            latest: dict[int, RequestOutput] = {}
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+                index, output = item
+                latest[index] = output
+            self.num_unfinished -= sum(output.finished for output in latest.values())
+            yield latest
+
+    def abort(self) -> None:
+        """Abort whatever of it still runs (a client went away); a no-op once finished."""
+        if not self.finished:
+            self.num_unfinished = 0
+            self._engine._commands.put(("abort", self.key))
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._keys = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="tpengine-engine", daemon=True)
+        # engine thread only: request id -> (submission, prompt index, times); submission key -> request ids
+        self._requests: dict[int, tuple[Submission, int, RequestTimes]] = {}
+        self._request_ids: dict[int, list[int]] = {}
+
+    # --- event-loop side ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> Submission:
+        """Queue the prompts (all or none). Raises ValueError for a request the engine rejects,
+        EngineDeadError when the engine is down. A streamed submission gets every step's outputs,
+        another only the final ones (the engine then does no per-step work for it)."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        submission = Submission(self, next(self._keys), len(prompts))
+        accepted = self._loop.create_future()
+        self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic()))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            submission.abort()  # the add may still happen: the abort follows it in the queue
+            raise
+        return submission
+
+    def abort_all(self) -> None:
+        """Abort every request now: each ends with finish_reason "abort" (the end of a graceful shutdown)."""
+        self._commands.put(("abort_all",))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything, end the engine thread, and shut the engine down (workers, shared memory)."""
+        if self.error is None:
+            self.error = EngineDeadError("the server is shutting down")
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # --- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                commands = [] if engine.has_unfinished_requests() else [self._wait_for_command()]
+                deliveries = []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                stopping = False
+                for command in commands:
+                    if stopping or command[0] == "stop":
+                        stopping = True
+                        self._reject(command)
+                    elif command[0] == "add":
+                        self._add(*command[1:])
+                    elif command[0] == "abort":
+                        self._abort(command[1])
+                    else:
+                        deliveries.extend(self._abort_all())
+                if stopping:
+                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    self._reject_queued()
+                    return
+                if engine.has_unfinished_requests():
+                    deliveries.extend(self._route(engine.step()))
+                if self.metrics is not None:
+                    self.metrics.record_engine_state(engine)
+                if deliveries:
+                    self._loop.call_soon_threadsafe(_deliver, deliveries)
+        except BaseException as e:  # a worker died, or a bug: every request learns it, /health turns 503
+            logger.exception("engine failed: %s", e)
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine failed: {e}"))
+            self._reject_until_stopped()
+
+    def _wait_for_command(self):
+        while True:
+            try:
+                return self._commands.get(timeout=IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
+
+    def _add(self, submission: Submission, prompts, params, stream: bool, accepted: asyncio.Future,
+             arrival: float) -> None:
+        request_ids = []
+        try:
+            for prompt in prompts:
+                request_ids.append(self.engine.add_request(prompt, params, stream=stream))
+        except ValueError as e:
+            for request_id in request_ids:
+                self.engine.abort(request_id)
+            if len(prompts) > 1:
+                e = ValueError(f"prompt {len(request_ids)}: {e}")
+            self._loop.call_soon_threadsafe(_resolve, accepted, e)
+            return
+        for index, request_id in enumerate(request_ids):
+            self._requests[request_id] = (submission, index, RequestTimes(arrival, stream))
+        self._request_ids[submission.key] = request_ids
+        self._loop.call_soon_threadsafe(_resolve, accepted, None)
+
+    def _abort(self, key: int) -> None:
+        for request_id in self._request_ids.pop(key, ()):
+            if self._requests.pop(request_id, None) is not None:
+                output = self.engine.abort(request_id)
+                if output is not None and self.metrics is not None:
+                    self.metrics.record_finished(output)
+
+    def _abort_all(self) -> list:
+        outputs = [self.engine.abort(request_id) for request_id in list(self._requests)]
+        return self._route([output for output in outputs if output is not None])
+
+    def _route(self, outputs: list[RequestOutput]) -> list:
+        deliveries = []
+        now = time.monotonic()
+        for output in outputs:
+            entry = self._requests.get(output.request_id)
+            if entry is None:
+                continue  # aborted in this step's drain
+            submission, index, times = entry
+            if self.metrics is not None:
+                self.metrics.record_output(output, times, now)
+            if output.finished:
+                del self._requests[output.request_id]
+                ids = self._request_ids[submission.key]
+                ids.remove(output.request_id)
+                if not ids:
+                    del self._request_ids[submission.key]
+            deliveries.append((submission.queue, (index, output)))
+        return deliveries
+
+    def _fail_all(self, error: BaseException) -> None:
+        submissions = {submission for submission, _, _ in self._requests.values()}
+        self._requests.clear()
+        self._request_ids.clear()
+        if submissions:
+            self._loop.call_soon_threadsafe(_deliver, [(s.queue, error) for s in submissions])
+
+    def _reject_until_stopped(self) -> None:
+        while (command := self._commands.get())[0] != "stop":
+            self._reject(command)
+        self._reject_queued()
+
+    def _reject_queued(self) -> None:
+        while True:
+            try:
+                self._reject(self._commands.get_nowait())
+            except queue.Empty:
+                return
+
+    def _reject(self, command) -> None:
+        if command[0] == "add":  # nothing will run it
+            self._loop.call_soon_threadsafe(_resolve, command[5], EngineDeadError("the engine is not running"))
+
+def _deliver(deliveries) -> None:
+    for target, item in deliveries:
+        target.put_nowait(item)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiting request was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,35 @@
+"""Chat messages -> prompt token ids through the model's (or the user's) Jinja chat template."""
+import os
+from typing import Any
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" in value:  # inline Jinja, as vLLM also accepts
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def render_chat(tokenizer, chat_template: str | None, messages: list[dict[str, Any]],
+                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
+    """Prompt token ids for messages. ValueError when there is no template or it rejects the messages."""
+    if tokenizer is None:
+        raise ValueError("this model folder has no tokenizer, so chat is unavailable: use /v1/completions "
+                         "with token ids")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: start the server with --chat-template FILE")
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+    except TemplateError as e:
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
+    except TypeError as e:  # a chat_template_kwargs key that apply_chat_template itself takes
+        raise ValueError(f"chat_template_kwargs: {e}") from None
+    # The template writes any BOS itself: adding special tokens again would double it.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,87 @@
+"""POST /v1/completions: prompts as text or token ids, whole responses or server-sent events."""
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from tpengine.entrypoints.async_engine import Submission
+from tpengine.entrypoints.protocol import CompletionRequest
+from tpengine.entrypoints.serving import (ApiError, ChoiceDelta, OpenAIServing, cancel_on_disconnect, clamp_logprob,
+                                          final_outputs, new_response_fields, sse_stream, token_id_fields,
+                                          usage)
+from tpengine.outputs import CompletionOutput, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        if request.echo and request.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
+                           param="echo")
+        prompts = [self._encode(prompt) for prompt in request.prompts]
+        max_tokens = self.max_tokens(request.max_tokens, prompts)
+        params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.logprobs))
+        submission = await self.submit(prompts, params, request.stream)
+        fields = {**new_response_fields("cmpl", self.model_name), "object": "text_completion"}
+        if request.stream:
+            return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")
+        return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise ApiError(400, "this model folder has no tokenizer: send prompts as token ids", param="prompt")
+        if not prompt:
+            raise ApiError(400, "prompt is empty: it needs at least one token", param="prompt")
+        return self.tokenizer.encode(prompt)  # as LLM.generate encodes a text prompt
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(output.prompt_token_ids)
+
+    def _logprobs(self, completion: CompletionOutput, start: int, text_offset: int) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for text, logprob, alternatives in self.token_logprobs(completion, start):
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            # ascending, so where two tokens read the same (partial UTF-8) the likelier one's value stays
+            top_logprobs.append({self.token_text(t): clamp_logprob(lp)
+                                 for t, lp in sorted(alternatives.items(), key=lambda item: item[1])})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    async def _complete(self, request: CompletionRequest, submission: Submission, fields: dict) -> dict:
+        outputs = await final_outputs(submission)
+        choices = []
+        for prompt_index, output in sorted(outputs.items()):
+            prefix = self._prompt_text(output) if request.echo else ""
+            for completion in output.outputs:
+                choices.append({
+                    "index": prompt_index * request.n + completion.index,
+                    "text": prefix + (completion.text or ""),
+                    "logprobs": None if request.logprobs is None else self._logprobs(completion, 0, 0),
+                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                    **(token_id_fields(output, completion, 0, True) if request.return_token_ids else {})})
+        return {**fields, "choices": choices, "usage": usage(outputs.values())}
+
+    def _stream(self, request: CompletionRequest, submission: Submission, fields: dict) -> AsyncIterator[bytes]:
+        text_offsets: dict[int, int] = {}  # choice index -> characters streamed, for logprobs' text_offset
+
+        def choice_of(delta: ChoiceDelta) -> dict:
+            text = delta.text
+            if delta.is_first and request.echo:
+                text = self._prompt_text(delta.output) + text
+            offset = text_offsets.get(delta.index, 0)
+            text_offsets[delta.index] = offset + len(text)
+            completion = delta.completion
+            choice = {"index": delta.index, "text": text,
+                      "logprobs": None if request.logprobs is None
+                      else self._logprobs(completion, delta.token_start, offset),
+                      "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+            if request.return_token_ids:
+                choice.update(token_id_fields(delta.output, completion, delta.token_start, delta.is_first))
+            return choice
+
+        return sse_stream(submission, request.n, fields, request.include_usage_in_stream, choice_of)

@@ -1,0 +1,83 @@
+"""`tpengine serve`: load the engine, bind, serve until SIGTERM or SIGINT, then stop everything."""
+import asyncio
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from tpengine.entrypoints.api_server import build_app
+from tpengine.entrypoints.async_engine import AsyncEngine
+from tpengine.entrypoints.chat_template import load_chat_template
+from tpengine.entrypoints.metrics import Metrics
+
+logger = logging.getLogger("tpengine")
+
+# After SIGTERM/SIGINT running requests get this long to finish before they are aborted.
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before the slow engine start, so a taken port fails at once (not listening yet:
+    clients are refused, not left waiting, until the server is ready)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: once it stops accepting, running requests get GRACEFUL_SHUTDOWN_S to finish, then
+    are aborted, so every client gets a proper end (finish_reason "abort") instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        asyncio.get_running_loop().call_later(GRACEFUL_SHUTDOWN_S, self.engine.abort_all)
+        await super().shutdown(sockets)
+
+
+def run_server(*, model: str, model_name: str, host: str, port: int, api_key: str | None,
+               chat_template: str | None, access_log: bool, log_level: str, engine_kwargs: dict) -> int:
+    from transformers import AutoTokenizer
+
+    from tpengine import LLM
+
+    chat_template = load_chat_template(chat_template)
+    sock = _bind(host, port)
+    # Until uvicorn takes the signals over, SIGTERM interrupts the engine's start as Ctrl-C does,
+    # so the finally below still stops any worker already started.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    llm = server = None
+    try:
+        llm = LLM(model, **engine_kwargs)
+        # The server's own tokenizer: the engine thread uses the engine's, and a Rust tokenizer
+        # must not be used from two threads at once.
+        tokenizer = AutoTokenizer.from_pretrained(model) if llm.tokenizer is not None else None
+        metrics = Metrics(model_name)
+        engine = AsyncEngine(llm, metrics)
+        app = build_app(engine, tokenizer=tokenizer, model_name=model_name, model_path=model,
+                        max_model_len=llm.max_model_len, max_request_len=llm.max_request_len, metrics=metrics,
+                        api_key=api_key, chat_template=chat_template)
+        # uvicorn's own limit is a backstop: by then abort_all has ended every request
+        config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5)
+        server = _Server(config, engine)
+        # uvicorn re-raises the signal that stopped it once it is done; ours then only returns, so the
+        # process exits 0 after a clean shutdown.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        logger.info("serving %s as %r on http://%s:%d", model, model_name, host, port)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        if llm is not None:
+            llm.shutdown()  # already done by the app's shutdown, unless startup failed
+    return 0 if server.started else 1

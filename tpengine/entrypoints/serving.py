@@ -1,0 +1,199 @@
+"""What /v1/completions and /v1/chat/completions share: the model check, limits, errors in OpenAI's
+shape, submitting to the engine, and turning cumulative outputs into per-choice deltas."""
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError, Submission
+from tpengine.outputs import CompletionOutput, RequestOutput
+from tpengine.sampling_params import SamplingParams
+
+SSE_DONE = b"data: [DONE]\n\n"
+# JSON has no -inf: a token the model rules out gets this log-probability, as vLLM reports it
+MIN_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_down(error: BaseException) -> ApiError:
+    return ApiError(503, str(error), "service_unavailable", code="engine_unavailable")
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def clamp_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_request_len: int):
+        self.engine = engine
+        self.tokenizer = tokenizer  # the server's own instance: the engine thread uses the engine's
+        self.model_name = model_name
+        self.max_request_len = max_request_len  # prompt + output: max_model_len, or less if the cache is smaller
+        self._token_texts: dict[int, str] = {}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def max_tokens(self, requested: int | None, prompts: list[list[int]]) -> int:
+        """requested, or what the longest prompt leaves of the context when the client set no limit."""
+        if requested is not None:
+            return requested
+        longest = max(len(prompt) for prompt in prompts)
+        if longest >= self.max_request_len:
+            raise ApiError(400, f"prompt has {longest} tokens, which leaves no room to generate within the "
+                                f"server's limit of {self.max_request_len} tokens per request", param="messages")
+        return self.max_request_len - longest
+
+    def sampling_params(self, build) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> Submission:
+        try:
+            return await self.engine.submit(prompts, params, stream)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        except EngineDeadError as e:
+            raise engine_down(e) from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+    def token_logprobs(self, completion: CompletionOutput, start: int) -> Iterable[tuple[str, float, dict]]:
+        """(token text, its log-probability, {alternative id: log-probability}) per token from start."""
+        for token_id, alternatives in zip(completion.token_ids[start:], completion.logprobs[start:]):
+            yield self.token_text(token_id), clamp_logprob(alternatives[token_id]), alternatives
+
+
+def token_id_fields(output: RequestOutput, completion: CompletionOutput, start: int, with_prompt: bool) -> dict:
+    """return_token_ids: the completion's new token ids, and the prompt's where asked."""
+    fields = {"token_ids": completion.token_ids[start:]}
+    if with_prompt:
+        fields["prompt_token_ids"] = output.prompt_token_ids
+    return fields
+
+
+def new_response_fields(kind: str, model_name: str) -> dict:
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+
+
+def usage(outputs: Iterable[RequestOutput]) -> dict:
+    outputs = list(outputs)
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
+
+
+async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
+    """Wait for every prompt of a non-streamed request; aborts it if the wait is cancelled."""
+    latest: dict[int, RequestOutput] = {}
+    try:
+        async for outputs in submission:
+            latest.update(outputs)
+    except EngineDeadError as e:
+        raise engine_down(e) from None
+    finally:
+        submission.abort()
+    return latest
+
+
+@dataclass
+class ChoiceDelta:
+    index: int                 # prompt index * n + completion index, as OpenAI numbers choices
+    output: RequestOutput
+    completion: CompletionOutput
+    text: str                  # text new since the last delta of this choice
+    token_start: int           # completion.token_ids[token_start:] are new
+    is_first: bool
+
+
+async def choice_deltas(submission: Submission, n: int, latest: dict[int, RequestOutput]) -> AsyncIterator[ChoiceDelta]:
+    """Per choice, what each step added; latest collects the newest output per prompt (for usage)."""
+    sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters sent, tokens sent); -1 once finished
+    async for outputs in submission:
+        latest.update(outputs)
+        for prompt_index, output in sorted(outputs.items()):
+            for completion in output.outputs:
+                index = prompt_index * n + completion.index
+                is_first = index not in sent
+                num_chars, num_tokens = sent.get(index, (0, 0))
+                if num_chars < 0:
+                    continue
+                text = completion.text or ""
+                finished = completion.finish_reason is not None
+                if len(text) == num_chars and len(completion.token_ids) == num_tokens and not finished:
+                    continue
+                sent[index] = (-1, -1) if finished else (len(text), len(completion.token_ids))
+                yield ChoiceDelta(index, output, completion, text[num_chars:], num_tokens, is_first)
+
+
+async def sse_stream(submission: Submission, n: int, fields: dict, include_usage: bool,
+                     choice_of: Callable[[ChoiceDelta], dict], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
+    """Server-sent events: the opening choices, one chunk per choice delta, the usage if asked, [DONE]."""
+    latest: dict[int, RequestOutput] = {}
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        for choice in opening:
+            yield sse({**fields, "choices": [choice], **usage_field})
+        async for delta in choice_deltas(submission, n, latest):
+            yield sse({**fields, "choices": [choice_of(delta)], **usage_field})
+        if include_usage:
+            yield sse({**fields, "choices": [], "usage": usage(latest.values())})
+    except EngineDeadError as e:
+        yield sse(engine_down(e).body())
+    finally:
+        submission.abort()  # a no-op once finished; else the client went away
+    yield SSE_DONE
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable):
+    """Run work (a non-streamed response) unless the client goes away first: then cancel it, which
+    aborts its request in the engine."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect():
+        # The body is already read: the next message this connection gets is its end.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # the client is gone, or this handler itself is being cancelled
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
