@@ -1,90 +1,32 @@
 """The shared-memory all-reduce between real rank processes: bitwise the rank-order sum on every rank,
 any size through small slots, a dead peer raised within seconds, nothing left in /dev/shm."""
-import functools
-import os
+import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tests.distributed.shm_ranks import check_sums, segments
+from tpengine import LLM, SamplingParams
 from tpengine.distributed.parallel_state import find_free_port
+from tpengine.distributed.shm_ring import PeerDiedError
+from tpengine.errors import WorkerFailedError
 from tpengine.kernels.cpu.build import has_compiler
 
-pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
+needs_compiler = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
 
-SMALL_SLOT_BYTES = 256  # 64 float32 elements: sizes up to 1000 elements go through in many pieces
-SIZES = [1, 2, 63, 64, 65, 127, 128, 129, 1000]
-INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tpengine_")}
-
-
-def rank_input(rank: int, numel: int, dtype: torch.dtype, call: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * call + 7 * rank + numel)
-    # values of mixed magnitudes, so that rounding after each addition shows in the low bits
-    return (torch.randn(numel, generator=g) * 10.0 ** torch.randint(-2, 3, (numel,), generator=g)).to(dtype)
-
-
-def assert_rank_order_sum(shm, numel: int, dtype: torch.dtype, call: int) -> torch.Tensor:
-    inputs = [rank_input(r, numel, dtype, call) for r in range(shm.world_size)]
-    result = inputs[shm.rank].clone()
-    shm.all_reduce(result)
-    expected = functools.reduce(torch.add, inputs)  # t_0 + t_1 + ... in dtype, as torch rounds it
-    assert torch.equal(result.view(INT_VIEW[dtype]), expected.view(INT_VIEW[dtype])), (numel, dtype)
-    return result
-
-
-def check_sums(rank: int, world_size: int, port: int, names_file: str) -> None:
-    from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    small, line = connect(rank, world_size, dist.all_reduce, slot_bytes=SMALL_SLOT_BYTES)
-    assert small is not None and line == f"all-reduce: shared memory ({world_size} ranks on one host)", line
-    dist.barrier()  # rank 0 has left connect(): the name is gone, every rank's mapping stays
-    assert small.name not in segments()
-    call = 0
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for numel in SIZES:
-            result = assert_rank_order_sum(small, numel, dtype, call)
-            rank0 = result.clone()
-            dist.broadcast(rank0, src=0)
-            assert torch.equal(result.view(INT_VIEW[dtype]), rank0.view(INT_VIEW[dtype]))  # same bits everywhere
-            call += 1
-    # another segment of the default size beside the first, calls interleaved: each keeps its own count
-    large, _ = connect(rank, world_size, dist.all_reduce)
-    assert large.name != small.name
-    if rank == 0:
-        with open(names_file, "w") as f:
-            f.write(f"{small.name}\n{large.name}\n")
-    for numel in (DEFAULT_SLOT_BYTES // 4 - 1, DEFAULT_SLOT_BYTES // 4 * 2 + 5):
-        assert_rank_order_sum(large, numel, torch.float32, call)
-        assert_rank_order_sum(small, 300, torch.bfloat16, call + 1)
-        call += 2
-    # a non-contiguous tensor is reduced and written back in place
-    inputs = [rank_input(r, 96, torch.float32, call).view(8, 12) for r in range(world_size)]
-    transposed = inputs[rank].clone().t()
-    small.all_reduce(transposed)
-    assert torch.equal(transposed, functools.reduce(torch.add, inputs).t())
-    if world_size >= 3:  # the check above can fail: one rounding at the end gives other bits than rank order
-        inputs = [rank_input(r, 1000, torch.bfloat16, call) for r in range(world_size)]
-        rounded_once = torch.stack([t.float() for t in inputs]).sum(0).bfloat16()
-        assert not torch.equal(rounded_once, functools.reduce(torch.add, inputs))
-    small.close()
-    large.close()
-    dist.destroy_process_group()
-
-
+@needs_compiler
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_rank_gets_the_rank_order_sum_bit_for_bit_at_every_size(world_size, tmp_path):
     names_file = tmp_path / "segments"
-    torch.set_num_threads(1)  # the children inherit it: tp ranks on 2 cores
     mp.spawn(check_sums, args=(world_size, find_free_port(), str(names_file)), nprocs=world_size)
     names = names_file.read_text().split()
     assert len(names) == 2 and not set(names) & segments()
@@ -107,6 +49,7 @@ except Exception as error:
 """
 
 
+@needs_compiler
 def test_a_peer_killed_mid_all_reduce_is_raised_within_seconds_and_nothing_is_left():
     port = str(find_free_port())
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), port], stdout=subprocess.PIPE,
@@ -124,4 +67,54 @@ def test_a_peer_killed_mid_all_reduce_is_raised_within_seconds_and_nothing_is_le
             rank.wait()
     assert time.monotonic() - killed_at < 10
     assert "PeerDiedError tensor-parallel rank 1 (pid" in out and "died during an all-reduce" in out
+    assert not names & segments()
+
+
+# --- in the engine ------------------------------------------------------------------------------
+
+
+def test_engine_without_a_compiler_all_reduces_through_gloo_and_says_so(tiny_model, monkeypatch, tmp_path,
+                                                                        caplog):
+    from tpengine.kernels.cpu import paged_decode_attention, shm_allreduce
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # the workers inherit both
+    monkeypatch.setenv("TPENGINE_CACHE_DIR", str(tmp_path))
+    for kernel in (shm_allreduce, paged_decode_attention):
+        kernel.load.cache_clear()
+    prompts = random_prompts(4, [3, 30], TP_MODEL["vocab_size"])
+    try:
+        with caplog.at_level(logging.INFO, logger="tpengine"):
+            with LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as llm:
+                assert llm.executor.group.shm_all_reduce is None
+                outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        for kernel in (shm_allreduce, paged_decode_attention):
+            kernel.load.cache_clear()
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    assert "all-reduce: gloo (rank 0 has no C++ all-reduce kernel: no C++ compiler" in caplog.text
+
+
+@needs_compiler
+def test_worker_killed_while_rank0_waits_in_the_all_reduce_is_named_within_seconds(tiny_model):
+    llm = LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16)
+    names = {llm.executor.ring.name, llm.executor.group.shm_all_reduce.name}
+    worker = llm.executor.processes[0]
+    try:
+        for prompt in random_prompts(0, [20] * 3, TP_MODEL["vocab_size"]):
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        worker.send_signal(signal.SIGSTOP)  # rank 0's next step waits for it in the first all-reduce...
+        killed_at = []
+        killer = threading.Timer(1.0, lambda: (killed_at.append(time.monotonic()), worker.kill()))
+        killer.start()  # ...where it dies
+        with pytest.raises(WorkerFailedError, match="worker rank 1 was killed by signal SIGKILL") as failure:
+            llm.step()
+        raised_at = time.monotonic()
+        killer.join()
+    finally:
+        llm.shutdown()
+        worker.kill()
+    assert isinstance(failure.value.__cause__, PeerDiedError)
+    assert "tensor-parallel rank 1" in str(failure.value.__cause__) and "all-reduce" in str(failure.value.__cause__)
+    assert raised_at - killed_at[0] < 10
     assert not names & segments()

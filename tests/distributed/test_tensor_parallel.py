@@ -1,5 +1,7 @@
-"""tp > 1 with real worker processes over gloo: greedy tokens equal transformers', in both launch modes."""
+"""tp > 1 with real worker processes (all-reduce through shared memory on one CPU host): greedy tokens equal
+transformers', in both launch modes."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -26,6 +28,23 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_m
     # exact reuse, all but each prompt's last token: block heads copied on every rank (the seed's whole
     # blocks gave [0, 0, 32, 96])
     assert [o.num_cached_tokens for o in second] == [0, 15, 39, 99]
+
+
+def test_greedy_matches_transformers_at_tp_3_with_the_shared_memory_all_reduce(tmp_path, caplog):
+    from tpengine.kernels.cpu.build import has_compiler
+    from tpengine.tiny_model import write_tiny_model
+    # 6 heads / 3 KV heads, intermediate 192: every split by 3 is even; vocabulary 1003 padded to 1005
+    model = write_tiny_model(str(tmp_path / "tp3"), seed=3, with_tokenizer=False,
+                             **{**TP_MODEL, "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16,
+                                "intermediate_size": 192})
+    prompts = random_prompts(5, [1, 17, 60], TP_MODEL["vocab_size"])
+    with caplog.at_level(logging.INFO, logger="tpengine"):
+        with LLM(model, tensor_parallel_size=3, device="cpu", kvcache_block_size=16,
+                 max_num_batched_tokens=32) as llm:
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(model, prompts, GREEDY.max_tokens)
+    if has_compiler():
+        assert "all-reduce: shared memory (3 ranks on one host)" in caplog.text
 
 
 def test_sampling_with_seed_is_the_same_at_tp_1_and_2(tiny_model):

@@ -5,6 +5,7 @@ store and port, never `torch.distributed`'s global default group, so engines of 
 side by side in one process. Layers read the group they are built under (`building_model_for`)
 and call only the collectives below: this is the one seam a faster all-reduce plugs into.
 """
+import logging
 import os
 import socket
 import threading
@@ -13,6 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("tpengine")
 
 # Collectives wait this long for a peer before gloo/NCCL give up on their own; a dead or stuck
 # rank is caught much sooner by the executor's watcher (runner/multiproc_executor.py).
@@ -35,11 +38,26 @@ class TensorParallelGroup:
         self.rank = rank
         self.size = size
         self.process_group = process_group
+        self.shm_all_reduce = None  # a ShmAllReduce when every rank is a CPU process on one host
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum tensor over the ranks, in place."""
-        if self.size > 1:
+        """Sum tensor over the ranks, in place: through shared memory where it can, else the process group."""
+        if self.size == 1:
+            return
+        if self.shm_all_reduce is not None and self.shm_all_reduce.supports(tensor):
+            self.shm_all_reduce.all_reduce(tensor)
+        else:
             self.process_group.allreduce([tensor]).wait()
+
+    def use_shared_memory_if_one_host(self, device: torch.device) -> None:
+        """CPU ranks: all-reduce through shared memory when every rank is on this host and has the C++
+        kernel, else through gloo; rank 0 logs which. Collective; NCCL on GPUs is left alone."""
+        if self.size == 1 or device.type != "cpu":
+            return
+        from tpengine.distributed.shm_all_reduce import connect
+        self.shm_all_reduce, line = connect(self.rank, self.size, lambda t: self.process_group.allreduce([t]).wait())
+        if self.rank == 0:
+            logger.info(line)
 
     def all_reduce_min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value."""
@@ -63,11 +81,16 @@ class TensorParallelGroup:
 
     def abort(self) -> None:
         """Make collectives blocked in another thread return with an error (a peer is gone)."""
+        if self.shm_all_reduce is not None:
+            self.shm_all_reduce.abort()
         if self.process_group is not None:
             self.process_group.abort()
 
     def shutdown(self) -> None:
         """Release the communicator between steps, every rank alike (what destroy_process_group does)."""
+        if self.shm_all_reduce is not None:
+            self.shm_all_reduce.close()
+            self.shm_all_reduce = None
         if self.process_group is not None:
             self.process_group.shutdown()
 
@@ -76,8 +99,10 @@ class TensorParallelGroup:
         """This rank's group of an engine whose store rank 0 serves; every rank calls it at start."""
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before the communicator exists: NCCL binds to the current device
-        return cls(rank, size, new_process_group(dist.PrefixStore("tp", store), rank, size, device,
-                                                 pick_backend(device)))
+        group = cls(rank, size, new_process_group(dist.PrefixStore("tp", store), rank, size, device,
+                                                  pick_backend(device)))
+        group.use_shared_memory_if_one_host(device)
+        return group
 
 
 SINGLE_RANK = TensorParallelGroup()
@@ -145,9 +170,11 @@ def connect_store(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
 
 
-def world_tp_group() -> TensorParallelGroup:
+def world_tp_group(device: torch.device) -> TensorParallelGroup:
     """Under torchrun: the launch script's global group is the engine's."""
-    return TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    group = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    group.use_shared_memory_if_one_host(device)
+    return group
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

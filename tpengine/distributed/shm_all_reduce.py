@@ -57,6 +57,7 @@ class ShmAllReduce:
         self.world_size = world_size
         self._seq = 0  # chunks reduced so far; the same count on every rank
         self._broken = False
+        self._aborted = False
         self._op = torch.ops.tpengine_shm.all_reduce
         self._segment: shared_memory.SharedMemory | None = None
         if name is None:
@@ -64,12 +65,12 @@ class ShmAllReduce:
                                                        size=_segment_bytes(world_size, slot_bytes))
             # unlinks on close(), garbage collection or exit if connect() never got to it
             self._unlink_finalizer = util.Finalize(self, _unlink, (self._segment,), exitpriority=0)
-            self.name, self._mapping = self._segment.name, self._segment.buf
-        else:
-            self.name, self._mapping = name, _attach_untracked(name)
+            name = self._segment.name
+            self._segment.close()  # its own mapping; the tensors below view this rank's mapping, as on the others
+        self.name, self._mapping = name, _attach_untracked(name)
         self._words = memoryview(self._mapping).cast("Q")
         words = self._words
-        if name is None:
+        if self._segment is not None:
             words[_WORLD_SIZE_WORD], words[_SLOT_BYTES_WORD] = world_size, slot_bytes
             words[_MAGIC_WORD] = _MAGIC
         elif (words[_MAGIC_WORD], words[_WORLD_SIZE_WORD]) != (_MAGIC, world_size):
@@ -119,6 +120,8 @@ class ShmAllReduce:
             return [r for r in range(self.world_size) if words[self._line(r) + _READY_SEQ] < seq]
 
         def check_peers() -> None:
+            if self._aborted:
+                raise RuntimeError(f"shm all-reduce {self.name} was aborted while waiting for ranks {lagging()}")
             for rank in lagging():
                 pid = words[self._line(rank) + _PID]
                 if not _pid_alive(pid):
@@ -126,6 +129,11 @@ class ShmAllReduce:
 
         _wait_until(lambda: not lagging(), None, check_peers,
                     lambda: f"ranks {lagging()} in all-reduce {self.name}")
+
+    def abort(self) -> None:
+        """From another thread: make a wait for the peers raise within a peer check; the mapping stays
+        (that thread may be reading it)."""
+        self._aborted = True
 
     def unlink(self) -> None:
         """Rank 0: remove the segment's name; every rank's mapping stays valid. Idempotent."""
@@ -139,7 +147,7 @@ class ShmAllReduce:
         if self._words is not None:
             self._words.release()
             self._words = None
-            (self._mapping if self._segment is None else self._segment).close()
+            self._mapping.close()
 
 
 def _unlink(segment: shared_memory.SharedMemory) -> None:

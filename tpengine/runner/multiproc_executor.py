@@ -160,7 +160,7 @@ class MultiprocExecutor(Executor):
         if self.ring is not None:
             self.ring.wait_for_readers(timeout=WORKER_START_TIMEOUT_S)
             self.ring.unlink()
-        self.group = world_tp_group()
+        self.group = world_tp_group(self.device)
 
     # --- steps ----------------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ def torchrun_worker_main() -> None:
     channel = control if init.ring_name is None else ShmRingReader(init.ring_name, rank - 1)
     try:
         device = resolve_device(init.config.device, local_device_index(rank, launched_by_torchrun=True))
-        serve(init.config, world_tp_group(), device, channel)
+        serve(init.config, world_tp_group(device), device, channel)
     except BaseException:
         if isinstance(channel, ShmRingReader):
             channel.post_error(encode_error(rank, traceback.format_exc(), channel.error_capacity))
