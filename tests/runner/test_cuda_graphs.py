@@ -124,6 +124,13 @@ def test_warm_up_reserves_the_prefill_activation_peak(tiny_model):
         assert llm.executor.runner.activation_peak_bytes > 0
 
 
+@needs_cuda
+def test_warm_up_reserves_the_samplers_full_vocabulary_rows_at_max_num_seqs(tiny_model):
+    # 64 batched tokens need little; 512 decode rows' float32 logits and float64 cumulative sums do not
+    with LLM(tiny_model, dtype="float32", kvcache_block_size=16, max_num_batched_tokens=64, max_num_seqs=512) as llm:
+        assert llm.executor.runner.activation_peak_bytes >= 512 * VOCAB * (4 + 8)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_greedy_with_cuda_graphs_at_tp_2_matches_transformers(tiny_model):
     prompts = random_prompts(24, [1, 16, 40], VOCAB)

@@ -80,3 +80,12 @@ def test_mixed_batch_keeps_greedy_rows_greedy_and_each_sampled_row_on_its_own_di
     for column, probs in ((1, first), (2, second)):
         freq = torch.bincount(draws[:, column], minlength=3).float() / len(draws)
         assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_warm_up_samples_every_row_with_every_option_and_keeps_the_engine_generator():
+    engine_sampler = Sampler(seed=7)
+    state = engine_sampler.generator.get_state()
+    out = engine_sampler.warm_up(random_logits(6))
+    assert len(out.token_ids) == 6 and all(0 <= t < 50 for t in out.token_ids)
+    assert all(len(entry) >= 20 for entry in out.logprobs)  # logprobs were computed for every row
+    assert torch.equal(engine_sampler.generator.get_state(), state)

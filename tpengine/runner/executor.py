@@ -11,8 +11,8 @@ class Executor:
 
     def __init__(self, config: EngineConfig, group: TensorParallelGroup = SINGLE_RANK, device=None):
         self.config = config
-        self.runner = ModelRunner(config, group, device or resolve_device(config.device))
         self.sampler = Sampler(config.seed)
+        self.runner = ModelRunner(config, group, device or resolve_device(config.device), self.sampler)
 
     @property
     def num_kvcache_blocks(self) -> int:

@@ -12,6 +12,7 @@ from tpengine.distributed.parallel_state import TensorParallelGroup, building_mo
 from tpengine.models.loader import load_model
 from tpengine.models.qwen3 import Qwen3ForCausalLM
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
+from tpengine.runner.sampler import Sampler
 
 logger = logging.getLogger("tpengine")
 
@@ -49,8 +50,10 @@ def _gib(num_bytes: float) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, group: TensorParallelGroup, device: torch.device):
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup, device: torch.device,
+                 sampler: Sampler | None = None):
         self.config = config
+        self.sampler = sampler  # rank 0's: the warm-up measures its memory too
         self.group = group
         self.rank = rank = group.rank
         self.block_size = config.kvcache_block_size
@@ -83,7 +86,8 @@ class ModelRunner:
                 if hasattr(module, "prepack_for_cpu"):
                     module.prepack_for_cpu()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
-        # CUDA: what the largest prefill needs beyond the weights, kept free when the cache is sized
+        # CUDA: what the largest prefill and one step's sampling need beyond the weights, kept free
+        # when the cache is sized
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
@@ -170,14 +174,29 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = self.kv_cache
 
-    @torch.inference_mode()
     def _warm_up(self) -> int:
-        """Run the largest prefill step the limits allow (building every kernel it needs); return its
-        activation peak in bytes.
+        """Run the largest step the limits allow (building every kernel it needs); return its activation
+        peak in bytes."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        cache_bytes = self.run_largest_step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
+        torch.cuda.empty_cache()
+        return max(peak, 0)
 
-        That step is max_num_batched_tokens tokens, packed into sequences of at most max_model_len.
+    @torch.inference_mode()
+    def run_largest_step(self) -> int:
+        """The largest prefill step, then the LM head and (rank 0) sampling at max_num_seqs rows; returns
+        the bytes of the scratch KV cache it used, which it frees again.
+
+        The prefill is max_num_batched_tokens tokens, packed into sequences of at most max_model_len.
         Every rank runs it, so the collectives inside line up. A cache just big enough for it is
-        allocated and freed again: some backends read the new keys back through the block table.
+        allocated: some backends read the new keys back through the block table. A decode step can
+        hold max_num_seqs sequences whatever max_num_batched_tokens is, so the logits and the sampler's
+        full-vocabulary float32 and float64 rows are made for that many (about 1 GB at 512 x 151,936).
         """
         config = self.config
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * self.max_model_len)
@@ -188,21 +207,16 @@ class ModelRunner:
             seqs.append(PrefillSeq([0] * length, 0, list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
         input_ids, positions, meta = self.prepare_prefill(StepMessage(prefill=seqs, decode=[]))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
         self._allocate_kv_cache(num_blocks)
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         hidden_states = self.model(input_ids, positions, meta)
-        # as many last-token logits as one step can ask for
-        self.model.compute_logits(hidden_states[-min(config.max_num_seqs, num_tokens):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
-        del hidden_states
+        rows = torch.arange(config.max_num_seqs, device=self.device) % num_tokens
+        logits = self.model.compute_logits(hidden_states[rows])
+        if self.sampler is not None and logits is not None:
+            self.sampler.warm_up(logits)
+        del hidden_states, logits
         self._free_kv_cache()
-        torch.cuda.empty_cache()
-        return max(peak, 0)
+        return cache_bytes
 
     def close(self) -> None:
         """Release CUDA graphs (captured graphs hold collectives) and their pool, and let queued work

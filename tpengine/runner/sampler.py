@@ -7,7 +7,9 @@ from typing import NamedTuple
 
 import torch
 
+from tpengine.engine.sequence import Sequence
 from tpengine.layers.compile import compiled_on_cuda
+from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
 _MASK64 = (1 << 64) - 1
@@ -70,6 +72,19 @@ class Sampler:
         if logprob_rows:
             self._gather_logprobs(raw_logprobs, logprob_rows, params, token_ids, logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+    def warm_up(self, logits: torch.Tensor) -> SamplerOutput:
+        """Sample every row of logits with every option on: the most memory one step's sampling takes
+        (the engine reserves it beside the KV cache), and the compiled filters built before any request.
+        The engine's generator is left as it was, so warming up never changes a seeded run's tokens."""
+        params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, seed=0, max_tokens=2, min_tokens=1,
+                                stop_token_ids=(0,), logprobs=MAX_LOGPROBS, repetition_penalty=1.1,
+                                frequency_penalty=0.1, presence_penalty=0.1)
+        state = self.generator.get_state()
+        try:
+            return self(logits, [Sequence([0, 1], params) for _ in range(logits.size(0))])
+        finally:
+            self.generator.set_state(state)
 
     @staticmethod
     def _gather_logprobs(raw_logprobs, rows, params, token_ids, out) -> None:
