@@ -7,7 +7,10 @@ The model is a random-weight Qwen3 written locally with transformers' own
 Qwen3ForCausalLM(config).save_pretrained (nothing is downloaded), or --model for a checkpoint.
 
 Output tokens/s counts only the requested output tokens (sum of max_tokens), divided by the
-wall time of the generate calls alone (model loading and a warm-up generate excluded).
+wall time of the generate calls alone (model loading and the warm-up excluded). tpengine warms up on two
+small batches shaped like the timed run (prefill of several sequences at two sizes, decode batches
+shrinking to 1, the same sampling), so torch.compile builds nothing inside the timed window; on CUDA
+the table says how many graphs it built there all the same (TORCH_LOGS=recompiles shows which).
 
 transformers' baseline: `model.generate` over the prompts in batches of --hf-batch-size,
 left-padded with an attention mask, the same sampling (do_sample with the same temperature,
@@ -21,7 +24,7 @@ static batcher offline (--hf-order given batches them as drawn). Every batch siz
 and the fastest is used for the ratio (all are printed); on 2 CPU cores 16 and 32 were the
 best of 8/16/32/64, within a few percent of each other.
 
-Both sides run in one process, one after the other, each after its own warm-up generate;
+Both sides run in one process, one after the other, each after its own warm-up;
 tpengine gets a fresh LLM each round, so a repeat never hits the prefix cache an earlier round
 filled. --repeat N alternates the two N times and keeps each side's fastest run: use it on a
 shared or noisy machine (the table prints the load average before and after).
@@ -77,6 +80,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--model", help="existing Qwen3 checkpoint folder (default: a random-weight one in a temp folder)")
+    p.add_argument("--model-dir", help="keep the random-weight model in this folder, and reuse it if it is there")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size for tpengine")
     p.add_argument("--num-seqs", type=int)
     p.add_argument("--min-input-len", type=int)
@@ -85,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--max-output-len", type=int)
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="both engines (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--max-num-seqs", type=int, default=512,
+                   help="tpengine's max_num_seqs (default 512, the engine's; CUDA graphs are captured up to it)")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, as nano-vllm)")
     p.add_argument("--hf-batch-size", type=int, nargs="+",
                    help="transformers batch size(s); the best is used (default: 16 32 on cpu, 64 256 on cuda)")
@@ -103,8 +109,8 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if not 1 <= args.min_input_len <= args.max_input_len or not 1 <= args.min_output_len <= args.max_output_len:
         p.error("need 1 <= min <= max for input and output lengths")
-    if args.num_seqs < 1 or args.repeat < 1 or min(args.hf_batch_size) < 1:
-        p.error("--num-seqs, --repeat and --hf-batch-size must be >= 1")
+    if args.num_seqs < 1 or args.repeat < 1 or min(args.hf_batch_size) < 1 or args.max_num_seqs < 1:
+        p.error("--num-seqs, --repeat, --max-num-seqs and --hf-batch-size must be >= 1")
     return args
 
 
@@ -124,29 +130,64 @@ def make_workload(args, vocab_size: int):
 
 
 def write_model(device: str, folder: str) -> str:
+    """The device's default random-weight model in folder: written there unless an earlier run did."""
     from tpengine.tiny_model import write_tiny_model
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    started = time.perf_counter()
     shape = QWEN3_0_6B if device == "cuda" else CPU_MODEL
-    return write_tiny_model(folder, seed=0, with_tokenizer=False, **shape)
+    write_tiny_model(folder, seed=0, with_tokenizer=False, **shape)
+    print(f"wrote a random-weight Qwen3 to {folder} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return folder
 
 
 # --- tpengine -------------------------------------------------------------------------------------
 
-def time_tpengine(args, model: str, prompts, output_lens) -> float:
+def warm_up_workload(prompts, output_lens):
+    """Two small batches shaped like the timed run, so nothing compiles inside it: prefill steps of two
+    sizes with several sequences each (torch.compile turns the token dimension dynamic after its second
+    size), decode batches shrinking one sequence a step down to 1 (the sampler compiles per batch size
+    the same way; 1 is a size of its own). The prompts are the workload's own, reversed: the same
+    lengths, and no block in common with the timed prompts, so the timed run gets no prefix-cache hit."""
+    batches, start = [], 0
+    for num_seqs in (8, 3):
+        chosen = prompts[start:start + num_seqs] or prompts[:1]
+        batches.append(([p[::-1] for p in chosen], [min(2 + 2 * i, max(output_lens)) for i in range(len(chosen))]))
+        start += num_seqs
+    return batches
+
+
+def compiled_graphs() -> int | None:
+    """Graphs torch.compile has built in this process so far (dynamo's own counter), None if unknown."""
+    try:
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+    except (ImportError, KeyError, AttributeError):
+        return None
+
+
+def time_tpengine(args, model: str, prompts, output_lens, compiled_in_window: list | None = None) -> float:
     """One timed llm.generate over the whole workload, on a fresh engine (so a repeat never hits
-    the prefix cache the last round filled); returns its seconds."""
+    the prefix cache the last round filled); returns its seconds. Appends to compiled_in_window the
+    graphs torch.compile built on rank 0 inside the timed window (0 when the warm-up covered every shape)."""
     from tpengine import LLM, SamplingParams
 
     llm = LLM(model, tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
-              max_model_len=args.max_input_len + args.max_output_len)
+              max_model_len=args.max_input_len + args.max_output_len, max_num_seqs=args.max_num_seqs)
     try:
-        llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=args.temperature, max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)  # warm-up
+        for warm_prompts, warm_lens in warm_up_workload(prompts, output_lens):
+            llm.generate(warm_prompts, [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True)
+                                        for n in warm_lens], use_tqdm=False)
         params = [SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
         sync(args.device)
+        graphs_before = compiled_graphs()
+        print("[tpengine] timed generate starts", file=sys.stderr, flush=True)  # TORCH_LOGS after this are in it
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         sync(args.device)
         elapsed = time.perf_counter() - started
+        print("[tpengine] timed generate ends", file=sys.stderr, flush=True)
+        graphs_after = compiled_graphs()
     finally:
         llm.shutdown()
     assert [len(o.token_ids) for o in outputs] == list(output_lens), "tpengine wrote other lengths than asked"
@@ -154,6 +195,9 @@ def time_tpengine(args, model: str, prompts, output_lens) -> float:
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()  # leave the memory to transformers' turn
+    if compiled_in_window is not None:
+        compiled_in_window.append(None if graphs_before is None or graphs_after is None
+                                  else graphs_after - graphs_before)
     return elapsed
 
 
@@ -267,22 +311,18 @@ def main(argv=None) -> None:
     load_before = load_average()
     num_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
-        model_path = args.model
-        if model_path is None:
-            started = time.perf_counter()
-            model_path = write_model(args.device, os.path.join(tmp, "model"))
-            print(f"wrote a random-weight Qwen3 to {model_path} in {time.perf_counter() - started:.1f}s",
-                  file=sys.stderr)
+        model_path = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"))
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model_path)
         prompts, output_lens = make_workload(args, config.vocab_size)
         useful = sum(output_lens)
 
         ours: list[float] = []
+        compiled_in_window: list[int | None] = []
         hf: dict[int, list[float | None]] = {} if args.skip_hf else {b: [] for b in args.hf_batch_size}
         hf_model = None
         for round_ in range(args.repeat):
-            ours.append(time_tpengine(args, model_path, prompts, output_lens))
+            ours.append(time_tpengine(args, model_path, prompts, output_lens, compiled_in_window))
             torch.set_num_threads(num_threads)  # tp > 1 on CPU splits rank 0's threads; give transformers all
             print(f"[round {round_ + 1}/{args.repeat}] tpengine: {ours[-1]:.2f}s "
                   f"({useful / ours[-1]:,.1f} tok/s), load {load_average()}", file=sys.stderr)
@@ -317,6 +357,9 @@ def main(argv=None) -> None:
         (f"tpengine (tp={args.tp}, {args.device})",
          f"**{rate(useful, best_ours)} output tok/s** ({useful} tokens in {best_ours:.2f}s{best_of})"),
     ]
+    if args.device == "cuda":
+        counts = ", ".join("n/a" if c is None else str(c) for c in compiled_in_window)
+        rows.append(("graphs torch.compile built inside the timed run (rank 0)", f"{counts} (0: warm-up covered every shape)"))
     best_hf = None
     for batch_size, times in hf.items():
         ok = [t for t in times if t is not None]

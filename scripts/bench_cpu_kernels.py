@@ -7,6 +7,9 @@
    are cycled, as in a forward pass, so they come from memory rather than a warm cache.
 3. Sampling one token per row: the inverse-CDF draw the sampler uses against the exponential
    race (argmax of p / E, one Exp(1) draw per vocabulary entry) it used before.
+4. Rotary, eager: the CPU form (each half written in place into one output) against the form CUDA
+   compiles (a cat of the two halves, which torch.compile traces as one graph), for q and k of the
+   bench model's shape (8 heads, 4 KV heads of 64) at --rows tokens.
 
     .venv/bin/python scripts/bench_cpu_kernels.py
 """
@@ -21,6 +24,7 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.linear import linear, prepack_weight_for_cpu
+from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -108,6 +112,21 @@ def sampling(args) -> None:
     print(f"| {race_ms:.2f} | {cdf_ms:.2f} | {race_ms / cdf_ms:.1f}x |")
 
 
+def rotary(args) -> None:
+    print("\n## Rotary on q and k, eager: in-place halves (CPU) vs cat of the halves (the form CUDA compiles)\n")
+    print("| tokens | in-place ms | cat ms | cat / in-place |\n|---:|---:|---:|---:|")
+    cache = RotaryEmbedding(64, 4096, 1_000_000.0).cos_sin_cache
+    cat_form = apply_rotary_traceable.__wrapped__
+    for rows in args.rows:
+        positions = torch.randint(0, 4096, (rows,))
+        qkv = torch.randn(rows, (8 + 2 * 4) * 64)
+        q, k = qkv[:, :512].view(rows, 8, 64), qkv[:, 512:768].view(rows, 4, 64)  # strided, as the model's
+        repeat = max(1, 2000 // rows)
+        in_place_ms = best_ms(lambda: apply_rotary(positions, q, k, cache), repeat)
+        cat_ms = best_ms(lambda: cat_form(positions, q, k, cache), repeat)
+        print(f"| {rows} | {in_place_ms:.3f} | {cat_ms:.3f} | {cat_ms / in_place_ms:.2f}x |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
@@ -120,6 +139,7 @@ def main():
     decode_attention(args)
     linears(args)
     sampling(args)
+    rotary(args)
 
 
 if __name__ == "__main__":

@@ -1,40 +1,108 @@
 #!/usr/bin/env bash
-# The GPU checks, as one prepared run for a session that has a device machine: the CUDA tests
-# (the Triton kernels compiled, CUDA graphs, the Triton and flash-attn backends, parity with transformers),
-# then the benchmark.
+# The GPU checks as one run on a fresh CUDA host, from the repo root:   bash scripts/gpu_check.sh
 #
-# Setup. The device image has torch, triton and transformers but not msgspec: carry it as a wheel
-# (/work/.library/device/README.md). Here, once, in the repo root (.gitignore already ignores .whl/):
+# What it does, and what each part takes on one H200 (estimates: it has not run there yet). Each part
+# has its own time limit, so the whole run ends within 8 minutes even when a part hangs:
+#   1. environment, wheels, tpengine importable                                     ~10 s
+#   2. every CUDA test on one GPU, no early stop (tests/layers first: dynamo's explain
+#      resets compiled code); tests/distributed and the CLI's --tp 2 test need two GPUs
+#      and run only where two are visible                                   ~2-3 min, cut at 190 s
+#   3. scripts/bench.py --device cuda: nano-vllm's workload (256 requests, inputs and
+#      outputs 100-1024, Qwen3-0.6B shape, bf16, max_num_seqs 256), then transformers
+#      generate in one batch of 256 (one size only, to fit); TORCH_LOGS=recompiles,
+#      graph_breaks on                                                      ~3 min, cut at 215 s
+#   4. scripts/profile_decode.py: 64 sequences x 1024 tokens, per-step host vs GPU time,
+#      CUDA-graph replays, decode-attention KV read bandwidth against a device copy   ~40 s, cut at 60 s
+# A part cut at its limit gets SIGINT: pytest still prints the summary of what ran.
+#
+# The host needs torch, triton (>= 3.4), transformers, pytest and xxhash; msgspec and flash-attn may be
+# missing (flash-attn's tests then skip). A missing package comes from a wheel in .whl/ in the repo
+# root (git ignores it), made beforehand on any machine with pip, for the host's Python (3.12 here):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl msgspec==0.23.0
-# then run with carry [".whl"]:   bash scripts/gpu_check.sh
-# The wheels go to /tmp/site with PYTHONPATH=/tmp/site, as the README does; run there by hand, that is:
-#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#       .whl/*.whl && export PYTHONPATH=/tmp/site
-# Logs go to $OUT when it is set (the device machine brings them back), else to /tmp/gpu_check.
+# (the same for xxhash==4.1.0 if the host lacks it; WHEELS=DIR takes them from DIR instead). The
+# wheels go to $SITE (on PYTHONPATH) without their dependencies; tpengine runs from this checkout
+# (on PYTHONPATH), with tpengine/kernels linked to kernels/ for the run when no install maps it.
+# Nothing else is installed.
+#
+# Output folder: $OUT if set, else /tmp/gpu_check:
+#   env.txt            GPU, versions, which packages came from wheels
+#   tests.log          pytest -rfEs: every failure and skip named, durations of the slowest
+#   bench.md           the benchmark table (output tok/s, transformers' baseline, the ratio)
+#   torch_logs.txt     the benchmark's stderr: TORCH_LOGS recompiles and graph breaks, with markers
+#                      around the timed window, and each side's time as it finishes
+#   profile_decode.txt the decode profile
+#   summary.txt        each part's exit status and seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp/gpu_check}
+SITE=${SITE:-/tmp/gpu_check_site}
+MODEL_DIR=${MODEL_DIR:-/tmp/gpu_check_model}
+WHEELS=${WHEELS:-.whl}
 mkdir -p "$LOGS"
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-# tpengine.kernels is the kernels/ folder (setup.cfg's package_dir): only an install maps it
-if ! $PY -c "import tpengine.kernels" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-fi
-unset TRITON_INTERPRET  # the kernels run compiled on the GPU, not in the interpreter
-export PYTHONUNBUFFERED=1
-
+: > "$LOGS/summary.txt"
 status=0
-{ nvidia-smi -L; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; \
-  $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed (its tests skip)"; \
-} 2>&1 | tee "$LOGS/gpu_env.txt"
-$PY -m pytest -q -rs -x tests/kernels tests/runner tests/attention tests/engine/test_llm_engine.py 2>&1 | tee "$LOGS/gpu_tests.log" \
-    || status=1
-$PY scripts/bench.py --device cuda 2>&1 | tee "$LOGS/gpu_bench.log" || status=1
+
+part() {  # part NAME LIMIT_S COMMAND...: run with a time limit, record status and seconds
+    local name=$1 limit=$2 started=$SECONDS rc
+    shift 2
+    timeout -s INT -k 15 "$limit" "$@"
+    rc=$?
+    echo "$name: exit $rc in $((SECONDS - started)) s (limit $limit s)" | tee -a "$LOGS/summary.txt" >&2
+    [ "$rc" -eq 0 ] || status=1
+}
+
+# --- 1. environment ------------------------------------------------------------------------------
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset TRITON_INTERPRET  # the kernels run compiled on the GPU, not in the interpreter
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+        || { echo "could not install the wheels in $WHEELS/" | tee -a "$LOGS/summary.txt"; exit 1; }
+fi
+export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# tpengine.kernels is the kernels/ folder (setup.cfg's package_dir); without an install mapping it, a link does
+if ! $PY -c "import tpengine.kernels" 2>/dev/null && [ ! -e tpengine/kernels ]; then
+    ln -s ../kernels tpengine/kernels && trap 'rm -f "$REPO/tpengine/kernels"' EXIT
+fi
+missing=$($PY -c "
+import importlib.util
+names = ['torch', 'triton', 'transformers', 'safetensors', 'tokenizers', 'xxhash', 'msgspec', 'numpy', 'tqdm', 'pytest']
+print(' '.join(n for n in names if importlib.util.find_spec(n) is None))")
+{
+    nvidia-smi -L || echo "nvidia-smi: not found"
+    $PY -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| triton', triton.__version__, '| transformers', transformers.__version__, '| CUDA', torch.version.cuda,
+'| GPUs', torch.cuda.device_count())"
+    $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null \
+        || echo "flash_attn: not installed (its tests skip; auto picks Triton)"
+    echo "from $WHEELS/: $(ls "$WHEELS" 2>/dev/null | tr '\n' ' ')"
+    echo "missing: ${missing:-nothing}"
+} 2>&1 | tee "$LOGS/env.txt"
+if [ -n "$missing" ] || ! $PY -c "import tpengine.kernels, torch; assert torch.cuda.is_available()"; then
+    echo "cannot run: missing packages (${missing:-none}), tpengine.kernels not importable, or no CUDA device" \
+        | tee -a "$LOGS/summary.txt"
+    exit 1
+fi
+
+# --- 2. tests ------------------------------------------------------------------------------------
+tests=(tests/layers tests/kernels tests/attention tests/models tests/runner tests/engine)
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    tests+=(tests/distributed tests/test_cli.py)  # tensor parallelism: one GPU per rank
+fi
+timeout_flag=()
+$PY -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 120)  # a hung test fails, the rest run
+part tests 190 $PY -m pytest -q -rfEs --durations=15 -p no:cacheprovider "${timeout_flag[@]}" "${tests[@]}" \
+    > >(tee "$LOGS/tests.log") 2>&1
+
+# --- 3. benchmark --------------------------------------------------------------------------------
+TORCH_LOGS=recompiles,graph_breaks part bench 215 $PY scripts/bench.py --device cuda --max-num-seqs 256 \
+    --hf-batch-size 256 --model-dir "$MODEL_DIR" > >(tee "$LOGS/bench.md") 2> >(tee "$LOGS/torch_logs.txt" >&2)
+
+# --- 4. decode profile ---------------------------------------------------------------------------
+part profile 60 $PY scripts/profile_decode.py --device cuda --model-dir "$MODEL_DIR" --batch-size 64 \
+    --context-len 1024 --steps 32 > >(tee "$LOGS/profile_decode.txt") 2>&1
+
+echo "total: $SECONDS s" | tee -a "$LOGS/summary.txt"
 exit $status
