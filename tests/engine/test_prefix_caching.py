@@ -42,8 +42,9 @@ CASES = [  # block size, backend, tensor-parallel size
 def test_exact_prefix_hits_match_transformers(tiny_model, block_size, backend, tp):
     if backend == "cpu" and not has_compiler():
         pytest.skip("no C++ compiler for the cpu backend")
+    device = "cpu" if backend == "cpu" else "auto"  # the cpu backend runs on the host, also where CUDA is
     prompts, expected, outputs, (queries, hits) = run(tiny_model, block_size, 8, attention_backend=backend,
-                                                      tensor_parallel_size=tp)
+                                                      tensor_parallel_size=tp, device=device)
     assert [o.num_cached_tokens for o in outputs] == expected
     assert hits == sum(expected) and queries == sum(map(len, prompts)) + 2 * block_size + 7
     reference = hf_greedy(tiny_model, prompts, 8)
