@@ -474,3 +474,17 @@ def test_the_seeds_whole_block_cache_stays_reachable(monkeypatch):
     seq = Sequence(shared + [2] * 40)
     bm.allocate(seq, bm.can_allocate(seq))
     assert seq.num_cached_tokens == 512 and bm.block_copies == [] and len(bm.heads) == 0
+
+
+def test_a_fork_shares_whole_prompt_blocks_and_copies_the_head_of_the_last():
+    bm = BlockManager(8, BS)
+    parent = prefill(bm, list(range(10)))  # blocks 0, 1 full; block 2 holds tokens 8, 9
+    child = Sequence(list(range(10)))
+    bm.fork(child, parent)
+    assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] not in parent.block_table
+    # token 9 is recomputed for the child's own logits: only token 8's row is copied, the source pinned
+    assert bm.block_copies == [(parent.block_table[2], child.block_table[2], 1)]
+    assert child.num_cached_tokens == 9 and bm.blocks[parent.block_table[2]].ref_count == 2
+    bm.release_copy_sources()
+    assert bm.blocks[parent.block_table[2]].ref_count == 1
+    assert_consistent(bm)
