@@ -52,11 +52,10 @@ def segments_of(pid: int) -> set[str]:
 class Server:
     model_name = "tiny"
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, launcher: tuple[str, ...] = (sys.executable, "-m", "tpengine.cli", "serve")):
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "tpengine.cli", "serve", "--port", str(self.port), "--quiet",
-                   "--served-model-name", self.model_name, *args]
+        command = [*launcher, "--port", str(self.port), "--quiet", "--served-model-name", self.model_name, *args]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

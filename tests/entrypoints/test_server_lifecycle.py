@@ -2,6 +2,7 @@
 an idle server sleeps, and a long step never blocks /health."""
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from tests.entrypoints.conftest import BLOCK_SIZE, Server, child_pids, segments_of, worker_pids
 from tests.entrypoints.test_completions import assert_greedy_equals_offline
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP2_FLAGS = ("--tp", "2", "--block-size", str(BLOCK_SIZE), "--num-kvcache-blocks", "128", "--max-model-len", "512")
 
 
@@ -70,6 +72,27 @@ def test_dead_worker_turns_health_to_503_and_requests_to_503(tied_model):
         assert status == 503 and "engine" in body["error"]["message"]
         assert server.stop() == 0
         assert_nothing_left(server, children)
+    finally:
+        server.kill_leftovers()
+
+
+def test_under_torchrun_rank_0_serves_and_sigterm_to_it_stops_every_rank(tied_model):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launcher = (torchrun, "--standalone", "--nproc-per-node", "2", os.path.join(REPO, "launch", "serve.py"))
+    server = Server("--model", tied_model, "--block-size", str(BLOCK_SIZE), "--num-kvcache-blocks", "64",
+                    launcher=launcher)
+    try:
+        ranks = child_pids(server.pid)  # torchrun's children: one process per rank
+        assert len(ranks) == 2
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            assert client.completions.create(model="tiny", prompt="hi", max_tokens=4,
+                                             extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+        rank_0, = (pid for pid in ranks if b"RANK=0" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))
+        children = ranks | child_pids(rank_0)
+        os.kill(rank_0, signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0  # every rank exited 0
+        assert_nothing_left(server, children)
+        assert not segments_of(rank_0)
     finally:
         server.kill_leftovers()
 
