@@ -8,12 +8,11 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 import argparse
 import json
 import logging
-import os
 import sys
 
 import torch.distributed as dist
 
-from tpengine.distributed.parallel_state import local_device_index, pick_backend, resolve_device
+from tpengine.distributed.parallel_state import init_torchrun_process_group
 
 
 def parse_args(argv=None):
@@ -33,15 +32,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="tpengine: %(message)s")
-    # LOCAL_RANK names this rank's GPU; env:// takes the rest of torchrun's variables
-    device = resolve_device(args.device, local_device_index(int(os.environ["RANK"]), launched_by_torchrun=True))
-    backend = pick_backend(device)
-    if backend == "nccl":
-        import torch
-        torch.cuda.set_device(device)  # first: the communicator binds to the current device
-        dist.init_process_group(backend, device_id=device)
-    else:
-        dist.init_process_group(backend)
+    init_torchrun_process_group(args.device)
     try:
         if dist.get_rank() != 0:
             from tpengine.runner.worker import torchrun_worker_main

@@ -6,13 +6,12 @@ Takes every flag of `tpengine serve` (see `tpengine serve --help`); the tensor-p
 torchrun's world size. Stop it with SIGTERM or Ctrl-C to torchrun: rank 0 finishes or aborts what
 runs and tells the other ranks to stop, which wait for that instead of dying on the signal.
 """
-import os
 import signal
 import sys
 
 import torch.distributed as dist
 
-from tpengine.distributed.parallel_state import local_device_index, pick_backend, resolve_device
+from tpengine.distributed.parallel_state import init_torchrun_process_group
 
 
 def _device_option(argv: list[str]) -> str:
@@ -26,14 +25,7 @@ def _device_option(argv: list[str]) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    device = resolve_device(_device_option(argv), local_device_index(int(os.environ["RANK"]), launched_by_torchrun=True))
-    backend = pick_backend(device)
-    if backend == "nccl":
-        import torch
-        torch.cuda.set_device(device)  # first: the communicator binds to the current device
-        dist.init_process_group(backend, device_id=device)
-    else:
-        dist.init_process_group(backend)
+    init_torchrun_process_group(_device_option(argv))
     try:
         if dist.get_rank() != 0:
             # torchrun signals every rank; rank 0 ends the steps and sends the shutdown the others wait for

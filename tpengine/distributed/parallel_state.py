@@ -223,3 +223,17 @@ def check_gpus_for(tensor_parallel_size: int, device: str) -> None:
     if tensor_parallel_size > visible:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs one GPU per rank, "
                          f"but {visible} GPU(s) are visible")
+
+
+def init_torchrun_process_group(device: str) -> torch.device:
+    """Join the process group torchrun's variables describe (env://) on this rank's device; the
+    launch scripts call it first thing."""
+    # LOCAL_RANK names this rank's GPU
+    device = resolve_device(device, local_device_index(int(os.environ["RANK"]), launched_by_torchrun=True))
+    backend = pick_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)  # first: the communicator binds to the current device
+        dist.init_process_group(backend, device_id=device)
+    else:
+        dist.init_process_group(backend)
+    return device
