@@ -1,5 +1,6 @@
 """Decides each step's batch: prefill first (the head may be chunked), else decode; preempts by recompute."""
 from collections import deque
+from itertools import islice
 
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
 from tpengine.engine.prefix_index import HeadIndex
@@ -104,8 +105,8 @@ class Scheduler:
         # every new admission takes a free block; only a partly prefilled sequence needs none
         if room <= 0 or not (block_manager.num_free_blocks or waiting[0].block_table):
             return scheduled
-        # The requests this step may admit leave the queue; the others go back in arrival order.
-        head = [waiting.popleft() for _ in range(min(len(waiting), ADMISSION_WINDOW + room))]
+        # the requests this step may admit (read in place: a step that admits none changes nothing)
+        head = list(islice(waiting, ADMISSION_WINDOW + room))
         # what this batch computes, block by block: a request sharing it waits a step to reuse it
         computing = HeadIndex() if block_manager.exact_prefix_caching else None
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
@@ -149,11 +150,14 @@ class Scheduler:
                 break
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        waiting.extendleft(reversed([seq for seq in head if seq.status == SequenceStatus.WAITING
-                                     and seq is not chunked]))
-        if chunked is not None:
-            # first in the next batch: the only sequence of a batch that may be chunked is its first
-            waiting.appendleft(chunked)
+        if scheduled:  # the others of head stay, in arrival order
+            for _ in range(len(head)):
+                waiting.popleft()
+            waiting.extendleft(reversed([seq for seq in head if seq.status == SequenceStatus.WAITING
+                                         and seq is not chunked]))
+            if chunked is not None:
+                # first in the next batch: the only sequence of a batch that may be chunked is its first
+                waiting.appendleft(chunked)
         return scheduled
 
     def _admission_order(self, head: list[Sequence]) -> list[Sequence]:
