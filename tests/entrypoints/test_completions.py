@@ -82,9 +82,16 @@ def test_seeded_samples_are_reproducible_and_distinct(client):
 
 
 def test_echo_puts_the_prompt_before_the_completion(client):
-    plain = client.completions.create(prompt="echo me", max_tokens=4, **GREEDY).choices[0].text
+    plain = client.completions.create(prompt="echo me", max_tokens=4, **GREEDY).choices[0]
     assert client.completions.create(prompt="echo me", max_tokens=4, echo=True, **GREEDY).choices[0].text == \
-        "echo me" + plain
+        "echo me" + plain.text
+    by_ids = client.completions.create(prompt=[plain.prompt_token_ids, plain.prompt_token_ids], max_tokens=4,
+                                       echo=True, stream=True, **GREEDY)
+    texts = {}
+    for chunk in by_ids:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: "echo me" + plain.text, 1: "echo me" + plain.text}
 
 
 def test_logprobs_hold_the_greedy_token_on_top(client):

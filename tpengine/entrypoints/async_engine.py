@@ -60,7 +60,7 @@ class Submission:
         """Abort whatever of it still runs (a client went away); a no-op once finished."""
         if not self.finished:
             self.num_unfinished = 0
-            self._engine._commands.put(("abort", self.key))
+            self._engine.abort(self.key)
 
 
 class AsyncEngine:
@@ -101,6 +101,10 @@ class AsyncEngine:
             submission.abort()  # the add may still happen: the abort follows it in the queue
             raise
         return submission
+
+    def abort(self, key: int) -> None:
+        """Abort a submission's requests (thread-safe; the engine thread does it before its next step)."""
+        self._commands.put(("abort", key))
 
     def abort_all(self) -> None:
         """Abort every request now: each ends with finish_reason "abort" (the end of a graceful shutdown)."""

@@ -36,7 +36,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ApiError(400, "prompt is empty: it needs at least one token", param="prompt")
         return self.tokenizer.encode(prompt)  # as LLM.generate encodes a text prompt
 
-    def _prompt_text(self, output: RequestOutput) -> str:
+    def _prompt_text(self, request: CompletionRequest, index: int, output: RequestOutput) -> str:
+        """What echo puts first: the prompt as sent, or its token ids decoded."""
+        prompt = request.prompts[index]
+        if isinstance(prompt, str):
+            return prompt
         return "" if self.tokenizer is None else self.tokenizer.decode(output.prompt_token_ids)
 
     def _logprobs(self, completion: CompletionOutput, start: int, text_offset: int) -> dict:
@@ -56,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs = await final_outputs(submission)
         choices = []
         for prompt_index, output in sorted(outputs.items()):
-            prefix = self._prompt_text(output) if request.echo else ""
+            prefix = self._prompt_text(request, prompt_index, output) if request.echo else ""
             for completion in output.outputs:
                 choices.append({
                     "index": prompt_index * request.n + completion.index,
@@ -72,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         def choice_of(delta: ChoiceDelta) -> dict:
             text = delta.text
             if delta.is_first and request.echo:
-                text = self._prompt_text(delta.output) + text
+                text = self._prompt_text(request, delta.index // request.n, delta.output) + text
             offset = text_offsets.get(delta.index, 0)
             text_offsets[delta.index] = offset + len(text)
             completion = delta.completion
