@@ -77,7 +77,8 @@ def validation_error(problems: list[dict]) -> ApiError:
         else:
             message = problem["msg"].removeprefix("Value error, ")
             messages.append(f"{field}: {message}" if field else message)
-    param = ".".join(str(part) for part in problems[0]["loc"][1:]) if problems else ""
+    first = problems[0] if problems else None
+    param = None if first is None or first["type"] == "json_invalid" else ".".join(map(str, first["loc"][1:]))
     return ApiError(400, "; ".join(messages) or "invalid request", param=param or None)
 
 

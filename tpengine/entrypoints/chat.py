@@ -28,7 +28,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt])
-        params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.num_logprobs))
+        params = self.sampling_params(request, max_tokens, request.num_logprobs)
         submission = await self.submit([prompt], params, request.stream)
         if request.stream:
             fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}

@@ -20,7 +20,7 @@ class OpenAIServingCompletion(OpenAIServing):
                            param="echo")
         prompts = [self._encode(prompt) for prompt in request.prompts]
         max_tokens = self.max_tokens(request.max_tokens, prompts)
-        params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.logprobs))
+        params = self.sampling_params(request, max_tokens, request.logprobs)
         submission = await self.submit(prompts, params, request.stream)
         fields = {**new_response_fields("cmpl", self.model_name), "object": "text_completion"}
         if request.stream:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError, Submission
+from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.outputs import CompletionOutput, RequestOutput
 from tpengine.sampling_params import SamplingParams
 
@@ -63,13 +64,13 @@ class OpenAIServing:
         longest = max(len(prompt) for prompt in prompts)
         if longest >= self.max_request_len:
             raise ApiError(400, f"prompt has {longest} tokens, which leaves no room to generate within the "
-                                f"server's limit of {self.max_request_len} tokens per request", param="messages")
+                                f"server's limit of {self.max_request_len} tokens per request")
         return self.max_request_len - longest
 
-    def sampling_params(self, build) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
-            return build()
-        except ValueError as e:
+            return request.sampling_params(max_tokens, logprobs)
+        except ValueError as e:  # SamplingParams names the bad value and its limit
             raise ApiError(400, str(e)) from None
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> Submission:
