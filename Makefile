@@ -21,9 +21,11 @@ $(STAMP): setup.cfg pyproject.toml
 		$(BIN)/pip install $$(test -d /opt/wheels && echo --find-links /opt/wheels) torch==2.13.0; \
 	fi
 	$(BIN)/pip install -e '.[dev,serve]'
-	@# the CPU attention kernel is compiled on first use; build it now so the first run does not wait
+	@# the CPU kernels are compiled on first use; build them now so the first run does not wait
 	$(BIN)/python -c "from tpengine.kernels.cpu.paged_decode_attention import load; load()" \
 		|| echo "could not build the CPU attention kernel: the CPU will use the slower torch backend"
+	$(BIN)/python -c "from tpengine.kernels.cpu.shm_allreduce import load; load()" \
+		|| echo "could not build the CPU all-reduce kernel: CPU ranks on one host will all-reduce through gloo"
 	touch $(STAMP)
 
 run: install
