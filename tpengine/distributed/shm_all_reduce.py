@@ -154,7 +154,10 @@ def _unlink(segment: shared_memory.SharedMemory) -> None:
     segment.unlink()
 
 
-_NO_KERNEL, _CANNOT_MAP = 1, 2
+_NO_KERNEL, _CANNOT_MAP, _NO_SEGMENT = 1, 2, 3
+_PROBLEMS = {_NO_KERNEL: "rank {rank} has no C++ all-reduce kernel",
+             _CANNOT_MAP: "rank {rank} cannot map rank 0's shared memory (another host)",
+             _NO_SEGMENT: "rank {rank} could not create the shared memory"}
 
 
 def connect(rank: int, world_size: int, sum_over_ranks: Callable[[torch.Tensor], None],
@@ -173,8 +176,11 @@ def connect(rank: int, world_size: int, sum_over_ranks: Callable[[torch.Tensor],
     try:
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         if rank == 0 and not problem:
-            shm = ShmAllReduce(0, world_size, slot_bytes=slot_bytes)
-            name[:len(shm.name)] = torch.frombuffer(bytearray(shm.name.encode()), dtype=torch.uint8)
+            try:
+                shm = ShmAllReduce(0, world_size, slot_bytes=slot_bytes)
+                name[:len(shm.name)] = torch.frombuffer(bytearray(shm.name.encode()), dtype=torch.uint8)
+            except OSError as error:  # /dev/shm full or missing
+                problem, reason = _NO_SEGMENT, f": {error}"
         sum_over_ranks(name)
         segment_name = bytes(name.tolist()).rstrip(b"\0").decode()
         if rank != 0 and segment_name and not problem:
@@ -193,7 +199,5 @@ def connect(rank: int, world_size: int, sum_over_ranks: Callable[[torch.Tensor],
         return shm, f"all-reduce: shared memory ({world_size} ranks on one host)"
     if shm is not None:
         shm.close()
-    why = [f"rank {r} has no C++ all-reduce kernel" + (reason if r == rank else "") if p == _NO_KERNEL
-           else f"rank {r} cannot map rank 0's shared memory (another host)"
-           for r, p in enumerate(problems) if p]
+    why = [_PROBLEMS[p].format(rank=r) + (reason if r == rank else "") for r, p in enumerate(problems) if p]
     return None, f"all-reduce: gloo ({'; '.join(why)})"
