@@ -79,7 +79,8 @@ DEFAULTS = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--model", help="existing Qwen3 checkpoint folder (default: a random-weight one in a temp folder)")
+    p.add_argument("--model", help="existing checkpoint folder of a supported family "
+                                     "(default: a random-weight Qwen3 in a temp folder)")
     p.add_argument("--model-dir", help="keep the random-weight model in this folder, and reuse it if it is there")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size for tpengine")
     p.add_argument("--num-seqs", type=int)

@@ -46,7 +46,7 @@ from bench import write_model  # noqa: E402  (the same random-weight model bench
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="Qwen3 checkpoint folder (default: bench.py's random-weight model, written to a temp folder)")
+    p.add_argument("--model", help="checkpoint folder of a supported family (default: bench.py's random-weight model, written to a temp folder)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=64)

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints written by transformers, and transformers' greedy tokens."""
+"""Shared fixtures: tiny random checkpoints written by transformers, and transformers' greedy tokens."""
 import functools
 import os
 
@@ -31,8 +31,8 @@ def tied_model(tmp_path_factory) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):
-    from transformers import Qwen3ForCausalLM
-    model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compare full lengths; our side runs with ignore_eos
     return model
 

@@ -4,6 +4,9 @@ import os
 import msgspec
 from transformers import AutoConfig, PretrainedConfig
 
+from tpengine.models.config import tensor_parallel_sizes
+from tpengine.models.registry import check_model_config
+
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -62,8 +65,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {heads} attention heads")
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size={tp} and the model's {kv_heads} KV heads must divide one another")
-        if hf_config.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={hf_config.intermediate_size}")
+        for name, size in tensor_parallel_sizes(hf_config).items():
+            if size % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={size}")
 
 
 def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
@@ -77,6 +81,5 @@ def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(model)
     except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, unknown or missing fields
         raise ValueError(f"{config_file} is not a valid model config: {e}") from None
-    if config.model_type != "qwen3":
-        raise ValueError(f"model_type {config.model_type!r} is not supported; tpengine runs Qwen3 checkpoints")
+    check_model_config(config)
     return config

@@ -1,6 +1,7 @@
-"""Tiny random-weight Qwen3 checkpoints with a byte-level tokenizer: the embedded demo model and test fixtures.
+"""Tiny random-weight checkpoints with a byte-level tokenizer: the embedded demo model (Qwen3) and test fixtures
+of every supported family.
 
-Written with transformers itself (`Qwen3ForCausalLM(config).save_pretrained`), deterministically
+Written with transformers itself (`Qwen3ForCausalLM(config).save_pretrained`, ...), deterministically
 from a seed, so no download is ever needed. The text such a model writes is meaningless.
 """
 import os
@@ -27,37 +28,51 @@ CHATML_TEMPLATE = (
 )
 
 
-def write_byte_tokenizer(path: str) -> int:
-    """A byte-level BPE tokenizer with no merges (one token per byte) plus an EOS token; returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def write_byte_tokenizer(path: str, bos_token: str | None = None) -> int:
+    """A byte-level BPE tokenizer with no merges (one token per byte) plus an EOS token; returns its size.
+
+    With bos_token, that token follows EOS and the tokenizer prepends it to every text, as Llama 3's does.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS_TOKEN])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN,
+    tokenizer.add_special_tokens([EOS_TOKEN] + ([bos_token] if bos_token else []))
+    if bos_token:
+        bos = (bos_token, tokenizer.token_to_id(bos_token))
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A $B",
+                                                                 special_tokens=[bos])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=bos_token,
                             chat_template=CHATML_TEMPLATE).save_pretrained(path)
     return tokenizer.get_vocab_size()
 
 
-def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, **overrides) -> str:
-    """Write a random-weight Qwen3 checkpoint (safetensors) to path; overrides change the config."""
+def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, architecture: str = "Qwen3ForCausalLM",
+                     bos_token: str | None = None, **overrides) -> str:
+    """Write a random-weight checkpoint (safetensors) of a transformers architecture to path; overrides change
+    the config. Biases, which transformers initialises to zero, are drawn at random too, so they count."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     os.makedirs(path, exist_ok=True)
     settings = {**DEFAULT_TINY_CONFIG, **overrides}
     if with_tokenizer:
-        num_tokens = write_byte_tokenizer(path)
+        num_tokens = write_byte_tokenizer(path, bos_token)
         if settings["vocab_size"] < num_tokens:
             raise ValueError(f"vocab_size={settings['vocab_size']} is smaller than the byte tokenizer's {num_tokens}")
-        settings.setdefault("eos_token_id", num_tokens - 1)
+        settings.setdefault("eos_token_id", 256)  # the byte tokenizer's EOS follows its 256 bytes
         settings.setdefault("bos_token_id", num_tokens - 1)
-    config = Qwen3Config(**settings)
+    model_class = getattr(transformers, architecture)
+    config = model_class.config_class(**settings)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, config.initializer_range)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -4,6 +4,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
+from tpengine.models.config import RopeParameters
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -25,7 +26,7 @@ def transformers_rotary(positions, q, k, cos_sin_cache):
 
 
 def test_cpu_and_cuda_forms_equal_transformers_exactly_in_float32():
-    cache = RotaryEmbedding(HEAD_DIM, 512, 10_000.0).cos_sin_cache
+    cache = RotaryEmbedding(HEAD_DIM, 512, RopeParameters(theta=10_000.0)).cos_sin_cache
     positions = torch.tensor([0, 1, 7, 300, 511, 3])
     q, k = qkv_views(len(positions))
     expected = transformers_rotary(positions, q, k, cache)
@@ -36,7 +37,7 @@ def test_cpu_and_cuda_forms_equal_transformers_exactly_in_float32():
 
 
 def test_cuda_form_traces_as_one_graph_without_a_break():
-    cache = RotaryEmbedding(HEAD_DIM, 512, 10_000.0).cos_sin_cache
+    cache = RotaryEmbedding(HEAD_DIM, 512, RopeParameters(theta=10_000.0)).cos_sin_cache
     positions = torch.arange(5)
     explanation = torch._dynamo.explain(apply_rotary_traceable.__wrapped__)(positions, *qkv_views(5), cache)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -48,7 +49,7 @@ def test_cuda_form_traces_as_one_graph_without_a_break():
 def test_compiled_on_cuda_equals_the_cpu_form_in_at_most_two_kernels(dtype):
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()  # compile afresh here, so the generated code comes back
-    cache = RotaryEmbedding(HEAD_DIM, 512, 10_000.0).cos_sin_cache
+    cache = RotaryEmbedding(HEAD_DIM, 512, RopeParameters(theta=10_000.0)).cos_sin_cache
     positions = torch.tensor([0, 9, 200, 33])
     q, k = qkv_views(len(positions), dtype)
     expected = apply_rotary(positions, q, k, cache)

@@ -8,7 +8,7 @@ from transformers import PretrainedConfig, Qwen3ForCausalLM
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
-from tpengine.models.config import head_dim_of, rope_theta_of
+from tpengine.models.config import head_dim_of, rope_parameters_of
 
 
 def test_sharded_checkpoint_with_index_loads_and_matches_transformers(tiny_model, tmp_path):
@@ -25,15 +25,15 @@ def test_sharded_checkpoint_with_index_loads_and_matches_transformers(tiny_model
 def test_rope_theta_from_transformers_4_and_5_configs():
     v4 = PretrainedConfig(rope_theta=5e5)
     v5 = PretrainedConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    assert rope_theta_of(v4) == 5e5
-    assert rope_theta_of(v5) == 1e6
+    assert rope_parameters_of(v4).theta == 5e5
+    assert rope_parameters_of(v5).theta == 1e6
 
 
 def test_unsupported_rope_scaling_is_a_value_error():
-    config = PretrainedConfig()
-    config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        rope_theta_of(config)
+    config = PretrainedConfig(max_position_embeddings=4096)
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        rope_parameters_of(config)
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
@@ -53,3 +53,41 @@ def test_missing_weights_are_a_value_error(tiny_model, tmp_path):
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks weights for.*model.norm.weight"):
         LLM(str(broken))
+
+
+def copy_checkpoint_config(source: str, target) -> None:
+    target.mkdir()
+    for name in os.listdir(source):
+        if not name.endswith(".safetensors"):
+            (target / name).write_bytes(open(os.path.join(source, name), "rb").read())
+
+
+def test_tied_head_stored_under_both_names_loads_once_from_the_embedding(tmp_path):
+    # transformers ties lm_head to embed_tokens after loading: the embedding wins over a stray lm_head tensor
+    from safetensors.torch import load_file, save_file
+    from tests.models.families import family_checkpoint
+    source = family_checkpoint("llama_tied")
+    both = tmp_path / "both"
+    copy_checkpoint_config(source, both)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(both / "model.safetensors"))
+    prompts = random_prompts(3, [5, 30], 300)
+    with LLM(str(both), kvcache_block_size=16) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(source, prompts, 8)
+
+
+def test_sharded_llama_with_biases_matches_transformers_at_tp_2(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from tests.models.families import family_checkpoint
+    source = family_checkpoint("llama")
+    sharded = str(tmp_path / "sharded")
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).save_pretrained(sharded, max_shard_size="50KB")
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 2
+    prompts = random_prompts(8, [6, 70], 300)
+    with LLM(sharded, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(source, prompts, 8)

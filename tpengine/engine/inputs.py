@@ -36,6 +36,16 @@ def prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The tokenizer's ids for a text prompt, BOS at most once: a tokenizer that adds BOS would double it
+    in a prompt that already starts with it (text rendered from a chat template, say)."""
+    token_ids = tokenizer.encode(text)
+    bos = tokenizer.bos_token_id
+    if bos is not None and token_ids[:2] == [bos, bos]:
+        del token_ids[0]
+    return token_ids
+
+
 def parse_prompt(prompt, tokenizer) -> tuple[str | list[int], list[int]]:
     """(the prompt as RequestOutput reports it, its token ids); the ids are not yet checked against the vocabulary."""
     if isinstance(prompt, dict):
@@ -50,7 +60,7 @@ def parse_prompt(prompt, tokenizer) -> tuple[str | list[int], list[int]]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
-        return prompt, tokenizer.encode(prompt)
+        return prompt, encode_text(tokenizer, prompt)
     if _is_array(prompt):
         if prompt.ndim != 1:
             raise ValueError(f"a token-id array prompt must be 1-D, got {prompt.ndim} dimensions")

@@ -13,6 +13,7 @@ from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
+from tpengine.models.config import max_model_len_of
 from tpengine.outputs import RequestOutput
 from tpengine.sampling_params import SamplingParams
 
@@ -48,7 +49,9 @@ class LLMEngine:
         config.validate(hf_config)
         self.config = config
         self.vocab_size = hf_config.vocab_size
-        self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
+        self.max_model_len, capped = max_model_len_of(hf_config, config.max_model_len)
+        if capped:
+            logger.info(capped)
         self.tokenizer = _load_tokenizer(model)
         eos_token_ids = _eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)

@@ -24,26 +24,27 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = set()
+    # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
+    canonical = {id(param): name for name, param in model.named_parameters()}
+    chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                target, shard_id = name, None
-                for ckpt_name, (packed_name, packed_shard) in packed.items():
-                    if f".{ckpt_name}." in name:
-                        target, shard_id = name.replace(ckpt_name, packed_name), packed_shard
-                        break
+                if name.endswith("rotary_emb.inv_freq"):  # older checkpoints save the rope buffer: recomputed here
+                    continue
+                target, args = model.checkpoint_target(name)
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+                key = (id(params[target]), args)
+                if key not in chosen or target == canonical[key[0]]:
+                    chosen[key] = (file, name, target, args)
+    for file in sorted({entry[0] for entry in chosen.values()}):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for _, name, target, args in (entry for entry in chosen.values() if entry[0] == file):
                 param = params[target]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
-                loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
-                loaded.add(target)
-    # With tied embeddings the checkpoint may carry only one of the two names.
-    missing = {n for n, p in params.items() if n not in loaded
-               and not any(p is params[m] for m in loaded)}
+                getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name), *args)
+    loaded = {key[0] for key in chosen}
+    missing = {n for n, p in params.items() if id(p) not in loaded}
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {sorted(missing)[:5]}")

@@ -9,8 +9,9 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
 from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
+from tpengine.models.config import max_model_len_of
 from tpengine.models.loader import load_model
-from tpengine.models.qwen3 import Qwen3ForCausalLM
+from tpengine.models.registry import model_class
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.sampler import Sampler
 
@@ -67,7 +68,7 @@ class ModelRunner:
             # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
-        self.max_model_len = min(config.max_model_len, hf_config.max_position_embeddings)
+        self.max_model_len, _ = max_model_len_of(hf_config, config.max_model_len)
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
             logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
@@ -76,7 +77,7 @@ class ModelRunner:
         try:
             with torch.device(self.device), building_model_for(group):
                 self.attention_backend = make_backend(self.backend_name)
-                self.model = Qwen3ForCausalLM(hf_config, self.attention_backend)
+                self.model = model_class(hf_config)(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)

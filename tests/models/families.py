@@ -1,0 +1,46 @@
+"""Tiny random checkpoints of each supported dense family, written by transformers itself."""
+import functools
+import os
+import tempfile
+
+from tpengine.tiny_model import write_tiny_model
+
+BOS = "<|begin_of_text|>"
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=None, max_position_embeddings=1024, initializer_range=0.1,
+             tie_word_embeddings=False, vocab_size=1003)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)  # prompts past 64 tokens reach the scaled frequencies
+
+FAMILIES = {
+    # q/k/v/o and MLP biases, llama3 rope with a 64-token original window, head_dim = hidden / heads
+    "llama": dict(architecture="LlamaForCausalLM", with_tokenizer=False, attention_bias=True, mlp_bias=True,
+                  rope_parameters=LLAMA3_ROPE, **SMALL),
+    # Llama 3.2-style: tied head, an odd head count (3 heads, 1 KV head), a tokenizer that adds BOS
+    "llama_tied": dict(architecture="LlamaForCausalLM", bos_token=BOS, rope_parameters=LLAMA3_ROPE,
+                       **{**SMALL, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
+                          "vocab_size": 300, "tie_word_embeddings": True}),
+    # q/k/v bias (none on o), YaRN extending a 64-token window 4x past max_position_embeddings, head_dim given
+    "qwen2": dict(architecture="Qwen2ForCausalLM", with_tokenizer=False,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                       original_max_position_embeddings=64),
+                  **{**SMALL, "max_position_embeddings": 64, "head_dim": 32}),
+    # no window, linear rope scaling
+    "mistral": dict(architecture="MistralForCausalLM", with_tokenizer=False, sliding_window=None,
+                    rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0), **SMALL),
+    # a 48-token window: max_model_len is capped to it
+    "mistral_window": dict(architecture="MistralForCausalLM", with_tokenizer=False, sliding_window=48, **SMALL),
+}
+WINDOW = 48
+
+
+@functools.lru_cache(maxsize=None)
+def family_checkpoint(name: str) -> str:
+    """The family's checkpoint, written once per test session into a temporary folder."""
+    path = os.path.join(_session_dir(), name)
+    return write_tiny_model(path, seed=len(name), **FAMILIES[name])
+
+
+@functools.lru_cache(maxsize=None)
+def _session_dir() -> str:
+    return tempfile.mkdtemp(prefix="tpengine-families-")

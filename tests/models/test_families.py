@@ -1,0 +1,74 @@
+"""Every dense family gives transformers' greedy tokens: tp 1, 2 and 4 where the heads divide, block sizes 16 and
+256, chunked prefill, prefix hits and preemption, on the torch, cpu and (interpreted) Triton backends."""
+import pytest
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.models.families import WINDOW, family_checkpoint
+from tpengine import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# 100 tokens pass llama3's and YaRN's 64-token original window, 260 a block of 256 (qwen2's limit is 256: 4 x 64);
+# the window family's last prompt fills its window exactly
+PROMPT_LENGTHS = {"llama": [1, 20, 100, 260], "llama_tied": [1, 20, 100, 260], "mistral": [1, 20, 100, 260],
+                  "qwen2": [1, 20, 100, 240], "mistral_window": [1, 20, WINDOW - GREEDY.max_tokens]}
+
+
+def family_prompts(name: str) -> list[list[int]]:
+    return random_prompts(len(name), PROMPT_LENGTHS[name], 300)
+
+
+def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
+    expected = hf_greedy(path, prompts, max_tokens)
+    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
+
+
+# (family, tp, block size, attention backend): each family at tp 1 on both CPU backends and both block sizes,
+# and beyond tp 1 where its heads divide; qwen2 at tp 4 replicates its 2 KV heads, q/k/v biases with them
+CASES = [
+    ("llama", 1, 16, "torch"), ("llama", 1, 256, "auto"), ("llama", 2, 16, "auto"),
+    ("llama_tied", 1, 16, "auto"), ("llama_tied", 1, 256, "torch"),
+    ("qwen2", 1, 16, "auto"), ("qwen2", 1, 256, "torch"), ("qwen2", 4, 16, "auto"),
+    ("mistral", 1, 16, "torch"), ("mistral", 1, 256, "auto"),
+    ("mistral_window", 1, 16, "auto"), ("mistral_window", 2, 256, "auto"),
+]
+
+
+@pytest.mark.parametrize("name, tp, block_size, backend", CASES, ids=lambda v: str(v))
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, tp, block_size, backend):
+    path = family_checkpoint(name)
+    prompts = family_prompts(name)
+    with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
+             max_num_batched_tokens=48) as llm:  # 48: the longer prompts prefill in chunks
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_parity(path, prompts, first)
+    assert_parity(path, prompts, second)
+    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]  # all but the last token
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral_window"])  # the scheduler's part is the same for every family
+def test_preemption_under_a_small_cache_still_matches(name):
+    path = family_checkpoint(name)
+    # each request needs up to 3-4 blocks of 16; 8 blocks hold two at a time
+    lengths, max_tokens = ([20, 21, 19, 24, 18], 24) if name == "mistral_window" else ([30, 31, 29, 40, 18], 30)
+    prompts = random_prompts(5, lengths, 300)
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=6 if name == "mistral_window" else 8) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                               use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+    assert_parity(path, prompts, outputs, max_tokens)
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral"])  # head_dim 32 with 3:1 GQA; 32; 16
+def test_triton_backend_matches_transformers_with_a_prefix_hit(name):
+    pytest.importorskip("triton")
+    path = family_checkpoint(name)
+    prompts = random_prompts(6, [3, 20], 300)  # the interpreter is slow: few, short prompts
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(path, kvcache_block_size=16, attention_backend="triton") as llm:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+    assert_parity(path, prompts, first, 4)
+    assert_parity(path, prompts, second, 4)
+    assert [o.num_cached_tokens for o in second] == [2, 19]

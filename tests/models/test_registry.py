@@ -1,0 +1,84 @@
+"""The registry picks the model by architectures[0]; settings we do not implement are a ValueError naming them."""
+import logging
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.models.families import SMALL, WINDOW, family_checkpoint
+from tpengine import LLM, SamplingParams
+from tpengine.models.config import max_model_len_of, sliding_window_of
+from tpengine.models.registry import ARCHITECTURES, model_class
+from tpengine.tiny_model import write_tiny_model
+
+CONFIGS = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
+           "MistralForCausalLM": MistralConfig}
+
+
+def write_config(path, config_class, architecture, **settings) -> str:
+    config_class(architectures=[architecture], **{**SMALL, "head_dim": 16, **settings}).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("architecture", list(CONFIGS))
+def test_each_architecture_maps_to_its_model_class(architecture):
+    config = CONFIGS[architecture](architectures=[architecture])
+    assert model_class(config).__name__ == architecture
+
+
+def test_unknown_architecture_is_a_value_error_listing_the_supported_ones(tmp_path):
+    path = write_config(tmp_path, LlamaConfig, "GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported; supported: "
+                                         + ", ".join(ARCHITECTURES)):
+        LLM(path)
+
+
+@pytest.mark.parametrize("architecture", list(CONFIGS))
+def test_an_activation_other_than_silu_is_a_value_error_for_every_family(architecture, tmp_path):
+    path = write_config(tmp_path, CONFIGS[architecture], architecture, hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        LLM(path)
+
+
+def test_window_shorter_than_max_model_len_caps_it_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="tpengine"):
+        llm = LLM(family_checkpoint("mistral_window"), kvcache_block_size=16)
+    with llm:
+        assert llm.max_model_len == WINDOW
+        assert f"max_model_len capped from 1024 to the model's sliding_window={WINDOW}" in caplog.text
+        with pytest.raises(ValueError, match=f"more than max_model_len={WINDOW}"):
+            llm.generate([[1] * (WINDOW + 1)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+def test_a_null_or_longer_window_changes_nothing(window):
+    config = MistralConfig(sliding_window=window, max_position_embeddings=32768)
+    assert max_model_len_of(config, 4096) == (4096, None)
+
+
+def test_qwen_windows_apply_only_to_sliding_layers():
+    assert sliding_window_of(Qwen3Config(use_sliding_window=False, sliding_window=64)) is None
+    # layers from max_window_layers on slide; with none past it, every layer attends fully
+    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                                         max_window_layers=4)) is None
+    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                                         max_window_layers=2)) == 64
+
+
+def test_qwen3_sliding_window_shorter_than_the_prompt_caps_max_model_len_and_stays_exact(tmp_path):
+    path = write_tiny_model(str(tmp_path / "qwen3_window"), seed=3, with_tokenizer=False,
+                            **{**SMALL, "head_dim": 16, "use_sliding_window": True, "sliding_window": 32,
+                               "max_window_layers": 1})
+    prompts = random_prompts(4, [5, 32 - 6], 300)
+    with LLM(path, kvcache_block_size=16) as llm:
+        assert llm.max_model_len == 32
+        with pytest.raises(ValueError, match="prompt has 40 tokens, more than max_model_len=32"):
+            llm.generate([[1] * 40], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(path, prompts, 6)
+
+
+def test_quantized_checkpoints_are_a_value_error(tmp_path):
+    path = write_config(tmp_path, Qwen2Config, "Qwen2ForCausalLM", quantization_config={"quant_method": "awq"})
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        LLM(path)
