@@ -76,10 +76,9 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:  # transformers 5 (Qwen2, Qwen3): which layers slide is spelled out
         return window if "sliding_attention" in layer_types else None
-    if hasattr(config, "use_sliding_window"):  # transformers 4's Qwen2/Qwen3: layers from max_window_layers on
-        uses = config.use_sliding_window and getattr(config, "max_window_layers", 0) < config.num_hidden_layers
-        return window if uses else None
-    return window  # Mistral: every layer, whenever a window is set
+    # Mistral and Qwen3-MoE slide in every layer whenever a window is set; transformers 4's Qwen2/Qwen3 from
+    # max_window_layers on (capping for those too only ever shortens max_model_len, never changes a token)
+    return window if getattr(config, "use_sliding_window", True) else None
 
 
 def max_positions_of(config: PretrainedConfig) -> int:
