@@ -71,3 +71,58 @@ def test_default_model_from_stdin_at_tp_2_says_it_is_the_tiny_model(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model)
     assert [o["prompt_token_ids"] for o in outputs] == [tokenizer.encode("one"), tokenizer.encode("two")]
     assert [o["token_ids"] for o in outputs] == hf_greedy(model, [o["prompt_token_ids"] for o in outputs], 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--file", "/nonexistent/prompts.txt"], "cannot read prompts from --file /nonexistent/prompts.txt: No such file"),
+    (["--file", "/"], "cannot read prompts from --file /: Is a directory"),
+    (["--tp", "two", "hi"], "argument --tp: invalid int value"),
+    (["--json", "--stream", "hi"], "not allowed with"),
+    (["--n", "0", "hi"], "n must be >= 1"),
+    (["--stop", "", "hi"], "stop strings must not be empty"),
+])
+def test_user_mistakes_print_one_error_line_and_exit_2(tied_model, capsys, argv, message):
+    try:
+        code = main(["generate", "--model", tied_model, "--quiet", *argv])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("tpengine: error: ") and message in err and "Traceback" not in err
+
+
+def test_empty_standard_input_says_no_prompts_and_exits_2(tied_model):
+    result = subprocess.run([sys.executable, "-m", "tpengine.cli", "generate", "--model", tied_model, "--quiet"],
+                            input="", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "tpengine: error: no prompts: give them as arguments, with --file, or on standard input")
+
+
+def test_an_unwritable_cache_folder_is_an_error_not_a_traceback(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "TPENGINE_CACHE_DIR": str(blocker / "cache")}
+    result = subprocess.run([sys.executable, "-m", "tpengine.cli", "generate", "hi"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "tpengine: error: cannot write the embedded tiny model into the cache folder" in result.stderr
+
+
+def test_json_carries_every_completion_with_stop_reasons_and_logprobs(tied_model, capsys):
+    assert main(["generate", "--model", tied_model, "--quiet", "--json", "--max-tokens", "5", "--ignore-eos",
+                 "--n", "2", "--temperature", "1", "--seed", "4", "--logprobs", "2", "--stop", "zzz", "Hello"]) == 0
+    [out] = _json_lines(capsys.readouterr().out)
+    assert [c["index"] for c in out["outputs"]] == [0, 1] and out["text"] == out["outputs"][0]["text"]
+    for completion in out["outputs"]:
+        assert len(completion["logprobs"]) == len(completion["token_ids"]) == 5
+        assert completion["finish_reason"] == "length" and completion["stop_reason"] is None
+        assert all(token in dict(map(tuple, entry)) for token, entry in zip(completion["token_ids"],
+                                                                             completion["logprobs"]))
+
+
+def test_stream_prints_the_same_text_as_generate(tied_model, capsys):
+    argv = ["generate", "--model", tied_model, "--quiet", "--max-tokens", "8", "--ignore-eos", "Hello", "tensor"]
+    assert main(argv + ["--json"]) == 0
+    texts = [o["text"] for o in _json_lines(capsys.readouterr().out)]
+    assert main(argv + ["--stream"]) == 0
+    streamed = capsys.readouterr().out
+    assert streamed == "".join(f"Prompt: {p!r}\nOutput: {t}\n\n" for p, t in zip(["Hello", "tensor"], texts))

@@ -8,8 +8,14 @@ import sys
 from tpengine.config import ATTENTION_BACKENDS, DTYPES
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # every user mistake reads the same: "tpengine: error: ...", exit status 2
+        self.exit(2, f"tpengine: error: {message} (see: {self.prog} --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
+    parser = _Parser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser(
@@ -22,9 +28,31 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
     gen.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens; -1 keeps all (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's "
+                                                               "probability (default 0)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed; completion i of --n uses "
+                                                            "seed + i (default: none: the engine seed's stream)")
+    gen.add_argument("--engine-seed", type=int, default=0, help="seeds what unseeded sampled requests draw: the "
+                                                                "same command gives the same text (default 0)")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt; they share the prompt's KV (default 1)")
+    gen.add_argument("--stop", action="append", default=None, metavar="STR",
+                     help="stop when the output contains STR (repeatable); the text ends before it")
+    gen.add_argument("--include-stop-str", action="store_true", help="keep the stop string at the end of the text")
+    gen.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
+                     help="stop at this token id (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens (default 0)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="report each token's log-probability and the K likeliest alternatives (0-20; --json)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, over generated tokens (default 0)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, over generated tokens (default 0)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 0, over prompt and generated tokens, as transformers defines it (default 1)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt (text and token ids)")
+    output = gen.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt: text, token ids, finish and stop reasons, and "
+                             "'outputs' with every completion (and its logprobs)")
+    output.add_argument("--stream", action="store_true", help="print text as it is generated, prompt by prompt")
     _add_engine_args(gen)
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 
@@ -84,46 +112,120 @@ def _engine_kwargs(args) -> dict:
                 enforce_eager=args.enforce_eager)
 
 
+def _read_lines(stream) -> list[str]:
+    return [line.rstrip("\n") for line in stream if line.strip()]
+
+
 def _read_prompts(args) -> list[str]:
-    if args.file:
-        stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
-        with stream:
-            return [line.rstrip("\n") for line in stream if line.strip()]
-    if args.prompts:
-        return args.prompts
-    if sys.stdin.isatty():
+    if args.file and args.file != "-":
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts = _read_lines(f)
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"cannot read prompts from --file {args.file}: {reason}") from None
+    elif args.prompts:
+        prompts = args.prompts
+    elif args.file == "-" or not sys.stdin.isatty():
+        prompts = _read_lines(sys.stdin)
+    else:
+        prompts = []
+    if not prompts:
         raise ValueError("no prompts: give them as arguments, with --file, or on standard input")
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    return prompts
+
+
+def _completion_json(completion) -> dict:
+    return {"index": completion.index, "text": completion.text, "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            "cumulative_logprob": completion.cumulative_logprob,
+            "logprobs": None if completion.logprobs is None else
+            [[[token_id, logprob] for token_id, logprob in entry.items()] for entry in completion.logprobs]}
+
+
+def _print_output(prompt: str, out, as_json: bool) -> None:
+    if as_json:
+        first = out.outputs[0]
+        print(json.dumps({"prompt": prompt, "text": first.text, "token_ids": first.token_ids,
+                          "prompt_token_ids": out.prompt_token_ids, "finish_reason": first.finish_reason,
+                          "stop_reason": first.stop_reason, "num_cached_tokens": out.num_cached_tokens,
+                          "outputs": [_completion_json(c) for c in out.outputs]}))
+        return
+    print(f"Prompt: {prompt!r}")
+    for completion in out.outputs:
+        label = "Output" if len(out.outputs) == 1 else f"Output {completion.index}"
+        print(f"{label}: {completion.text!r}")
+    print()
+
+
+def _stream(llm, prompts: list[str], params) -> None:
+    """Print each prompt's completions as they grow, in order: the one being printed live, later ones
+    caught up as soon as their turn comes (every step's text is a prefix of the final text)."""
+    request_ids = [llm.add_request(prompt, params) for prompt in prompts]
+    latest = {}
+    turn, printed = 0, -1  # (prompt, completion) being printed, and how much of its text is out (-1: nothing)
+    order = [(i, c) for i in range(len(prompts)) for c in range(params.n)]
+    while turn < len(order):
+        if llm.has_unfinished_requests():
+            for out in llm.step():
+                latest[out.request_id] = out
+        while turn < len(order):
+            i, c = order[turn]
+            out = latest.get(request_ids[i])
+            if out is None:
+                break
+            if printed < 0:
+                if c == 0:
+                    print(f"Prompt: {prompts[i]!r}")
+                print("Output:" if params.n == 1 else f"Output {c}:", end=" ", flush=True)
+                printed = 0
+            completion = out.outputs[c]
+            text = completion.text or ""
+            print(text[printed:], end="", flush=True)
+            printed = len(text)
+            if completion.finish_reason is None:
+                break
+            print("\n" if c == params.n - 1 else "", flush=True)
+            turn, printed = turn + 1, -1
+
+
+def _default_model() -> str:
+    from tpengine.tiny_model import default_model_path
+    try:
+        return default_model_path()
+    except OSError as e:
+        raise ValueError(f"cannot write the embedded tiny model into the cache folder ({e}); "
+                         f"set TPENGINE_CACHE_DIR to a writable folder, or pass --model") from None
 
 
 def _generate(args) -> int:
     from tpengine import LLM, SamplingParams
-    from tpengine.tiny_model import default_model_path
 
     if not args.quiet:
         logging.basicConfig(level=logging.INFO, format="tpengine: %(message)s")
     prompts = _read_prompts(args)
-    model = args.model or default_model_path()
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
-    with LLM(model, **_engine_kwargs(args)) as llm:
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        stop_token_ids=args.stop_token_id, include_stop_str_in_output=args.include_stop_str,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    model = args.model or _default_model()
+    with LLM(model, **_engine_kwargs(args), seed=args.engine_seed) as llm:
+        if args.stream:
+            _stream(llm, prompts, params)
+            return 0
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     for prompt, out in zip(prompts, outputs):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
-                              "prompt_token_ids": out.prompt_token_ids, "finish_reason": out.finish_reason,
-                              "num_cached_tokens": out.num_cached_tokens}))
-        else:
-            print(f"Prompt: {prompt!r}\nOutput: {out.text!r}\n")
+        _print_output(prompt, out, args.json)
     return 0
 
 
 def _serve(args) -> int:
     from tpengine.entrypoints.server import run_server
-    from tpengine.tiny_model import default_model_path
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
-    return run_server(model=args.model or default_model_path(),
+    return run_server(model=args.model or _default_model(),
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
@@ -135,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "make-tiny-model":
             from tpengine.tiny_model import write_tiny_model
-            write_tiny_model(args.path, seed=args.seed)
+            try:
+                write_tiny_model(args.path, seed=args.seed)
+            except OSError as e:
+                raise ValueError(f"cannot write the model to {args.path}: {e.strerror or e}") from None
             print(args.path)
             return 0
         if args.command == "serve":

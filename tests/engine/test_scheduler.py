@@ -508,3 +508,63 @@ def test_prefix_cache_counters_and_kv_usage_are_read_from_the_scheduler():
     assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (9 + 9, 0 + 8)
     scheduler.abort(a.seq_id)
     assert scheduler.kv_cache_usage == 3 / 16  # the second request's own blocks, shared ones included
+
+
+def test_a_row_the_sampler_could_not_sample_ends_that_sequence_only_as_abort():
+    scheduler = make_scheduler()
+    bad, good = add(scheduler, 5), add(scheduler, 6, max_tokens=3)
+    seqs, _ = scheduler.schedule()
+    finished = scheduler.postprocess(seqs, [-1, TOKEN])
+    assert finished == [bad] and bad.finish_reason == "abort" and bad.completion_token_ids == []
+    run_to_completion(scheduler)
+    assert good.finish_reason == "length" and scheduler.block_manager.num_free_blocks == 64
+
+
+def test_min_tokens_keeps_a_stop_token_from_ending_the_sequence_early():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 3, max_tokens=10, min_tokens=3)
+    run_to_completion(scheduler, next_token=lambda s: EOS)
+    assert seq.completion_token_ids == [EOS] * 3 and seq.finish_reason == "stop" and seq.stop_reason is None
+
+
+def test_a_listed_stop_token_is_the_stop_reason():
+    scheduler = make_scheduler()
+    seq = add(scheduler, 3, stop_token_ids=[9])
+    run_to_completion(scheduler, next_token=lambda s: 9)
+    assert seq.finish_reason == "stop" and seq.stop_reason == 9
+
+
+@pytest.mark.parametrize("prompt_len", [9, 8, 1])  # last block partly filled, exactly full, one token
+def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(prompt_len):
+    scheduler = make_scheduler()
+    parent = Sequence(list(range(1, prompt_len + 1)), SamplingParams(n=2))
+    child = Sequence(list(range(1, prompt_len + 1)), SamplingParams(n=2), index=1, parent=parent)
+    scheduler.add(parent)
+    scheduler.add(child)
+    seqs, is_prefill = scheduler.schedule()
+    assert seqs == [parent] and is_prefill  # the child waits for the prompt instead of computing it too
+    scheduler.postprocess(seqs, [TOKEN])
+    seqs, is_prefill = scheduler.schedule()
+    assert seqs == [child] and is_prefill and child.num_scheduled_tokens == 1
+    last = (prompt_len - 1) // BS
+    assert child.block_table[:last] == parent.block_table[:last]  # shared
+    assert child.block_table[last] != parent.block_table[last]
+    num_copied = (prompt_len - 1) % BS
+    assert scheduler.block_copies == ([(parent.block_table[last], child.block_table[last], num_copied)]
+                                      if num_copied else [])
+    assert all(scheduler.block_manager.blocks[b].ref_count == 2 for b in parent.block_table[:last])
+    scheduler.postprocess(seqs, [TOKEN])
+    run_to_completion(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_a_child_whose_parent_already_finished_prefills_as_any_request():
+    scheduler = make_scheduler()
+    parent = Sequence(list(range(1, 10)), SamplingParams(n=2, max_tokens=1))
+    child = Sequence(list(range(1, 10)), SamplingParams(n=2, max_tokens=1), index=1, parent=parent)
+    scheduler.add(parent)
+    scheduler.add(child)
+    step(scheduler)
+    assert parent.is_finished
+    seqs, _, finished = step(scheduler)
+    assert seqs == [child] and finished == [child] and child.num_prompt_cached_tokens == 8  # two cached blocks

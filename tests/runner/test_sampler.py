@@ -1,4 +1,5 @@
 """The sampler: greedy is argmax, filters narrow the choice, seeded requests ignore their batch mates."""
+import pytest
 import torch
 
 from tpengine import SamplingParams
@@ -89,3 +90,33 @@ def test_warm_up_samples_every_row_with_every_option_and_keeps_the_engine_genera
     assert len(out.token_ids) == 6 and all(0 <= t < 50 for t in out.token_ids)
     assert all(len(entry) >= 20 for entry in out.logprobs)  # logprobs were computed for every row
     assert torch.equal(engine_sampler.generator.get_state(), state)
+
+
+def test_rows_without_a_finite_distribution_get_no_token_and_leave_the_others_alone():
+    logits = random_logits(4, seed=5)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 7] = float("nan")  # one NaN poisons the row: argmax would pick it
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=1)] * 4
+        tokens = sampler(logits, params, [3] * 4)
+        assert tokens[1:] == [-1, -1, -1] and 0 <= tokens[0] < logits.size(1)
+
+
+def test_seeded_draws_are_a_pure_function_of_seed_and_position():
+    from tpengine.runner.sampler import seeded_uniform
+    draws = [seeded_uniform(seed, position) for seed in range(3) for position in range(200)]
+    assert draws == [seeded_uniform(seed, position) for seed in range(3) for position in range(200)]
+    assert all(0.0 <= u < 1.0 for u in draws) and len(set(draws)) == len(draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.05
+
+
+def test_logprobs_only_for_rows_that_asked_with_the_sampled_token_included():
+    logits = random_logits(2, seed=6)
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.0, logprobs=2)), Sequence([1, 2], SamplingParams())]
+    out = _sampler(logits, seqs)
+    reference = logits[0].float().log_softmax(-1)
+    assert out.logprobs[1] is None
+    top = reference.topk(2)
+    assert out.logprobs[0] == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-6)
+    assert out.token_ids[0] == top.indices[0].item()
