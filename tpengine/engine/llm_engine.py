@@ -126,6 +126,8 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, and this model folder has none: use stop_token_ids")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
