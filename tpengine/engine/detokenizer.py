@@ -6,7 +6,7 @@ bytes, so those bytes are looked up in a table and fed to an incremental UTF-8 d
 holds back a character a later token completes. Other tokenizers decode a small window of
 recent tokens (as vLLM does), reading on only when the window does not end in U+FFFD.
 """
-import codecs
+from codecs import utf_8_decode
 
 REPLACEMENT_CHAR = "\ufffd"
 _WINDOW_CONTEXT_TOKENS = 5   # prompt tokens a window starts with: a leading space decodes as in context
@@ -68,7 +68,7 @@ class IncrementalText:
     """
 
     __slots__ = ("detokenizer", "skip_special_tokens", "stop", "include_stop", "text",
-                 "_utf8", "_bytes", "_window", "_prefix_offset", "_read_offset")
+                 "_bytes", "_undecoded", "_window", "_prefix_offset", "_read_offset")
 
     def __init__(self, detokenizer: Detokenizer, params, prompt_token_ids: list[int]):
         self.detokenizer = detokenizer
@@ -78,8 +78,9 @@ class IncrementalText:
         self.text = ""
         if detokenizer.byte_level:
             self._bytes = detokenizer.token_bytes(params.skip_special_tokens)
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._undecoded = b""  # the start of a character the next tokens complete
         else:
+            self._bytes = None
             self._window = list(prompt_token_ids[-_WINDOW_CONTEXT_TOKENS:])
             self._prefix_offset, self._read_offset = 0, len(self._window)
 
@@ -87,9 +88,16 @@ class IncrementalText:
         """Add token_ids[start:end] to the text; returns the stop string it now contains, if any (the
         text is then cut before it, or after it with include_stop_str_in_output)."""
         old_len = len(self.text)
-        if self.detokenizer.byte_level:
-            table = self._bytes
-            self.text += self._utf8.decode(b"".join([table[t] for t in token_ids[start:end]]))
+        table = self._bytes
+        if table is not None:
+            if end - start == 1:  # a decode step
+                data = self._undecoded + table[token_ids[start]]
+            else:
+                data = self._undecoded + b"".join([table[t] for t in token_ids[start:end]])
+            # not final: an incomplete character at the end is left undecoded, invalid bytes become U+FFFD
+            decoded, num_decoded = utf_8_decode(data, "replace", False)
+            self._undecoded = data[num_decoded:]
+            self.text += decoded
         else:
             self._window.extend(token_ids[start:end])
             self._read_window(final=False)
@@ -100,8 +108,9 @@ class IncrementalText:
     def finish(self) -> None:
         """The completion ended without a stop string: flush what was held back (a character no later
         token completed becomes U+FFFD, as the tokenizer's own decode writes it)."""
-        if self.detokenizer.byte_level:
-            self.text += self._utf8.decode(b"", final=True)
+        if self._bytes is not None:
+            self.text += utf_8_decode(self._undecoded, "replace", True)[0]
+            self._undecoded = b""
         else:
             self._read_window(final=True)
 
@@ -133,6 +142,8 @@ class IncrementalText:
     def visible_text(self) -> str:
         """The text without a tail that may yet begin a stop string."""
         text = self.text
+        if not self.stop:
+            return text
         held = 0
         for stop in self.stop:
             k = min(len(stop) - 1, len(text))

@@ -38,12 +38,13 @@ class Request:
         if self.logprobs is not None and logprobs is not None:
             self.logprobs[seq.index].append(logprobs)
             self.cumulative_logprobs[seq.index] += logprobs[seq.last_token]
-        text = self.texts[seq.index]
+        index = seq.index
+        text = self.texts[index]
         if text is None:
             return None
-        end = self._text_end(seq)
-        start, self.num_decoded[seq.index] = self.num_decoded[seq.index], end
-        return text.append(seq.token_ids, start, end, match_stop=seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
+        end = seq.num_tokens if seq.finish_reason is None else self._text_end(seq)
+        start, self.num_decoded[index] = self.num_decoded[index], end
+        return text.append(seq.token_ids, start, end, seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
 
     def on_finish(self, seq: Sequence) -> None:
         """seq finished (by any reason): complete its text."""
@@ -72,9 +73,9 @@ class Request:
             if text is None:
                 text_so_far = None if self.detokenizer is None else ""
             else:
-                text_so_far = text.text if seq.is_finished else text.visible_text
+                text_so_far = text.visible_text if seq.finish_reason is None else text.text
             completions.append(CompletionOutput(
-                index=seq.index, text=text_so_far, token_ids=seq.completion_token_ids,
+                index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 logprobs=None if self.logprobs is None else list(self.logprobs[seq.index]),
                 cumulative_logprob=None if self.logprobs is None else self.cumulative_logprobs[seq.index]))
