@@ -120,3 +120,28 @@ def test_logprobs_only_for_rows_that_asked_with_the_sampled_token_included():
     top = reference.topk(2)
     assert out.logprobs[0] == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist())), abs=1e-6)
     assert out.token_ids[0] == top.indices[0].item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host-device synchronization is a CUDA matter")
+def test_a_cuda_step_waits_on_the_device_only_for_its_tokens():
+    import warnings
+    logits = random_logits(6, vocab=1000, seed=7).cuda()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
+              SamplingParams(temperature=0.7, min_tokens=4, stop_token_ids=[5]), SamplingParams(temperature=1.2)]
+    seqs = [Sequence([1, 2, 3, 4, 5], p) for p in params]
+    for seq in seqs:
+        seq.eos_and_stop_token_ids = frozenset([0, *seq.sampling_params.stop_token_ids])
+    _sampler(logits, seqs)  # compiles the filters first
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            tokens = _sampler(logits, seqs).token_ids
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]  # the final copy of the token ids
+    assert all(0 <= t < 1000 for t in tokens) and tokens[4] not in (0, 5)
