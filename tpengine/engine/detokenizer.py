@@ -60,6 +60,16 @@ class Detokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
+def _proper_prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each stop string's proper prefixes, keyed by their last character, longest first: a text can end
+    in a stop's start only if its last character is a key (one dict lookup rejects most steps)."""
+    by_char: dict[str, set[str]] = {}
+    for stop in stops:
+        for k in range(1, len(stop)):
+            by_char.setdefault(stop[k - 1], set()).add(stop[:k])
+    return {char: sorted(prefixes, key=len, reverse=True) for char, prefixes in by_char.items()}
+
+
 class IncrementalText:
     """One completion's text, grown token by token, with its stop strings matched as it grows.
 
@@ -67,13 +77,15 @@ class IncrementalText:
     visible text is a prefix of the final one.
     """
 
-    __slots__ = ("detokenizer", "skip_special_tokens", "stop", "include_stop", "text",
+    __slots__ = ("detokenizer", "skip_special_tokens", "stop", "_stop_prefixes", "_longest_stop", "include_stop", "text",
                  "_bytes", "_undecoded", "_window", "_prefix_offset", "_read_offset")
 
     def __init__(self, detokenizer: Detokenizer, params, prompt_token_ids: list[int]):
         self.detokenizer = detokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
+        self._stop_prefixes = _proper_prefixes_by_last_char(params.stop)
+        self._longest_stop = max(map(len, params.stop), default=0)
         self.include_stop = params.include_stop_str_in_output
         self.text = ""
         if detokenizer.byte_level:
@@ -128,6 +140,9 @@ class IncrementalText:
 
     def _match_stop(self, old_len: int) -> str | None:
         text = self.text
+        tail = text[max(0, old_len - self._longest_stop + 1):]
+        if not any(stop in tail for stop in self.stop):  # the common step: one C search per stop string
+            return None
         # only a match that ends in the new text is new; the earliest start wins
         best, best_at = None, len(text)
         for stop in self.stop:
@@ -142,12 +157,9 @@ class IncrementalText:
     def visible_text(self) -> str:
         """The text without a tail that may yet begin a stop string."""
         text = self.text
-        if not self.stop:
-            return text
-        held = 0
-        for stop in self.stop:
-            k = min(len(stop) - 1, len(text))
-            while k > held and not text.endswith(stop[:k]):
-                k -= 1
-            held = max(held, k)
-        return text[:len(text) - held] if held else text
+        candidates = self._stop_prefixes.get(text[-1:]) if self.stop else None
+        if candidates:
+            for prefix in candidates:  # longest first: the longest held-back tail wins
+                if text.endswith(prefix):
+                    return text[:len(text) - len(prefix)]
+        return text

@@ -68,17 +68,20 @@ class Request:
 
     def output(self) -> RequestOutput:
         """Everything so far (cumulative); a running completion's text holds back a possible stop-string start."""
-        completions = []
-        for seq, text in zip(self.seqs, self.texts):
-            if text is None:
-                text_so_far = None if self.detokenizer is None else ""
-            else:
-                text_so_far = text.visible_text if seq.finish_reason is None else text.text
-            completions.append(CompletionOutput(
-                index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=None if self.logprobs is None else list(self.logprobs[seq.index]),
-                cumulative_logprob=None if self.logprobs is None else self.cumulative_logprobs[seq.index]))
+        completions = [self._completion(seq, text) for seq, text in zip(self.seqs, self.texts)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.finished,
                              num_cached_tokens=max(self.seqs[0].num_prompt_cached_tokens, 0))
+
+    def _completion(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput:
+        if text is None:
+            text_so_far = None if self.detokenizer is None else ""
+        else:
+            text_so_far = text.visible_text if seq.finish_reason is None else text.text
+        if self.logprobs is None:
+            return CompletionOutput(index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
+                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return CompletionOutput(index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                logprobs=list(self.logprobs[seq.index]),
+                                cumulative_logprob=self.cumulative_logprobs[seq.index])
