@@ -118,3 +118,25 @@ def test_worker_killed_while_rank0_waits_in_the_all_reduce_is_named_within_secon
     assert "tensor-parallel rank 1" in str(failure.value.__cause__) and "all-reduce" in str(failure.value.__cause__)
     assert raised_at - killed_at[0] < 10
     assert not names & segments()
+
+
+@needs_compiler
+def test_two_engines_alive_at_once_each_reduce_through_their_own_segment(tiny_model):
+    prompts = random_prompts(6, [4, 25], TP_MODEL["vocab_size"])
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    with LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as first, \
+            LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as second:
+        names = {first.executor.group.shm_all_reduce.name, second.executor.group.shm_all_reduce.name}
+        for prompt in prompts:  # steps of the two engines interleave
+            first.add_request(prompt, GREEDY)
+            second.add_request(prompt, GREEDY)
+        outputs = {id(first): {}, id(second): {}}
+        while first.has_unfinished_requests() or second.has_unfinished_requests():
+            for llm in (first, second):
+                for output in llm.step() if llm.has_unfinished_requests() else []:
+                    if output.finished:
+                        outputs[id(llm)][output.request_id] = output.outputs[0].token_ids
+    assert len(names) == 2
+    for llm in (first, second):
+        assert [tokens for _, tokens in sorted(outputs[id(llm)].items())] == expected
+    assert not names & segments()
