@@ -18,8 +18,8 @@ from tpengine.distributed.parallel_state import init_torchrun_process_group
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="tpengine generation under torchrun (one process per rank)")
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (rank 0 reads them)")
-    parser.add_argument("--model", help="local Hugging Face checkpoint folder: Qwen3, Qwen2/2.5, Llama 3.x, Mistral "
-                                        "(default: the embedded tiny model)")
+    parser.add_argument("--model", help="local Hugging Face checkpoint folder: Qwen3, Qwen3-MoE, Qwen2/2.5, "
+                                        "Llama 3.x, Mistral (default: the embedded tiny model)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")

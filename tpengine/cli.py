@@ -86,7 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that build the engine, the same for generate and serve."""
     parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
-                                        "Qwen2/2.5, Llama 3.x, Mistral (default: the embedded tiny random Qwen3, "
+                                        "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral (default: the embedded tiny random Qwen3, "
                                         "written on first use; its text is meaningless)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")

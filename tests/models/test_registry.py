@@ -2,7 +2,7 @@
 import logging
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.models.families import SMALL, WINDOW, family_checkpoint
@@ -12,7 +12,7 @@ from tpengine.models.registry import ARCHITECTURES, model_class
 from tpengine.tiny_model import write_tiny_model
 
 CONFIGS = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
-           "MistralForCausalLM": MistralConfig}
+           "MistralForCausalLM": MistralConfig, "Qwen3MoeForCausalLM": Qwen3MoeConfig}
 
 
 def write_config(path, config_class, architecture, **settings) -> str:

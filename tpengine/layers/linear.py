@@ -61,6 +61,16 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded_weight)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (an MoE router: every rank routes every token the same way)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 

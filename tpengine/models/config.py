@@ -110,11 +110,16 @@ def check_supported(config: PretrainedConfig) -> None:
     if activation not in SILU_ACTIVATIONS:
         raise ValueError(f"hidden_act={activation!r} is not supported; only 'silu' gated MLPs are")
     if getattr(config, "quantization_config", None):
-        method = config.quantization_config.get("quant_method", "?") if isinstance(config.quantization_config, dict) else "?"
+        quantization = config.quantization_config
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ValueError(f"quantized checkpoints (quantization_config, quant_method={method!r}) are not supported")
     unknown = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    num_experts = getattr(config, "num_experts", None) or 0
+    if num_experts and not 1 <= config.num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and "
+                         f"num_experts={num_experts}")
     rope_parameters_of(config)
 
 

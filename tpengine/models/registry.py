@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("tpengine.models.qwen2", "Qwen2ForCausalLM"),
     "LlamaForCausalLM": ("tpengine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tpengine.models.mistral", "MistralForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tpengine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,0 +1,47 @@
+"""The Triton fused-MoE kernel equals the grouped torch path (on CPU under TRITON_INTERPRET=1)."""
+import pytest
+import torch
+
+from tests.conftest import relative_error
+from tests.kernels.conftest import DEVICE
+from tpengine.layers.fused_moe import grouped_experts, per_token_experts, select_experts
+
+pytest.importorskip("triton")
+from tpengine.kernels.triton.fused_moe import align_pairs_to_blocks, fused_experts  # noqa: E402
+
+
+def random_moe(num_tokens, num_experts, hidden, intermediate, top_k, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=g) / intermediate ** 0.5
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights.to(dtype), ids)]
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, hidden, intermediate, top_k", [
+    (1, 8, 64, 32, 2),     # a batch of one token: six experts have none
+    (5, 8, 48, 24, 2),     # sizes that are not powers of two
+    (37, 4, 64, 96, 3),    # several blocks per expert
+])
+def test_fused_kernel_equals_the_grouped_torch_path(num_tokens, num_experts, hidden, intermediate, top_k):
+    x, w13, w2, weights, ids = random_moe(num_tokens, num_experts, hidden, intermediate, top_k, seed=num_tokens)
+    expected = grouped_experts(x, w13, w2, weights, ids)
+    out = fused_experts(x, w13, w2, weights, ids)
+    assert out.shape == expected.shape and relative_error(out, expected) < 1e-5
+
+
+def test_experts_with_no_tokens_get_no_blocks():
+    ids = torch.tensor([[3, 1], [3, 6], [1, 3]])  # pairs 0..5 in row-major order
+    sorted_pairs, block_experts = align_pairs_to_blocks(ids, 8, block_m=16)
+    assert block_experts.tolist() == [1, 3, 6] + [8] * 5  # 1 + 8 - 1 blocks at most; spare ones name no expert
+    assert (sorted_pairs[3 * 16:] == 6).all()
+    rows = sorted_pairs[:3 * 16].view(3, 16)
+    assert rows[0, :2].tolist() == [1, 4] and rows[1, :3].tolist() == [0, 2, 5] and rows[2, :1].tolist() == [3]
+    assert (rows[0, 2:] == 6).all() and (rows[1, 3:] == 6).all() and (rows[2, 1:] == 6).all()
+
+
+def test_grouped_path_equals_the_per_token_reference():
+    x, w13, w2, weights, ids = random_moe(9, 8, 32, 16, 2, seed=3)
+    assert relative_error(grouped_experts(x, w13, w2, weights, ids), per_token_experts(x, w13, w2, weights, ids)) < 1e-6

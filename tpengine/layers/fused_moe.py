@@ -1,0 +1,102 @@
+"""Mixture-of-experts MLP: a router picks top-k experts per token; each rank holds every expert's slice.
+
+Tensor parallelism slices each expert's intermediate dimension (gate/up by rows, down by columns),
+so a layer ends with one all-reduce, as the dense MLP does. Experts are stacked per layer:
+w13 [experts, 2 * intermediate / tp, hidden] (gate then up) and w2 [experts, hidden, intermediate / tp].
+"""
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpengine.distributed.parallel_state import divide, get_tp_group
+from tpengine.layers.activation import silu_and_mul
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] in the logits' dtype, expert ids [tokens, top_k]), as transformers routes:
+    softmax in float32, torch.topk (its order and tie-breaking), then renormalised over the chosen k."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
+
+    Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
+    ascending expert order (the order transformers adds them in); unchosen experts cost nothing.
+    """
+    top_k = topk_ids.size(1)
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)                 # (token, k) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
+    flat_weights = topk_weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        h = silu_and_mul(F.linear(x[tokens], w13[expert]))
+        h = F.linear(h, w2[expert]) * flat_weights[pairs, None]
+        out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
+    return out
+
+
+def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same sum, one token and one expert at a time: the reference the grouped path is measured against."""
+    out = torch.zeros_like(x)
+    for t in range(x.size(0)):
+        for k in range(topk_ids.size(1)):
+            expert = int(topk_ids[t, k])
+            h = silu_and_mul(F.linear(x[t:t + 1], w13[expert]))
+            out[t] += (F.linear(h, w2[expert]) * topk_weights[t, k])[0]
+    return out
+
+
+class FusedMoE(nn.Module):
+    """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts and all-reduces."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.tp_group = get_tp_group()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.intermediate_per_rank = divide(intermediate_size, self.tp_group.size)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_per_rank),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int, shard: str) -> None:
+        """One expert's gate_proj / up_proj ([intermediate, hidden]) or down_proj ([hidden, intermediate])."""
+        size, rank = self.intermediate_per_rank, self.tp_group.rank
+        if shard == "down":
+            param.data[expert].copy_(loaded_weight.narrow(1, rank * size, size))
+        else:
+            offset = 0 if shard == "gate" else size
+            param.data[expert].narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if x.is_cuda and HAS_TRITON:  # the fused kernel: no host sync, so decode stays graph-capturable
+            from tpengine.kernels.triton.fused_moe import fused_experts
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        self.tp_group.all_reduce(out)
+        return out
