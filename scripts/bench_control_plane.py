@@ -53,6 +53,7 @@ from nano_baseline import NanoSequence
 from tpengine.distributed.messages import decode_control, encode, slim_step
 from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.step_plan import StepPlan
 
 BLOCK_SIZE = 256
 VOCAB_SIZE = 151_936        # Qwen-sized vocabulary: token ids take 3-5 bytes on the wire
@@ -72,7 +73,8 @@ class Case:
     simple: list        # NanoSequences in the same state
 
     def encode_ours(self) -> bytes:
-        return encode(slim_step(self.ours, self.is_prefill))
+        plan = StepPlan(prefill=self.ours) if self.is_prefill else StepPlan(decode=self.ours)
+        return encode(slim_step(plan))
 
     def encode_simple(self) -> bytes:
         return pickle.dumps(["run", self.simple, self.is_prefill])  # nano-vllm's write_shm
@@ -85,7 +87,8 @@ def scheduled_like(cls, token_ids: list[int], block_table: list[int], is_prefill
         seq.num_scheduled_tokens = len(token_ids)
     else:           # decoding: every token but the last one sampled is in the cache
         seq = cls(token_ids[:-1])
-        seq.is_prefill = False
+        if cls is NanoSequence:
+            seq.is_prefill = False
         seq.num_cached_tokens = len(token_ids) - 1
         seq.append_token(token_ids[-1])
         seq.num_scheduled_tokens = 1
@@ -118,7 +121,7 @@ def check_round_trip(case: Case) -> None:
     """Both designs deliver what a worker needs of every sequence."""
     ours = decode_control(case.encode_ours())
     _, simple, is_prefill = pickle.loads(case.encode_simple())
-    assert is_prefill == case.is_prefill and ours.is_prefill == case.is_prefill
+    assert is_prefill == case.is_prefill and bool(ours.prefill) == case.is_prefill
     got = ours.prefill if case.is_prefill else ours.decode
     assert len(got) == len(simple) == len(case.ours)
     for seq, msg, nano in zip(case.ours, got, simple):

@@ -68,13 +68,12 @@ def bench_ours(prompts, warmup: int, steps: int) -> float:
     for prompt in prompts:
         scheduler.add(Sequence(prompt, params, block_size=BLOCK_SIZE))
     token_ids = [FAKE_TOKEN] * n
-    seqs, is_prefill = scheduler.schedule()
-    assert is_prefill and len(seqs) == n
-    scheduler.postprocess(seqs, token_ids)
+    plan = scheduler.schedule()
+    assert len(plan.prefill) == n and not plan.decode
+    scheduler.postprocess(plan, token_ids)
 
     def step():
-        seqs, is_prefill = scheduler.schedule()
-        scheduler.postprocess(seqs, token_ids)
+        scheduler.postprocess(scheduler.schedule(), token_ids)
 
     for _ in range(warmup):
         step()

@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from tpengine.config import ATTENTION_BACKENDS, DTYPES
+from tpengine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,8 +96,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
     parser.add_argument("--max-num-seqs", type=int, default=512, help="most sequences in a batch (default 512)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384,
-                        help="most tokens in one prefill step (default 16384)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens through one forward, decodes and prompt chunks together "
+                             "(default 2048 on the CPU, 16384 on CUDA)")
+    parser.add_argument("--scheduling-policy", default="mixed", choices=SCHEDULING_POLICIES,
+                        help="mixed: every running request gets a token each step, prompt chunks fill the rest; "
+                             "prefill_first: nano-vllm's, decodes wait while a prompt prefills (default mixed)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
                              "kernel built on first use), else torch, on the CPU (default auto)")
@@ -109,7 +113,7 @@ def _engine_kwargs(args) -> dict:
                 kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
 
 
 def _read_lines(stream) -> list[str]:

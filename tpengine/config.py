@@ -9,6 +9,7 @@ from tpengine.models.registry import check_model_config
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("mixed", "prefill_first")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -21,7 +22,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kvcache_memory_gb: float | None = None     # CPU: KV-cache budget per rank (default: what the limits need, at most 4)
     gpu_memory_utilization: float = 0.9        # CUDA: fraction of the GPU the engine may fill
     max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
+    # most tokens through one forward (decode tokens and prompt chunks together); None: the device's
+    # default, 2048 on the CPU (its activations stay in cache), 16384 on CUDA
+    max_num_batched_tokens: int | None = None
+    # "mixed": every running request gets its next token each step, prompt chunks fill the rest of the
+    # budget; "prefill_first": nano-vllm's, a prefill step whenever a prompt waits
+    scheduling_policy: str = "mixed"
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -37,8 +43,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_model_len"):
             positive(name)
+        if self.max_num_batched_tokens is not None:
+            positive("max_num_batched_tokens")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         block_size = self.kvcache_block_size
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")

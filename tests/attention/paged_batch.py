@@ -80,6 +80,36 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
                       num_new=seqlens_q, scale=head_dim ** -0.5)
 
 
+def mixed_batch(seqs: list[tuple[int, int]], num_decode: int, **kwargs) -> PagedBatch:
+    """A mixed step as the runner builds it: the first num_decode sequences (one new token each) are decode
+    rows with their own decode metadata, the rest prefill chunks; one slot mapping covers every row."""
+    assert all(new == 1 for _, new in seqs[:num_decode]) and num_decode < len(seqs)
+    batch = paged_batch(seqs, **kwargs)
+    full = batch.meta
+    device = full.slot_mapping.device
+    tables, lens_k = full.block_tables_list, full.seqlens_k
+
+    def block_tables(rows):
+        width = max(len(t) for t in rows)
+        return torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32, device=device)
+
+    def cumulative(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    decode = AttentionMetadata(
+        is_prefill=False, slot_mapping=full.slot_mapping[:num_decode], block_tables=block_tables(tables[:num_decode]),
+        block_tables_list=tables[:num_decode], seqlens_k=lens_k[:num_decode],
+        context_lens=torch.tensor(lens_k[:num_decode], dtype=torch.int32, device=device),
+        max_seqlen_k=max(lens_k[:num_decode]))
+    seqlens_q = batch.num_new[num_decode:]
+    batch.meta = AttentionMetadata(
+        is_prefill=True, slot_mapping=full.slot_mapping, block_tables=block_tables(tables[num_decode:]),
+        block_tables_list=tables[num_decode:], seqlens_k=lens_k[num_decode:], cu_seqlens_q=cumulative(seqlens_q),
+        cu_seqlens_k=cumulative(lens_k[num_decode:]), seqlens_q=seqlens_q, max_seqlen_q=max(seqlens_q),
+        max_seqlen_k=max(lens_k[num_decode:]), has_cached_prefix=any(c for c, _ in seqs[num_decode:]),
+        num_decode_tokens=num_decode, decode=decode)
+    return batch
+
+
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     """Each new token attends, in float64, to every key of its sequence up to and including its own position."""
     out = []

@@ -94,15 +94,15 @@ def test_tied_embeddings_and_text_prompts_match(tied_model):
     assert_parity(tied_model, prompts, outputs)
 
 
-@pytest.mark.parametrize("pass_tokens", [7, 64])
-def test_prefill_in_passes_splitting_prompts_still_matches(tiny_model, pass_tokens):
-    # the CPU runs a prefill step in passes of at most prefill_pass_tokens tokens (CUDA in one pass,
-    # unless set as here); small passes split prompts across passes, before and after a prefix hit
+@pytest.mark.parametrize("budget", [7, 64])
+def test_small_token_budgets_splitting_prompts_still_match(tiny_model, budget):
+    # one budget bounds every forward (2048 tokens by default on the CPU, 16384 on CUDA); small ones
+    # split prompts across steps next to decodes, before and after a prefix hit
     prompts = random_prompts(13, [1, 30, 150, 64, 9], VOCAB)
     with LLM(tiny_model, kvcache_block_size=16) as llm:
         runner = llm.executor.runner
-        assert (runner.prefill_pass_tokens is not None) == (runner.device.type == "cpu")
-        runner.prefill_pass_tokens = pass_tokens
+        assert runner.max_num_batched_tokens == (2048 if runner.device.type == "cpu" else 16384)
+    with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=budget) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate([p + [5, 6, 7] for p in prompts], GREEDY, use_tqdm=False)
     assert_parity(tiny_model, prompts, first)

@@ -6,6 +6,7 @@ import pytest
 
 from tpengine.engine.scheduler import MAX_WAIT_STEPS, Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.engine.step_plan import StepPlan
 from tpengine.sampling_params import SamplingParams
 
 BS = 4
@@ -19,8 +20,9 @@ def block_size(monkeypatch):
 
 
 def make_scheduler(**overrides) -> Scheduler:
+    # nano-vllm's policy unless a test says otherwise: most tests here pin down its step shapes
     kwargs = dict(num_kvcache_blocks=64, kvcache_block_size=BS, max_num_seqs=8, max_num_batched_tokens=64,
-                  max_model_len=1024, eos_token_ids=frozenset([EOS]))
+                  max_model_len=1024, eos_token_ids=frozenset([EOS]), scheduling_policy="prefill_first")
     kwargs.update(overrides)
     return Scheduler(**kwargs)
 
@@ -31,17 +33,23 @@ def add(scheduler: Scheduler, prompt_len: int, first_token: int = 1, **params) -
     return seq
 
 
+def schedule(scheduler: Scheduler) -> tuple[list[Sequence], bool, StepPlan]:
+    """The next plan's rows and whether it prefills anything, and the plan."""
+    plan = scheduler.schedule()
+    return plan.seqs, bool(plan.prefill), plan
+
+
 def step(scheduler: Scheduler, token_id: int = TOKEN) -> tuple[list[Sequence], bool, list[Sequence]]:
-    seqs, is_prefill = scheduler.schedule()
-    finished = scheduler.postprocess(seqs, [token_id] * len(seqs))
+    seqs, is_prefill, plan = schedule(scheduler)
+    finished = scheduler.postprocess(plan, [token_id] * len(seqs))
     return seqs, is_prefill, finished
 
 
 def run_to_completion(scheduler: Scheduler, next_token=lambda seq: TOKEN, max_steps: int = 10_000) -> int:
     steps = 0
     while not scheduler.is_finished():
-        seqs, _ = scheduler.schedule()
-        scheduler.postprocess(seqs, [next_token(seq) for seq in seqs])
+        plan = scheduler.schedule()
+        scheduler.postprocess(plan, [next_token(seq) for seq in plan.seqs])
         steps += 1
         assert steps < max_steps
     return steps
@@ -69,11 +77,11 @@ def test_a_decode_step_computes_one_token_of_every_running_sequence():
     scheduler = make_scheduler()
     seqs = [add(scheduler, n, first_token=10 * n) for n in (3, 4, 5)]
     step(scheduler)
-    batch, is_prefill = scheduler.schedule()
-    assert not is_prefill and batch == seqs
-    assert all(seq.num_scheduled_tokens == 1 and not seq.is_prefill for seq in batch)
+    batch, is_prefill, plan = schedule(scheduler)
+    assert not is_prefill and batch == seqs == plan.decode
+    assert all(seq.num_scheduled_tokens == 1 for seq in batch)
     assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in batch)  # the sampled token
-    scheduler.postprocess(batch, [TOKEN] * 3)
+    scheduler.postprocess(plan, [TOKEN] * 3)
     assert [seq.num_completion_tokens for seq in seqs] == [2, 2, 2]
     assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in seqs)
 
@@ -148,7 +156,7 @@ def test_a_prefix_hit_counts_only_the_uncached_tokens_against_the_budget():
     step(scheduler)
     b = add(scheduler, 9)  # blocks 0 and 1 hit: 1 token to compute
     c = add(scheduler, 9, first_token=50)
-    batch, is_prefill = scheduler.schedule()
+    batch, is_prefill, _ = schedule(scheduler)
     assert is_prefill and batch == [b, c]  # 1 + 9 tokens fit a budget of 12
     assert [b.num_scheduled_tokens, c.num_scheduled_tokens] == [1, 9]
     assert b.num_prompt_cached_tokens == 8 and c.num_prompt_cached_tokens == 0
@@ -162,19 +170,19 @@ def test_a_full_cache_preempts_the_latest_sequence_by_recompute_and_it_still_fin
     a = add(scheduler, 7, max_tokens=6)
     b = add(scheduler, 7, first_token=50, max_tokens=6)
     next_token = lambda seq: 100 + seq.num_completion_tokens  # noqa: E731 - position-tagged fake tokens
-    seqs, _ = scheduler.schedule()
-    scheduler.postprocess(seqs, [next_token(s) for s in seqs])  # both prefilled: 8 tokens, 2 blocks each
+    seqs, _, plan = schedule(scheduler)
+    scheduler.postprocess(plan, [next_token(s) for s in seqs])  # both prefilled: 8 tokens, 2 blocks each
     assert scheduler.block_manager.num_free_blocks == 0
-    seqs, _ = scheduler.schedule()
-    scheduler.postprocess(seqs, [next_token(s) for s in seqs])  # 8 % 4 != 1: no new block yet
-    seqs, is_prefill = scheduler.schedule()  # both now need a 3rd block; only b's 2 can be freed
+    seqs, _, plan = schedule(scheduler)
+    scheduler.postprocess(plan, [next_token(s) for s in seqs])  # 8 % 4 != 1: no new block yet
+    seqs, is_prefill, plan = schedule(scheduler)  # both now need a 3rd block; only b's 2 can be freed
     assert not is_prefill and seqs == [a]
     assert scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [b] and b not in scheduler.running
-    assert b.status == SequenceStatus.WAITING and b.is_prefill
+    assert b.status == SequenceStatus.WAITING
     assert not b.block_table and b.num_cached_tokens == 0
     assert scheduler.block_manager.num_free_blocks == 1  # b's 2 blocks freed, 1 taken by a
-    scheduler.postprocess(seqs, [next_token(s) for s in seqs])
+    scheduler.postprocess(plan, [next_token(s) for s in seqs])
     run_to_completion(scheduler, next_token)
     for seq in (a, b):
         assert seq.finish_reason == "length"
@@ -314,15 +322,21 @@ def test_abort_of_an_unknown_id_returns_none():
 
 # --- randomized simulation ------------------------------------------------------------------
 
-def _check_step(scheduler: Scheduler, batch: list[Sequence], is_prefill: bool, kv: list[list]) -> None:
+def _check_step(scheduler: Scheduler, plan: StepPlan, kv: list[list]) -> None:
     """Limits hold, and a fake KV cache shows every token a sequence attends to is its own."""
     bm = scheduler.block_manager
     block_size = bm.block_size
-    assert batch
+    batch = plan.seqs
+    assert batch and len(set(map(id, batch))) == len(batch)
     assert len(batch) <= scheduler.max_num_seqs
-    assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
-    if not is_prefill:
-        assert all(seq.num_scheduled_tokens == 1 for seq in batch)
+    assert plan.num_tokens == sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
+    assert plan.block_copies == scheduler.block_copies
+    assert all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == seq.num_tokens - 1 for seq in plan.decode)
+    if scheduler.scheduling_policy == "prefill_first":
+        assert not (plan.prefill and plan.decode)
+    elif plan.prefill:  # mixed: a prompt chunk only after every running sequence has its token
+        assert plan.decode == list(scheduler.running)[:len(plan.decode)] and len(plan.decode) == len(
+            [s for s in scheduler.running if s not in plan.prefill])
     # block-head copies first, as every rank does before the forward; a source is pinned until they ran
     pins, copied_rows = Counter(), Counter()
     for src, dst, num_tokens in scheduler.block_copies:
@@ -366,15 +380,16 @@ def _check_ledger(scheduler: Scheduler, kv: list[list]) -> None:
     assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
 
 
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
 @pytest.mark.parametrize("seed", range(40))
-def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits(monkeypatch, seed):
+def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits(monkeypatch, seed, policy):
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     monkeypatch.setattr(Sequence, "default_block_size", block_size)
     scheduler = Scheduler(
         num_kvcache_blocks=rng.randint(6, 20), kvcache_block_size=block_size, max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.randint(4, 40), max_model_len=rng.randint(3 * block_size, 64),
-        eos_token_ids=frozenset([EOS]), enable_prefix_caching=rng.random() < 0.8)
+        eos_token_ids=frozenset([EOS]), enable_prefix_caching=rng.random() < 0.8, scheduling_policy=policy)
     stems = [[rng.randrange(1, 4) for _ in range(40)] for _ in range(3)]  # shared prefixes: cache hits
     seqs = []
     for _ in range(rng.randint(10, 40)):
@@ -393,10 +408,10 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
     while not scheduler.is_finished():
         steps += 1
         assert steps < 5_000, "the scheduler stopped making progress"
-        batch, is_prefill = scheduler.schedule()
-        _check_step(scheduler, batch, is_prefill, kv)
+        batch, _, plan = schedule(scheduler)
+        _check_step(scheduler, plan, kv)
         token_ids = [EOS if rng.random() < 0.03 else rng.randrange(1, 50) for _ in batch]
-        for seq in scheduler.postprocess(batch, token_ids):
+        for seq in scheduler.postprocess(plan, token_ids):
             assert seq.status == SequenceStatus.FINISHED and not seq.block_table
         queued = [*scheduler.waiting, *scheduler.running]
         if queued and rng.random() < 0.02:
@@ -415,8 +430,17 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
             assert seq.finish_reason == "abort"
 
 
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shared_prefixes_arriving_over_time_keep_every_invariant(monkeypatch, seed):
+def test_random_shared_prefixes_arriving_over_time_keep_every_invariant(monkeypatch, seed, policy):
+    assert _run_shared_prefixes_over_time(monkeypatch, seed, policy) > 0 or policy == "mixed"
+
+
+def test_mixed_steps_preempt_in_some_shared_prefix_workloads(monkeypatch):
+    assert any(_run_shared_prefixes_over_time(monkeypatch, seed, "mixed") for seed in range(6))
+
+
+def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
     """Prompts cut from a few stems around block edges arrive while others run, finish, get preempted
     (a small cache) and aborted; every step the fake cache proves each reused token is the right one."""
     rng = random.Random(1000 + seed)
@@ -425,7 +449,7 @@ def test_random_shared_prefixes_arriving_over_time_keep_every_invariant(monkeypa
     scheduler = Scheduler(
         num_kvcache_blocks=rng.randint(40 // block_size, 96 // block_size), kvcache_block_size=block_size,
         max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(16, 64), max_model_len=40,
-        eos_token_ids=frozenset([EOS]))
+        eos_token_ids=frozenset([EOS]), scheduling_policy=policy)
     stems = [[rng.randrange(1, 4) for _ in range(5 * block_size)] for _ in range(3)]
     edges = [k * block_size + d for k in range(1, 4) for d in (-1, 0, 1, block_size // 2)]
     kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
@@ -437,19 +461,20 @@ def test_random_shared_prefixes_arriving_over_time_keep_every_invariant(monkeypa
             scheduler.add(Sequence(prompt or [1], SamplingParams(max_tokens=rng.randint(1, 12))))
         steps += 1
         assert steps < 5_000, "the scheduler stopped making progress"
-        batch, is_prefill = scheduler.schedule()
+        batch, _, plan = schedule(scheduler)
         if not batch:
             continue
         num_copies += len(scheduler.block_copies)
-        _check_step(scheduler, batch, is_prefill, kv)
-        scheduler.postprocess(batch, [rng.randrange(1, 4) for _ in batch])
+        _check_step(scheduler, plan, kv)
+        scheduler.postprocess(plan, [rng.randrange(1, 4) for _ in batch])
         queued = [*scheduler.waiting, *scheduler.running]
         if queued and rng.random() < 0.03:
             scheduler.abort(rng.choice(queued).seq_id)
         _check_ledger(scheduler, kv)
     assert_all_blocks_free(scheduler)
     bm = scheduler.block_manager
-    assert num_copies > 0 and bm.prefix_cache_hits > 0 and scheduler.num_preemptions > 0
+    assert num_copies > 0 and bm.prefix_cache_hits > 0
+    return scheduler.num_preemptions
 
 
 # --- prefix sharing within a step, cache-aware admission ------------------------------------
@@ -466,7 +491,7 @@ def test_a_request_sharing_what_the_batch_computes_waits_one_step_then_reuses_it
         assert batch == [a, b, c] and b.num_prompt_cached_tokens == 0
         return
     assert batch == [a, c]  # b would compute a's prefix a second time
-    batch, is_prefill = scheduler.schedule()
+    batch, is_prefill, _ = schedule(scheduler)
     assert batch == [b] and is_prefill
     assert b.num_cached_tokens == b.num_prompt_cached_tokens == 10  # to the token
     assert scheduler.block_copies == [(a.block_table[2], b.block_table[2], 2)]

@@ -29,6 +29,14 @@ class AttentionBackend(ABC):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k_cache.numel():  # no cache while the engine measures peak memory on a dummy batch
             self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_prefill:
+        if not meta.is_prefill:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        n = meta.num_decode_tokens
+        if not n:
             return self.prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return self.decode(q, k_cache, v_cache, meta, scale)
+        # A mixed step: a decode token is a one-token chunk over a cached prefix, so the prefill call could
+        # take it too; the decode kernel serves those rows faster. Both read K/V stored just above.
+        out = torch.empty_like(q)
+        out[:n] = self.decode(q[:n], k_cache, v_cache, meta.decode, scale)
+        out[n:] = self.prefill(q[n:], k[n:], v[n:], k_cache, v_cache, meta, scale)
+        return out

@@ -22,3 +22,8 @@ class AttentionMetadata:
     has_cached_prefix: bool = False        # some sequence attends to K/V computed in an earlier step
     # decode: one query per sequence over context_lens[b] cached tokens
     context_lens: torch.Tensor | None = None
+    # a mixed step (is_prefill, with decode tokens too): its first num_decode_tokens rows are decode
+    # tokens, attended through `decode` (their own decode metadata); the varlen fields above, the block
+    # tables included, describe only the prefill rows after them; slot_mapping covers every row
+    num_decode_tokens: int = 0
+    decode: "AttentionMetadata | None" = None

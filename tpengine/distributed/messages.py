@@ -25,14 +25,11 @@ class BlockCopy(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
+    """One forward: its rows are the decode tokens first, then the prefill chunks (either list may be empty)."""
     prefill: list[PrefillSeq]
     decode: list[DecodeSeq]
     # prefix-cache hits that end inside a block: done on every rank before the step's forward
     block_copies: list[BlockCopy] = []
-
-    @property
-    def is_prefill(self) -> bool:
-        return bool(self.prefill)
 
 
 class InitMessage(msgspec.Struct, array_like=True, tag="init"):
@@ -52,16 +49,14 @@ class WorkerError(msgspec.Struct, array_like=True, tag="error"):
 ControlMessage = StepMessage | InitMessage | ShutdownMessage
 
 
-def slim_step(seqs, is_prefill: bool, block_copies=()) -> StepMessage:
-    """What workers need of this step's sequences: never the whole token history in decode.
-    block_copies: the scheduler's (src, dst, num_tokens) for this step."""
-    if is_prefill:
-        return StepMessage(prefill=[
-            PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
-                       seq.num_cached_tokens, seq.block_table)
-            for seq in seqs], decode=[], block_copies=[BlockCopy(*copy) for copy in block_copies])
-    return StepMessage(prefill=[], decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table)
-                                           for seq in seqs])
+def slim_step(plan) -> StepMessage:
+    """What workers need of a StepPlan: prompt chunks in full, decode rows only their last token and
+    context length (never the whole token history)."""
+    return StepMessage(
+        prefill=[PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
+                            seq.num_cached_tokens, seq.block_table) for seq in plan.prefill],
+        decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table) for seq in plan.decode],
+        block_copies=[BlockCopy(*copy) for copy in plan.block_copies])
 
 
 _encoder = msgspec.msgpack.Encoder()

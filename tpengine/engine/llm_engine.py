@@ -13,6 +13,7 @@ from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.step_plan import StepPlan
 from tpengine.models.config import max_model_len_of
 from tpengine.outputs import RequestOutput
 from tpengine.sampling_params import SamplingParams
@@ -63,9 +64,9 @@ class LLMEngine:
             self.executor = Executor(config)
         self.scheduler = Scheduler(
             num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
             max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching)
+            enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy)
         self._request_ids = count()
         self._requests: dict[int, Request] = {}
         self._num_per_step_requests = 0     # live requests that need work every step (text, stops, logprobs)
@@ -191,29 +192,27 @@ class LLMEngine:
             outputs = list(pending.values())
         return outputs
 
-    def _step(self) -> tuple[list[RequestOutput], int]:
-        """One step; its outputs and the tokens it computed (positive: prefill, negative: -decode batch)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+    def _step(self) -> tuple[list[RequestOutput], StepPlan | None]:
+        """One step; its outputs and its plan (None when nothing was queued)."""
+        plan = self.scheduler.schedule()
+        if not plan:
             # add() admits only requests that fit the cache alone, so with work queued something runs
             assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
-            return [], 0
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        sampled = self.executor.execute(seqs, is_prefill, self.scheduler.block_copies)
-        if is_prefill:
-            self.prompt_tokens_total += num_tokens
-        finished = self.scheduler.postprocess(seqs, sampled.token_ids)
-        if is_prefill:
-            self.generation_tokens_total += sum(1 for seq in seqs if seq.num_tokens > seq.num_prompt_tokens)
-        else:
-            self.generation_tokens_total += len(seqs)
+            return [], None
+        sampled = self.executor.execute(plan)
+        self.prompt_tokens_total += plan.num_prefill_tokens
+        num_prefill_done = sum(1 for seq in plan.prefill if seq.num_cached_tokens + seq.num_scheduled_tokens
+                               == seq.num_tokens)
+        finished = self.scheduler.postprocess(plan, sampled.token_ids)
+        self.generation_tokens_total += len(plan.decode) + num_prefill_done
+        seqs = plan.seqs
         touched: dict[int, Request] = {}
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched)
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)
-        return [request.output() for request in touched.values() if request.stream or request.finished], num_tokens
+        return [request.output() for request in touched.values() if request.stream or request.finished], plan
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
         # once per scheduled sequence per step: attribute tests only for a request that needs nothing
@@ -273,12 +272,12 @@ class LLMEngine:
         try:
             while len(outputs) < len(requests):
                 started = time.perf_counter()
-                step_outputs, num_tokens = self._step()
+                step_outputs, plan = self._step()
                 elapsed = time.perf_counter() - started
-                if num_tokens > 0:
-                    prefill_rate = num_tokens / elapsed
-                elif num_tokens < 0:
-                    decode_rate = -num_tokens / elapsed
+                if plan is not None and plan.prefill:
+                    prefill_rate = plan.num_prefill_tokens / elapsed
+                if plan is not None and plan.decode:
+                    decode_rate = len(plan.decode) / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
                 for output in step_outputs:

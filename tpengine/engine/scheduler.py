@@ -1,10 +1,17 @@
-"""Decides each step's batch: prefill first (the head may be chunked), else decode; preempts by recompute."""
+"""Decides each step's batch as a StepPlan; preempts by recompute.
+
+Two policies: "mixed" (vLLM's) gives every running sequence its next token first and fills the rest of
+the token budget with prompt chunks, so decodes never stall behind a long prompt; "prefill_first"
+(nano-vllm's) runs a prefill step whenever a prompt waits and decodes only when none does."""
 from collections import deque
 from itertools import islice
+
+from tpengine.config import SCHEDULING_POLICIES
 
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.engine.step_plan import StepPlan
 
 # Cache-aware admission orders only this many requests from the head of the waiting queue, so its
 # cost per step stays bounded; the rest keep arrival order.
@@ -20,7 +27,11 @@ MIN_SHARED_TOKENS_TO_WAIT = 32
 class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 enable_prefix_caching: bool = True, exact_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, exact_prefix_caching: bool = True,
+                 scheduling_policy: str = "mixed"):
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+        self.scheduling_policy = scheduling_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -32,7 +43,6 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_steps = 0
-        self._prefill_step = False
 
     # --- read-only counters, for metrics ----------------------------------------------------------
 
@@ -84,20 +94,25 @@ class Scheduler:
         seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> StepPlan:
+        """The next step's plan; empty only when nothing is queued."""
         self.num_steps += 1
-        if self.block_manager.block_copies:
-            self.block_manager.release_copy_sources()  # the last step never reached postprocess
-        scheduled = self._schedule_prefill() if self.waiting else []
-        self._prefill_step = bool(scheduled)
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+        block_manager = self.block_manager
+        if block_manager.block_copies:
+            block_manager.release_copy_sources()  # the last step never reached postprocess
+        if self.scheduling_policy == "prefill_first":
+            prefill = self._schedule_prefill(self.max_num_batched_tokens) if self.waiting else []
+            decode = [] if prefill else self._schedule_decode()
+        else:
+            # decodes first, so a long prompt never stalls them; prompt chunks take what is left
+            decode = self._schedule_decode() if self.running else []
+            token_budget = self.max_num_batched_tokens - len(decode)
+            prefill = self._schedule_prefill(token_budget) if self.waiting and token_budget > 0 else []
+        return StepPlan(decode, prefill, list(block_manager.block_copies))
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_prefill(self, token_budget: int) -> list[Sequence]:
         block_manager = self.block_manager
         scheduled: list[Sequence] = []
-        token_budget = self.max_num_batched_tokens
         # max_num_seqs bounds the running set, not only each batch: admitted sequences hold blocks
         num_running = len(self.running)
         room = self.max_num_seqs - num_running
@@ -225,7 +240,6 @@ class Scheduler:
             if seq.num_tokens % block_size == 1 and not self._append_block(seq):
                 break  # seq preempted itself: nothing else was running
             seq.num_scheduled_tokens = 1
-            seq.is_prefill = False
             scheduled.append(seq)
         running.extendleft(reversed(scheduled))
         return scheduled
@@ -246,19 +260,19 @@ class Scheduler:
         # Recompute: drop its blocks; its re-prefill can still hit them while they stay unwritten.
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        seq.is_prefill = True
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Account for the step just run and append sampled tokens; returns the sequences that finished."""
+    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
+        """Account for the step just run and append sampled tokens (one per row of plan.seqs); returns
+        the sequences that finished."""
         block_manager = self.block_manager
         if block_manager.block_copies:
             block_manager.release_copy_sources()  # the step ran: its copies are done
         hash_blocks = block_manager.hash_blocks
         block_size = block_manager.block_size
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for seq, token_id in zip(plan.seqs, token_ids):
             num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
             # Only a step that filled a block has anything to register (in decode, one step in
             # block_size): skip the call otherwise. hash_blocks reads the counters before the update.
@@ -282,8 +296,8 @@ class Scheduler:
             else:
                 continue
             finished.append(seq)
-        if self._prefill_step:
-            for seq in seqs:
+        if plan.prefill:
+            for seq in plan.prefill:
                 if seq.block_table:  # not finished: its partly written last block can serve others
                     block_manager.index_written_tail(seq)
         return finished

@@ -21,11 +21,17 @@ class Executor:
     def send_to_workers(self, step: StepMessage) -> None:
         """Hand the step to the other ranks before rank 0 runs its own part."""
 
-    def execute(self, seqs, is_prefill: bool, block_copies=()) -> SamplerOutput:
-        step = slim_step(seqs, is_prefill, block_copies)
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Most tokens one forward takes: the setting, or the device's default."""
+        return self.runner.max_num_batched_tokens
+
+    def execute(self, plan) -> SamplerOutput:
+        """Run a StepPlan on every rank; one sampled token per row of plan.seqs."""
+        step = slim_step(plan)
         self.send_to_workers(step)
         logits = self.runner.execute(step)
-        return self.sampler(logits, seqs)
+        return self.sampler(logits, plan.seqs)
 
     def check_health(self) -> None:
         """Raise if some rank is gone (rank 0 alone: nothing to check)."""

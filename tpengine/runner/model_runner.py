@@ -18,9 +18,10 @@ from tpengine.runner.sampler import Sampler
 logger = logging.getLogger("tpengine")
 
 DEFAULT_CPU_KVCACHE_GB = 4.0
-# CPU: a prefill step runs in passes of at most this many tokens. Activations of a 2048-token pass
-# stay in reused heap memory and in cache; one pass over ~10k tokens was ~15% slower (docs/benchmarks.md).
-CPU_PREFILL_PASS_TOKENS = 2048
+# Default max_num_batched_tokens per device. CPU: activations of a 2048-token forward stay in reused
+# heap memory and in cache; one forward over ~10k tokens was ~15% slower (docs/benchmarks.md).
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
@@ -58,7 +59,6 @@ class ModelRunner:
         self.group = group
         self.rank = rank = group.rank
         self.block_size = config.kvcache_block_size
-        self.prefill_pass_tokens = None  # set for the CPU below
         hf_config = load_hf_config(config.model)
         self.hf_config = hf_config
         self.device = device
@@ -67,6 +67,8 @@ class ModelRunner:
         elif group.size > 1:
             # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (
+            CPU_MAX_NUM_BATCHED_TOKENS if self.device.type == "cpu" else CUDA_MAX_NUM_BATCHED_TOKENS)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         self.max_model_len, _ = max_model_len_of(hf_config, config.max_model_len)
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
@@ -82,7 +84,6 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         if self.device.type == "cpu":
-            self.prefill_pass_tokens = CPU_PREFILL_PASS_TOKENS
             for module in self.model.modules():
                 if hasattr(module, "prepack_for_cpu"):
                     module.prepack_for_cpu()
@@ -200,14 +201,14 @@ class ModelRunner:
         full-vocabulary float32 and float64 rows are made for that many (about 1 GB at 512 x 151,936).
         """
         config = self.config
-        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * self.max_model_len)
+        num_tokens = min(self.max_num_batched_tokens, config.max_num_seqs * self.max_model_len)
         seqs, num_blocks = [], 0
         for start in range(0, num_tokens, self.max_model_len):
             length = min(self.max_model_len, num_tokens - start)
             blocks = -(-length // self.block_size)
             seqs.append(PrefillSeq([0] * length, 0, list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
-        input_ids, positions, meta = self.prepare_prefill(StepMessage(prefill=seqs, decode=[]))
+        input_ids, positions, meta, _ = self.prepare(StepMessage(prefill=seqs, decode=[]))
         self._allocate_kv_cache(num_blocks)
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         hidden_states = self.model(input_ids, positions, meta)
@@ -236,9 +237,18 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
-    def prepare_prefill(self, step: StepMessage):
+    def prepare(self, step: StepMessage):
+        """The forward's inputs: input ids, positions, attention metadata, and in a step with prompt
+        chunks the rows whose logits are wanted (every decode row, each chunk's last token; None: all
+        rows). Rows: decode tokens first, then the chunks."""
         block_size = self.block_size
-        input_ids, positions, slot_mapping = [], [], []
+        input_ids = [seq.last_token for seq in step.decode]
+        positions = [seq.context_len - 1 for seq in step.decode]
+        slot_mapping = [seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size for seq in step.decode]
+        decode = self._decode_metadata(step, slot_mapping) if step.decode else None
+        if not step.prefill:
+            return self._tensor(input_ids), self._tensor(positions), decode, None
+        num_decode = len(step.decode)
         seqlens_q, seqlens_k = [], []
         for seq in step.prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + len(seq.token_ids)
@@ -257,27 +267,23 @@ class ModelRunner:
             cu_k.append(cu_k[-1] + len_k)
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=self._tensor(slot_mapping),
+            slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
             block_tables=self._block_tables([seq.block_table for seq in step.prefill]),
             has_cached_prefix=any(seq.num_cached_tokens for seq in step.prefill),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
-        return self._tensor(input_ids), self._tensor(positions), meta
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            num_decode_tokens=num_decode, decode=decode)
+        logits_rows = list(range(num_decode)) + [num_decode + end - 1 for end in cu_q[1:]]
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
 
-    def prepare_decode(self, step: StepMessage):
-        block_size = self.block_size
-        input_ids, positions, slot_mapping, context_lens = [], [], [], []
-        for seq in step.decode:
-            input_ids.append(seq.last_token)
-            positions.append(seq.context_len - 1)
-            context_lens.append(seq.context_len)
-            slot_mapping.append(seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size)
-        meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=self._tensor(slot_mapping),
-            block_tables=self._block_tables([seq.block_table for seq in step.decode]),
-            block_tables_list=[seq.block_table for seq in step.decode], seqlens_k=context_lens,
+    def _decode_metadata(self, step: StepMessage, slot_mapping: list[int]) -> AttentionMetadata:
+        """The decode rows' metadata: one query per sequence over its context."""
+        context_lens = [seq.context_len for seq in step.decode]
+        block_tables = [seq.block_table for seq in step.decode]
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(step.decode)]),
+            block_tables=self._block_tables(block_tables), block_tables_list=block_tables, seqlens_k=context_lens,
             context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
-        return self._tensor(input_ids), self._tensor(positions), meta
 
     def copy_blocks(self, step: StepMessage) -> None:
         """Copy the heads of cached blocks into the blocks that reuse them (prefix hits that end inside a
@@ -291,49 +297,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepMessage) -> torch.Tensor | None:
-        """Run one step; rank 0 gets the logits of each sequence's last token, other ranks None."""
+        """Run one step in one forward; rank 0 gets the logits of each row (decode tokens, then each
+        prefill chunk's last token), other ranks None."""
         if step.block_copies:
             self.copy_blocks(step)
-        passes = self.prefill_passes(step) if step.is_prefill and self.prefill_pass_tokens else None
-        if passes is None or len(passes) == 1:
-            return self._run(step)
-        # every rank splits the step the same way, so the collectives inside each pass line up
-        logits = [self._run(piece, ends) for piece, ends in passes]
-        return torch.cat(logits) if self.rank == 0 else None
-
-    def prefill_passes(self, step: StepMessage) -> list[tuple[StepMessage, list[int]]]:
-        """The prefill step as passes of at most prefill_pass_tokens tokens, a long chunk split across
-        passes as chunked prefill splits a prompt (its later pieces read the earlier ones' K/V from
-        the cache); with each pass, the rows of the pieces that end a sequence's chunk."""
-        passes, pieces, ends, room = [], [], [], self.prefill_pass_tokens
-        for seq in step.prefill:
-            start = 0
-            while start < len(seq.token_ids):
-                end = min(len(seq.token_ids), start + room)
-                if end == len(seq.token_ids):
-                    ends.append(len(pieces))
-                pieces.append(PrefillSeq(seq.token_ids[start:end], seq.num_cached_tokens + start, seq.block_table))
-                room -= end - start
-                start = end
-                if room == 0:
-                    passes.append((StepMessage(prefill=pieces, decode=[]), ends))
-                    pieces, ends, room = [], [], self.prefill_pass_tokens
-        if pieces:
-            passes.append((StepMessage(prefill=pieces, decode=[]), ends))
-        return passes
-
-    def _run(self, step: StepMessage, prefill_rows: list[int] | None = None) -> torch.Tensor | None:
-        """One forward pass; logits for each sequence's last token, or in prefill only for prefill_rows."""
-        if step.is_prefill:
-            input_ids, positions, meta = self.prepare_prefill(step)
-        else:
-            input_ids, positions, meta = self.prepare_decode(step)
+        input_ids, positions, meta, logits_rows = self.prepare(step)
         graphs = self.cuda_graphs
-        if meta.is_prefill:
-            last_tokens = meta.cu_seqlens_q[1:] - 1
-            if prefill_rows is not None:
-                last_tokens = last_tokens[prefill_rows]
-            hidden_states = self.model(input_ids, positions, meta)[last_tokens]
+        if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
+            hidden_states = self.model(input_ids, positions, meta)[logits_rows]
         elif graphs is not None and graphs.can_run(input_ids.size(0), meta.block_tables.size(1)):
             hidden_states = graphs.run(input_ids, positions, meta)
         else:

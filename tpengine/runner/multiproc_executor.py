@@ -30,6 +30,7 @@ from tpengine.distributed.parallel_state import (TensorParallelGroup, check_gpus
 from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter, stores_are_ordered
 from tpengine.errors import WorkerFailedError
 from tpengine.runner.executor import Executor
+from tpengine.runner.sampler import SamplerOutput
 
 logger = logging.getLogger("tpengine")
 
@@ -167,13 +168,13 @@ class MultiprocExecutor(Executor):
     def send_to_workers(self, step: StepMessage) -> None:
         self.channel.write(encode(step))
 
-    def execute(self, seqs, is_prefill: bool, block_copies=()) -> list[int]:
+    def execute(self, plan) -> SamplerOutput:
         if self.closed:
             raise RuntimeError("the engine is shut down (a worker failed, shutdown() was called, "
                                "or this is a forked copy of the process that owns it)")
         try:
             with self._deadline(self.config.step_timeout_s, "one step"):
-                return super().execute(seqs, is_prefill, block_copies)
+                return super().execute(plan)
         except BaseException as e:
             self._stop_after(e)
 
