@@ -363,7 +363,8 @@ def main(argv=None) -> None:
                      f"({useful} tokens), ignore_eos, {sampling}, seed {args.seed}"),
     ]
     for policy, times in ours.items():
-        rows.append((f"tpengine (tp={args.tp}, {args.device}, {policy})",
+        label = f"tpengine (tp={args.tp}, {args.device}" + (f", {policy})" if len(ours) > 1 else ")")
+        rows.append((label,
                      f"**{rate(useful, min(times))} output tok/s** ({useful} tokens in {min(times):.2f}s{best_of})"))
     if len(ours) > 1:
         first, *others = ours

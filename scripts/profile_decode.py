@@ -108,17 +108,19 @@ class DecodeRecorder:
 
         execute = executor.execute
 
-        def recorded_execute(seqs, is_prefill, *rest):
-            self.steps.append((is_prefill, len(seqs)))
-            return execute(seqs, is_prefill, *rest)
+        def recorded_execute(plan):
+            self.steps.append((bool(plan.prefill), len(plan.seqs)))
+            return execute(plan)
         executor.execute = recorded_execute
 
-        prepare_decode = runner.prepare_decode
+        prepare = runner.prepare
 
-        def recorded_prepare_decode(step):
-            self.last_decode = prepare_decode(step)
-            return self.last_decode
-        runner.prepare_decode = recorded_prepare_decode
+        def recorded_prepare(step):
+            inputs = prepare(step)
+            if not step.prefill:
+                self.last_decode = inputs[:3]
+            return inputs
+        runner.prepare = recorded_prepare
 
         if runner.cuda_graphs is not None:
             graphs_run = runner.cuda_graphs.run
