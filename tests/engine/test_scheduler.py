@@ -538,8 +538,7 @@ def test_prefix_cache_counters_and_kv_usage_are_read_from_the_scheduler():
 def test_a_row_the_sampler_could_not_sample_ends_that_sequence_only_as_abort():
     scheduler = make_scheduler()
     bad, good = add(scheduler, 5), add(scheduler, 6, max_tokens=3)
-    seqs, _ = scheduler.schedule()
-    finished = scheduler.postprocess(seqs, [-1, TOKEN])
+    finished = scheduler.postprocess(scheduler.schedule(), [-1, TOKEN])
     assert finished == [bad] and bad.finish_reason == "abort" and bad.completion_token_ids == []
     run_to_completion(scheduler)
     assert good.finish_reason == "length" and scheduler.block_manager.num_free_blocks == 64
