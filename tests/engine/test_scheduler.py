@@ -565,10 +565,10 @@ def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(pro
     child = Sequence(list(range(1, prompt_len + 1)), SamplingParams(n=2), index=1, parent=parent)
     scheduler.add(parent)
     scheduler.add(child)
-    seqs, is_prefill = scheduler.schedule()
+    seqs, is_prefill, plan = schedule(scheduler)
     assert seqs == [parent] and is_prefill  # the child waits for the prompt instead of computing it too
-    scheduler.postprocess(seqs, [TOKEN])
-    seqs, is_prefill = scheduler.schedule()
+    scheduler.postprocess(plan, [TOKEN])
+    seqs, is_prefill, plan = schedule(scheduler)
     assert seqs == [child] and is_prefill and child.num_scheduled_tokens == 1
     last = (prompt_len - 1) // BS
     assert child.block_table[:last] == parent.block_table[:last]  # shared
@@ -577,7 +577,7 @@ def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(pro
     assert scheduler.block_copies == ([(parent.block_table[last], child.block_table[last], num_copied)]
                                       if num_copied else [])
     assert all(scheduler.block_manager.blocks[b].ref_count == 2 for b in parent.block_table[:last])
-    scheduler.postprocess(seqs, [TOKEN])
+    scheduler.postprocess(plan, [TOKEN])
     run_to_completion(scheduler)
     assert scheduler.block_manager.num_free_blocks == 64
 
