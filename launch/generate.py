@@ -24,7 +24,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="prefill chunk budget")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="most tokens through one forward (default 2048 on the CPU, 16384 on CUDA)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     return parser.parse_args(argv)

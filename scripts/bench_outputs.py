@@ -60,10 +60,11 @@ class ReplayExecutor:
         self.num_kvcache_blocks = executor.num_kvcache_blocks
         self.replay, self.step = replay, 0
 
-    def execute(self, seqs, is_prefill, block_copies=()):
+    def execute(self, plan):
         tokens = self.replay[self.step % len(self.replay)]
         self.step += 1
-        return SamplerOutput(tokens[:len(seqs)], [None] * len(seqs))
+        num_rows = len(plan.seqs)
+        return SamplerOutput(tokens[:num_rows], [None] * num_rows)
 
 
 def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | None, warmup: int, steps: int):
