@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tpengine: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every rank is already stopped; exit as command-line tools do
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import linear, prepack_weight_for_cpu
+from tpengine.layers.linear import check_weight_shape, linear, prepack_weight_for_cpu
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_weight_shape(loaded_weight, [self.num_embeddings, *param.shape[1:]])
         # The last shard may run past the real vocabulary: its padding rows stay zero.
         shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
         param.data.zero_()

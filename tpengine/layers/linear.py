@@ -25,6 +25,12 @@ def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
+    """ValueError unless a checkpoint tensor has the whole (unsharded) shape the model expects."""
+    if tuple(loaded_weight.shape) != tuple(expected):
+        raise ValueError(f"its shape is {list(loaded_weight.shape)}, the model expects {list(expected)}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed_weight: torch.Tensor | None) -> torch.Tensor:
     if packed_weight is None:
@@ -55,6 +61,10 @@ class LinearBase(nn.Module):
             self.weight.data = self.weight.data.new_empty(0)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        whole = list(param.shape)
+        if self.tp_dim is not None and self.tp_dim < param.dim():
+            whole[self.tp_dim] *= self.tp_size
+        check_weight_shape(loaded_weight, whole)
         if self.tp_dim is not None and self.tp_size > 1:
             shard_size = param.size(self.tp_dim)
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard_size, shard_size)
@@ -89,6 +99,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         shard = loaded_weight.narrow(0, self.tp_rank * size, size)
@@ -115,6 +126,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        num_heads = self.num_heads * self.tp_size if shard_id == "q" else \
+            self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
+        check_weight_shape(loaded_weight, [num_heads * self.head_dim, *param.shape[1:]])
         if shard_id == "q":
             offset, size, shard_rank = 0, q_size, self.tp_rank
         else:
@@ -132,6 +146,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 1:  # the bias is whole on every rank: added once, after the reduce
+            check_weight_shape(loaded_weight, param.shape)
             param.data.copy_(loaded_weight)
             return
         super().weight_loader(param, loaded_weight)

@@ -1,18 +1,28 @@
-"""Load HF safetensors (one file or sharded) through each parameter's own weight_loader."""
+"""Load HF safetensors (one file or sharded) through each parameter's own weight_loader.
+
+A checkpoint that cannot fill the model (a file cut short, a tensor missing or of the wrong shape)
+is a ValueError naming the file or tensor, raised alike on every rank.
+"""
 import json
 import os
 from glob import glob
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tpengine.layers.linear import check_weight_shape
 
-def checkpoint_files(path: str) -> list[str]:
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+        try:
+            with open(index) as f:
+                return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights found in {path!r}")
@@ -20,16 +30,25 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    check_weight_shape(loaded_weight, param.shape)
     param.data.copy_(loaded_weight)
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def _open(file: str):
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:  # cut short, not safetensors at all, or missing
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+
+
+def load_model(model: nn.Module, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
     canonical = {id(param): name for name, param in model.named_parameters()}
     chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):  # older checkpoints save the rope buffer: recomputed here
                     continue
@@ -40,10 +59,13 @@ def load_model(model: nn.Module, path: str) -> None:
                 if key not in chosen or target == canonical[key[0]]:
                     chosen[key] = (file, name, target, args)
     for file in sorted({entry[0] for entry in chosen.values()}):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for _, name, target, args in (entry for entry in chosen.values() if entry[0] == file):
                 param = params[target]
-                getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name), *args)
+                try:
+                    getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name), *args)
+                except (ValueError, RuntimeError, IndexError, SafetensorError) as e:
+                    raise ValueError(f"checkpoint tensor {name!r} in {file} cannot be loaded: {e}") from None
     loaded = {key[0] for key in chosen}
     missing = {n for n, p in params.items() if id(p) not in loaded}
     if missing:

@@ -8,7 +8,7 @@ from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
 from tpengine.distributed.messages import PrefillSeq, StepMessage
-from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
+from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
 from tpengine.models.config import max_model_len_of
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
@@ -94,7 +94,8 @@ class ModelRunner:
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
         self.cuda_graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # a graph captures NCCL collectives, not gloo's (the one-GPU test mode): those ranks stay eager
+        if self.device.type == "cuda" and not config.enforce_eager and (group.size == 1 or not one_gpu_test_mode()):
             if self.attention_backend.cuda_graph_safe:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self.model, hf_config.hidden_size, self.dtype, self.device, config.max_num_seqs,

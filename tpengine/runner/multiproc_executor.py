@@ -6,6 +6,7 @@ processes end can leave it behind. A watcher thread turns a dead rank inside an 
 and a rank that does not answer within the step deadline, into that same error.
 """
 import base64
+import ctypes
 import logging
 import os
 import platform
@@ -26,7 +27,8 @@ from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
 from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepMessage, decode_error, encode
 from tpengine.distributed.parallel_state import (TensorParallelGroup, check_gpus_for, local_device_index,
-                                                 new_process_group, resolve_device, serve_store, world_tp_group)
+                                                 new_process_group, pick_backend, resolve_device, serve_store,
+                                                 world_tp_group)
 from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter, stores_are_ordered
 from tpengine.errors import WorkerFailedError
 from tpengine.runner.executor import Executor
@@ -95,6 +97,7 @@ class MultiprocExecutor(Executor):
         self._busy: tuple[float, float, str] | None = None  # (since, limit, what) while rank 0 waits on the ranks
         self._verdict: WorkerFailedError | None = None  # the watcher's finding, set before it stops the ranks
         self._aborted = False
+        self._native: list = []  # the store and groups this engine made: C++ objects a forked copy must not free
         _executors.add(self)
         try:
             if dist.is_initialized():
@@ -130,8 +133,14 @@ class MultiprocExecutor(Executor):
         if self.ring is not None:
             self.ring.unlink()  # every worker holds its mapping: nothing can leave the segment behind now
         self.group = TensorParallelGroup.create(self.store, 0, self.world_size, self.device)
-        self.channel = self.ring or BroadcastChannel(new_process_group(
-            dist.PrefixStore("control", self.store), 0, self.world_size, self.device, "gloo"), src=0)
+        self._native = [self.store, self.group.process_group]
+        if self.ring is None:
+            control = new_process_group(dist.PrefixStore("control", self.store), 0, self.world_size, self.device,
+                                        "gloo")
+            self._native.append(control)
+            self.channel = BroadcastChannel(control, src=0)
+        else:
+            self.channel = self.ring
 
     def _wait_for_workers_to_attach(self) -> None:
         keys = [f"attached/{rank}" for rank in range(1, self.world_size)]
@@ -204,7 +213,7 @@ class MultiprocExecutor(Executor):
         since, limit_s, what = busy
         if any(p.poll() is not None for p in self.processes):
             # NCCL does not fail a collective whose peer died (gloo does): make the blocked call return
-            if self.group is not None and self.device.type == "cuda":
+            if self._uses_nccl():
                 self._abort_group()
             return
         if time.monotonic() - since > limit_s:
@@ -213,9 +222,9 @@ class MultiprocExecutor(Executor):
                 f"tensor-parallel worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
                 f"did not answer within step_timeout_s={limit_s:g} s ({what}); every rank was stopped")
             for process in self.processes:
-                process.kill()
-            if not self.processes or self.device.type == "cuda":
-                self._abort_group()  # no process of ours to kill, or NCCL: unblock rank 0's collective
+                process.kill()  # gloo then fails rank 0's collective at once
+            if self._uses_nccl():
+                self._abort_group()  # NCCL would not: unblock rank 0's collective
 
     def _silent_ranks(self) -> list[int]:
         """Ranks that hold the others up: stopped ones, else ones that never took the step, else all."""
@@ -225,6 +234,10 @@ class MultiprocExecutor(Executor):
         if self.ring is not None and (lagging := [reader + 1 for reader in self.ring.lagging_readers()]):
             return lagging
         return list(range(1, self.world_size))
+
+    def _uses_nccl(self) -> bool:
+        # gloo fails a collective whose peer died, and its abort() does not unblock one; NCCL needs the abort
+        return self.group is not None and pick_backend(self.device) == "nccl"
 
     def _abort_group(self) -> None:
         self._aborted = True
@@ -316,7 +329,7 @@ class MultiprocExecutor(Executor):
         if self.processes and self.group is not None:  # under torchrun the launch script owns the group
             if graceful:
                 self.group.shutdown()
-            elif not self._aborted:
+            elif self._uses_nccl() and not self._aborted:
                 self._abort_group()
         self.group = self.store = None
         torch.set_num_threads(self.num_threads)
@@ -328,6 +341,10 @@ class MultiprocExecutor(Executor):
         for process in self.processes:
             if process.stdin is not None:
                 process.stdin.close()
+        # A forked copy of a gloo group or store must never be destroyed: its destructor waits on a
+        # lock held by a thread that was not forked. Leak this copy's references instead.
+        for native in self._native:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(native))
 
 
 def _watch(executor_ref: "weakref.ref[MultiprocExecutor]") -> None:
