@@ -28,7 +28,9 @@ def make_scheduler(**overrides) -> Scheduler:
 
 
 def add(scheduler: Scheduler, prompt_len: int, first_token: int = 1, **params) -> Sequence:
+    """Check and queue a request, as the engine does."""
     seq = Sequence(list(range(first_token, first_token + prompt_len)), SamplingParams(**params))
+    scheduler.check_fits(seq.num_prompt_tokens, seq.max_tokens)
     scheduler.add(seq)
     return seq
 
@@ -261,14 +263,14 @@ def test_a_prompt_of_exactly_max_model_len_gets_one_token():
 
 # --- admission ------------------------------------------------------------------------------
 
-def test_a_prompt_longer_than_max_model_len_raises_at_add_and_queues_nothing():
+def test_a_prompt_longer_than_max_model_len_fails_the_check_and_queues_nothing():
     scheduler = make_scheduler(max_model_len=8)
     with pytest.raises(ValueError, match="max_model_len=8"):
         add(scheduler, 9)
     assert scheduler.is_finished()
 
 
-def test_a_request_needing_more_blocks_than_the_cache_raises_at_add_and_queues_nothing():
+def test_a_request_needing_more_blocks_than_the_cache_fails_the_check_and_queues_nothing():
     scheduler = make_scheduler(num_kvcache_blocks=4)  # 16 tokens
     with pytest.raises(ValueError, match="only 4 blocks"):
         add(scheduler, 10, max_tokens=10)
@@ -398,10 +400,10 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
                                 stop_token_ids=(rng.randrange(1, 50),) if rng.random() < 0.3 else ())
         seq = Sequence(prompt, params)
         try:
-            scheduler.add(seq)
+            scheduler.check_fits(seq.num_prompt_tokens, seq.max_tokens)
         except ValueError:
-            assert scheduler.waiting.count(seq) == 0
             continue
+        scheduler.add(seq)
         seqs.append(seq)
     kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
     steps = 0

@@ -48,11 +48,13 @@ class LLMEngine:
         config = EngineConfig(model=model, **kwargs)
         hf_config = load_hf_config(model)
         config.validate(hf_config)
-        self.config = config
-        self.vocab_size = hf_config.vocab_size
-        self.max_model_len, capped = max_model_len_of(hf_config, config.max_model_len)
+        # the model's positions and window bound every request: set once here, read by the ledger and every rank
+        config.max_model_len, capped = max_model_len_of(hf_config, config.max_model_len)
         if capped:
             logger.info(capped)
+        self.config = config
+        self.vocab_size = hf_config.vocab_size
+        self.max_model_len = config.max_model_len
         self.tokenizer = _load_tokenizer(model)
         eos_token_ids = _eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
@@ -62,11 +64,15 @@ class LLMEngine:
         else:
             from tpengine.runner.executor import Executor
             self.executor = Executor(config)
-        self.scheduler = Scheduler(
-            num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
-            max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
-            enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy)
+        try:
+            self.scheduler = Scheduler(
+                num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
+                max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
+                enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy)
+        except BaseException:  # workers run from here on: nothing may leave them behind
+            self.executor.shutdown()
+            raise
         self._request_ids = count()
         self._requests: dict[int, Request] = {}
         self._num_per_step_requests = 0     # live requests that need work every step (text, stops, logprobs)
@@ -196,7 +202,7 @@ class LLMEngine:
         """One step; its outputs and its plan (None when nothing was queued)."""
         plan = self.scheduler.schedule()
         if not plan:
-            # add() admits only requests that fit the cache alone, so with work queued something runs
+            # only requests that fit the cache alone are added (check_fits), so with work queued something runs
             assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], None
         sampled = self.executor.execute(plan)

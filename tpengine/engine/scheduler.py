@@ -84,8 +84,8 @@ class Scheduler:
                 f"shorten the prompt or max_tokens, or give the cache more blocks")
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence whose request passed check_fits (the engine checks once per request)."""
         assert seq.block_size == self.block_manager.block_size, "sequence and ledger disagree on block size"
-        self.check_fits(seq.num_prompt_tokens, seq.max_tokens)
         # Fold the engine's stop conditions into the sequence's own, so postprocess does one set
         # test and one comparison per sampled token: both "stop" reasons, both "length" reasons.
         if not seq.ignore_eos:

@@ -9,7 +9,6 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
 from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
-from tpengine.models.config import max_model_len_of
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
@@ -70,7 +69,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             CPU_MAX_NUM_BATCHED_TOKENS if self.device.type == "cpu" else CUDA_MAX_NUM_BATCHED_TOKENS)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
-        self.max_model_len, _ = max_model_len_of(hf_config, config.max_model_len)
+        self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions and window
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
             logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
