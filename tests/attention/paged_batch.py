@@ -3,6 +3,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.reference_attention import causal_attention
 from tpengine.attention.metadata import AttentionMetadata
 
 GARBAGE = 50.0  # scale of what unowned cache slots hold: reading one shows up in the output
@@ -112,21 +113,8 @@ def mixed_batch(seqs: list[tuple[int, int]], num_decode: int, **kwargs) -> Paged
 
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     """Each new token attends, in float64, to every key of its sequence up to and including its own position."""
-    out = []
-    q_all = batch.q.double()
-    start = 0
-    for keys, values, num_new in zip(batch.keys, batch.values, batch.num_new):
-        group = q_all.size(1) // keys.size(1)
-        k = keys.double().repeat_interleave(group, dim=1)
-        v = values.double().repeat_interleave(group, dim=1)
-        for i in range(num_new):
-            end = keys.size(0) - num_new + i + 1  # keys up to this token's own position
-            scores = torch.einsum("hd,khd->hk", q_all[start + i], k[:end]) * batch.scale
-            out.append(torch.einsum("hk,khd->hd", scores.softmax(dim=-1), v[:end]))
-        start += num_new
-    return torch.stack(out)
-
-
+    rows = batch.q.split(batch.num_new)
+    return torch.cat([causal_attention(q, k, v, batch.scale) for q, k, v in zip(rows, batch.keys, batch.values)])
 
 
 def forward_each(batch: PagedBatch, *backends) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Shared setup and PyTorch references for the kernel tests.
+"""Shared setup for the kernel tests; the reference attention is tests/reference_attention.py.
 
 The Triton kernels run compiled on a GPU, and without one in the interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton); their tests build every tensor on DEVICE.
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import relative_error
+from tests.reference_attention import paged_attention as reference_paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,21 +33,6 @@ def random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype):
         k_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
         v_cache[blocks, pos % block_size] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype)
     return k_cache, v_cache, block_tables
-
-
-def reference_paged_attention(q, k_cache, v_cache, block_table, seqlen_k, scale):
-    """Causal attention of q [seqlen_q, num_heads, head_dim], the last seqlen_q of seqlen_k positions."""
-    seqlen_q, num_heads, _ = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    pos = torch.arange(seqlen_k)
-    blocks = block_table[pos // block_size].long()
-    group = num_heads // num_kv_heads
-    k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-    v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    query_pos = seqlen_k - seqlen_q + torch.arange(seqlen_q)
-    scores.masked_fill_(pos[None, :] > query_pos[:, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
 def check_paged_decode(kernel, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol):
