@@ -132,7 +132,7 @@ def _bench_take_back(manager, make_seq, repeats: int) -> float:
 def bench_take_back(repeats: int) -> tuple[float, float]:
     num_blocks, block_size = 65_536, 16
     NanoSequence.block_size = block_size
-    ours = _bench_take_back(BlockManager(num_blocks, block_size), lambda p: Sequence(p, block_size=block_size),
+    ours = _bench_take_back(BlockManager(num_blocks, block_size), lambda p: Sequence(p, SamplingParams(), block_size),
                             repeats)
     nano = _bench_take_back(NanoBlockManager(num_blocks, block_size), lambda p: NanoSequence(p), repeats)
     NanoSequence.block_size = BLOCK_SIZE

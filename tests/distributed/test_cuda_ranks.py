@@ -23,16 +23,22 @@ def one_gpu_mode(monkeypatch):
     monkeypatch.setenv(ONE_GPU_TEST_MODE_ENV, "1")
 
 
-def _kill_a_decoding_worker_and_expect_its_rank(llm):
-    for prompt in random_prompts(0, [20] * 3, TP_MODEL["vocab_size"]):
-        llm.add_request(prompt, LONG)
-    for _ in range(3):
-        llm.step()
-    llm.executor.processes[0].kill()
-    deadline = time.monotonic() + 30
-    with pytest.raises(WorkerFailedError, match="worker rank 1 was killed by signal SIGKILL"):
-        while time.monotonic() < deadline:
+def _a_killed_decoding_worker_is_an_error_naming_its_rank(model, **engine):
+    before = segments()
+    llm = LLM(model, **engine)
+    try:
+        for prompt in random_prompts(0, [20] * 3, TP_MODEL["vocab_size"]):
+            llm.add_request(prompt, LONG)
+        for _ in range(3):
             llm.step()
+        llm.executor.processes[0].kill()
+        deadline = time.monotonic() + 30
+        with pytest.raises(WorkerFailedError, match="worker rank 1 was killed by signal SIGKILL"):
+            while time.monotonic() < deadline:
+                llm.step()
+    finally:
+        llm.shutdown()
+    assert_nothing_left(since=before)
 
 
 def test_tp2_on_one_gpu_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_model, one_gpu_mode):
@@ -48,25 +54,13 @@ def test_tp2_on_one_gpu_matches_transformers_with_chunked_prefill_and_prefix_hit
 
 
 def test_a_worker_killed_on_one_gpu_is_an_error_naming_its_rank(tiny_model, one_gpu_mode):
-    before = segments()
-    llm = LLM(tiny_model, **ENGINE)
-    try:
-        _kill_a_decoding_worker_and_expect_its_rank(llm)
-    finally:
-        llm.shutdown()
-    assert_nothing_left(since=before)
+    _a_killed_decoding_worker_is_an_error_naming_its_rank(tiny_model, **ENGINE)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with two ranks needs two GPUs")
 def test_a_worker_killed_inside_an_nccl_collective_is_an_error_within_seconds(tiny_model):
     # NCCL does not fail the collective rank 0 waits in: the watcher aborts the communicator
-    before = segments()
-    llm = LLM(tiny_model, **{**ENGINE, "gpu_memory_utilization": 0.5})
-    try:
-        _kill_a_decoding_worker_and_expect_its_rank(llm)
-    finally:
-        llm.shutdown()
-    assert_nothing_left(since=before)
+    _a_killed_decoding_worker_is_an_error_naming_its_rank(tiny_model, **{**ENGINE, "gpu_memory_utilization": 0.5})
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL with two ranks needs two GPUs")

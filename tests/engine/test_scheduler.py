@@ -14,9 +14,11 @@ EOS = 0
 TOKEN = 7  # a fake sampled token that is not EOS
 
 
-@pytest.fixture(autouse=True)
-def block_size(monkeypatch):
-    monkeypatch.setattr(Sequence, "default_block_size", BS)
+SEQ_BLOCK_SIZE = BS  # the block size of the sequences new_seq makes; tests at other sizes set it
+
+
+def new_seq(token_ids: list[int], params: SamplingParams = SamplingParams(), **kwargs) -> Sequence:
+    return Sequence(token_ids, params, SEQ_BLOCK_SIZE, **kwargs)
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -29,7 +31,7 @@ def make_scheduler(**overrides) -> Scheduler:
 
 def add(scheduler: Scheduler, prompt_len: int, first_token: int = 1, **params) -> Sequence:
     """Check and queue a request, as the engine does."""
-    seq = Sequence(list(range(first_token, first_token + prompt_len)), SamplingParams(**params))
+    seq = new_seq(list(range(first_token, first_token + prompt_len)), SamplingParams(**params))
     scheduler.check_fits(seq.num_prompt_tokens, seq.max_tokens)
     scheduler.add(seq)
     return seq
@@ -387,7 +389,7 @@ def _check_ledger(scheduler: Scheduler, kv: list[list]) -> None:
 def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits(monkeypatch, seed, policy):
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
-    monkeypatch.setattr(Sequence, "default_block_size", block_size)
+    monkeypatch.setitem(globals(), "SEQ_BLOCK_SIZE", block_size)
     scheduler = Scheduler(
         num_kvcache_blocks=rng.randint(6, 20), kvcache_block_size=block_size, max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.randint(4, 40), max_model_len=rng.randint(3 * block_size, 64),
@@ -398,7 +400,7 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
         prompt = rng.choice(stems)[:rng.randint(0, 30)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
         params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3,
                                 stop_token_ids=(rng.randrange(1, 50),) if rng.random() < 0.3 else ())
-        seq = Sequence(prompt, params)
+        seq = new_seq(prompt, params)
         try:
             scheduler.check_fits(seq.num_prompt_tokens, seq.max_tokens)
         except ValueError:
@@ -447,7 +449,7 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
     (a small cache) and aborted; every step the fake cache proves each reused token is the right one."""
     rng = random.Random(1000 + seed)
     block_size = rng.choice([4, 8])
-    monkeypatch.setattr(Sequence, "default_block_size", block_size)
+    monkeypatch.setitem(globals(), "SEQ_BLOCK_SIZE", block_size)
     scheduler = Scheduler(
         num_kvcache_blocks=rng.randint(40 // block_size, 96 // block_size), kvcache_block_size=block_size,
         max_num_seqs=rng.randint(2, 8), max_num_batched_tokens=rng.randint(16, 64), max_model_len=40,
@@ -460,7 +462,7 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
         if num_arrivals and rng.random() < 0.5:
             num_arrivals -= 1
             prompt = rng.choice(stems)[:rng.choice(edges)] + [rng.randrange(1, 50) for _ in range(rng.randint(0, 6))]
-            scheduler.add(Sequence(prompt or [1], SamplingParams(max_tokens=rng.randint(1, 12))))
+            scheduler.add(new_seq(prompt or [1], SamplingParams(max_tokens=rng.randint(1, 12))))
         steps += 1
         assert steps < 5_000, "the scheduler stopped making progress"
         batch, _, plan = schedule(scheduler)
@@ -485,7 +487,7 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
 def test_a_request_sharing_what_the_batch_computes_waits_one_step_then_reuses_it(exact):
     scheduler = make_scheduler(exact_prefix_caching=exact)
     shared = list(range(100, 110))  # two whole blocks of 4 and half a block
-    a, b, c = Sequence(shared + [1, 2]), Sequence(shared + [3, 4]), Sequence([50, 51, 52])
+    a, b, c = new_seq(shared + [1, 2]), new_seq(shared + [3, 4]), new_seq([50, 51, 52])
     for seq in (a, b, c):
         scheduler.add(seq)
     batch, _, _ = step(scheduler)
@@ -508,7 +510,7 @@ def test_a_request_with_no_hit_is_overtaken_only_until_it_has_waited_max_wait_st
     cold = add(scheduler, 3, first_token=500, max_tokens=1)  # queued after step 1
     admitted = []
     for i in range(2 * MAX_WAIT_STEPS):
-        scheduler.add(Sequence(cached + [1000 + i], SamplingParams(max_tokens=1)))  # a hit arrives every step
+        scheduler.add(new_seq(cached + [1000 + i], SamplingParams(max_tokens=1)))  # a hit arrives every step
         batch, _, _ = step(scheduler)
         admitted.extend(batch)
     # hits go first while cold is young; once it has waited MAX_WAIT_STEPS nothing overtakes it
@@ -521,7 +523,7 @@ def test_without_exact_prefix_caching_admission_is_first_come_first_served():
     add(scheduler, 20, first_token=100, max_tokens=1)
     step(scheduler)
     cold = add(scheduler, 3, first_token=500, max_tokens=1)
-    scheduler.add(Sequence(list(range(100, 120)) + [7], SamplingParams(max_tokens=1)))
+    scheduler.add(new_seq(list(range(100, 120)) + [7], SamplingParams(max_tokens=1)))
     assert step(scheduler)[0] == [cold]
 
 

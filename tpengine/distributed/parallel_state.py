@@ -126,14 +126,6 @@ def get_tp_group() -> TensorParallelGroup:
     return getattr(_building, "group", None) or SINGLE_RANK
 
 
-def get_tp_rank() -> int:
-    return get_tp_group().rank
-
-
-def get_tp_size() -> int:
-    return get_tp_group().size
-
-
 def pick_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and not one_gpu_test_mode() else "gloo"
 

@@ -13,7 +13,6 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    default_block_size = 256  # the seed's class-wide size; an engine passes its own per sequence
     counter = count()
 
     __slots__ = (
@@ -24,10 +23,10 @@ class Sequence:
         "request", "block_hashes", "arrival_step",
     )
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
-                 block_size: int | None = None, *, index: int = 0, parent: "Sequence | None" = None):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
+                 index: int = 0, parent: "Sequence | None" = None):
         self.seq_id = next(Sequence.counter)
-        self.block_size = block_size or Sequence.default_block_size
+        self.block_size = block_size  # the engine's, per sequence (the seed's class-wide 256 was a global)
         self.status = SequenceStatus.WAITING
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
         self.last_token = token_ids[-1]

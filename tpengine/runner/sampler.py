@@ -82,7 +82,7 @@ class Sampler:
                                 frequency_penalty=0.1, presence_penalty=0.1)
         state = self.generator.get_state()
         try:
-            return self(logits, [Sequence([0, 1], params) for _ in range(logits.size(0))])
+            return self(logits, [Sequence([0, 1], params, block_size=16) for _ in range(logits.size(0))])
         finally:
             self.generator.set_state(state)
 
