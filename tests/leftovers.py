@@ -43,10 +43,21 @@ def live_children() -> list[int]:
     return children
 
 
-def assert_nothing_left(limit_s: float = 10.0, since: set[str] = frozenset()) -> None:
-    """No child process of this one still runs and no new segment of this process exists (waits up to limit_s)."""
+def snapshot() -> tuple[set[str], set[int]]:
+    """This process's segments and live children now: a server or helper a fixture keeps may already run."""
+    return segments(), set(live_children())
+
+
+def assert_nothing_left(since: tuple[set[str], set[int]] = (set(), set()), limit_s: float = 10.0) -> None:
+    """No child process started and no segment created since the snapshot is still there (waits up to limit_s)."""
+    old_segments, old_children = since
+
+    def left() -> tuple[set[str], set[int]]:
+        return segments() - old_segments, set(live_children()) - old_children
+
     deadline = time.monotonic() + limit_s
-    while (live_children() or segments() - set(since)) and time.monotonic() < deadline:
+    while any(left()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not live_children(), f"processes left running: {live_children()}"
-    assert not segments() - set(since), f"segments left: {segments() - set(since)}"
+    new_segments, new_children = left()
+    assert not new_children, f"processes left running: {sorted(new_children)}"
+    assert not new_segments, f"segments left: {sorted(new_segments)}"

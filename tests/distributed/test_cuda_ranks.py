@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tests.leftovers import assert_nothing_left, segments
+from tests.leftovers import assert_nothing_left, snapshot
 from tpengine import LLM, SamplingParams, WorkerFailedError
 from tpengine.distributed.parallel_state import ONE_GPU_TEST_MODE_ENV
 
@@ -24,7 +24,7 @@ def one_gpu_mode(monkeypatch):
 
 
 def _a_killed_decoding_worker_is_an_error_naming_its_rank(model, **engine):
-    before = segments()
+    before = snapshot()
     llm = LLM(model, **engine)
     try:
         for prompt in random_prompts(0, [20] * 3, TP_MODEL["vocab_size"]):
@@ -38,7 +38,7 @@ def _a_killed_decoding_worker_is_an_error_naming_its_rank(model, **engine):
                 llm.step()
     finally:
         llm.shutdown()
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 def test_tp2_on_one_gpu_matches_transformers_with_chunked_prefill_and_prefix_hits(tiny_model, one_gpu_mode):

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tests.leftovers import assert_nothing_left, segments
+from tests.leftovers import assert_nothing_left, snapshot
 from tpengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_an_engine_built_in_a_thread_pool_outlives_the_pool(tiny_model):
 
 
 def test_engines_of_several_sizes_run_side_by_side_in_one_process(tiny_model):
-    before = segments()
+    before = snapshot()
     expected = hf_greedy(tiny_model, _prompts(), GREEDY.max_tokens)
     with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16) as first:
         with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16) as second:
@@ -51,7 +51,7 @@ def test_engines_of_several_sizes_run_side_by_side_in_one_process(tiny_model):
                 assert _tokens(second) == expected
                 assert _tokens(first) == expected
             assert _tokens(first) == expected  # one engine's shutdown leaves the others running
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 def test_a_model_path_may_be_a_pathlib_path(tiny_model):
@@ -85,23 +85,23 @@ def test_a_forked_child_never_tears_down_its_parents_engine(tiny_model):
 def test_a_cpu_without_x86_store_order_uses_the_broadcast_channel(tiny_model, monkeypatch, caplog):
     from tpengine.runner import multiproc_executor
     monkeypatch.setattr(multiproc_executor, "stores_are_ordered", lambda: False)
-    before = segments()
+    before = snapshot()
     with caplog.at_level(logging.WARNING, logger="tpengine"):
         with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16) as llm:
             assert llm.executor.ring is None
             assert _tokens(llm) == hf_greedy(tiny_model, _prompts(), GREEDY.max_tokens)
     warnings = [r.getMessage() for r in caplog.records if "broadcast" in r.getMessage()]
     assert len(warnings) == 1 and "x86 store ordering" in warnings[0]
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_kv_cache_larger_than_memory_is_a_value_error_naming_both_sizes(tiny_model, tp):
-    before = segments()
+    before = snapshot()
     with pytest.raises(ValueError, match=r"num_kvcache_blocks=100000000 needs a KV cache of [\d.]+ GiB per rank, "
                                          r"but [\d.]+ GiB is available"):
         LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, num_kvcache_blocks=10**8)
     with pytest.raises(ValueError, match=r"kvcache_memory_gb=100000 asks for a KV cache of [\d.]+ GiB per rank, "
                                          r"but [\d.]+ GiB is available"):
         LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, kvcache_memory_gb=10**5)
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)

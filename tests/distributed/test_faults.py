@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import TP_MODEL, random_prompts
-from tests.leftovers import assert_nothing_left, is_gone
+from tests.leftovers import assert_nothing_left, is_gone, snapshot
 from tests.leftovers import segments as _segments
 from tpengine import LLM, SamplingParams, WorkerFailedError
 
@@ -146,7 +146,7 @@ model_runner.ModelRunner.execute = execute
 
 def test_a_100_kb_worker_traceback_comes_back_cut_in_the_middle_with_its_cause(tiny_model, worker_fault):
     worker_fault(DEEP_TRACEBACK_WORKER)
-    before = _segments()
+    before = snapshot()
     llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16)
     try:
         llm.add_request([1, 2, 3], LONG)
@@ -158,11 +158,11 @@ def test_a_100_kb_worker_traceback_comes_back_cut_in_the_middle_with_its_cause(t
     assert message.startswith("tensor-parallel worker rank 1 raised an exception:\nTraceback")
     assert "bytes cut]..." in message
     assert message.rstrip().endswith("ValueError: the cause: this step cannot run")
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 def test_a_stopped_worker_fails_the_step_at_the_deadline_naming_its_rank(tiny_model):
-    before = _segments()
+    before = snapshot()
     llm = LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, step_timeout_s=5)
     worker = llm.executor.processes[0]
     try:
@@ -177,11 +177,11 @@ def test_a_stopped_worker_fails_the_step_at_the_deadline_naming_its_rank(tiny_mo
         if worker.poll() is None:
             worker.kill()
     assert worker.returncode == -signal.SIGKILL
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 def test_the_rank_that_died_is_named_not_a_peer_reporting_the_broken_connection(tiny_model):
-    before = _segments()
+    before = snapshot()
     llm = LLM(tiny_model, tensor_parallel_size=4, kvcache_block_size=16)
     try:
         _start_decoding(llm)
@@ -190,7 +190,7 @@ def test_the_rank_that_died_is_named_not_a_peer_reporting_the_broken_connection(
             _step_until_error(llm)
     finally:
         llm.shutdown()
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 def test_sigkill_of_the_whole_process_group_leaves_no_segment(tiny_model):

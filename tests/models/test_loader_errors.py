@@ -6,7 +6,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.leftovers import assert_nothing_left, segments
+from tests.leftovers import assert_nothing_left, snapshot
 from tpengine import LLM
 
 ONE_TENSOR = "model.layers.1.mlp.down_proj.weight"
@@ -24,10 +24,10 @@ def _copy_with_tensors(tiny_model, tmp_path, change) -> str:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_missing_tensor_is_a_value_error_naming_it(tiny_model, tmp_path, tp):
     broken = _copy_with_tensors(tiny_model, tmp_path, lambda t: t.pop(ONE_TENSOR))
-    before = segments()
+    before = snapshot()
     with pytest.raises(ValueError, match=f"lacks weights for.*{ONE_TENSOR}"):
         LLM(broken, tensor_parallel_size=tp, kvcache_block_size=16)
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -37,11 +37,11 @@ def test_a_misshaped_tensor_is_a_value_error_naming_it_and_both_shapes(tiny_mode
         weight = tensors[ONE_TENSOR]
         tensors[ONE_TENSOR] = weight.new_zeros(weight.size(0) + 1, weight.size(1))
     broken = _copy_with_tensors(tiny_model, tmp_path, grow)
-    before = segments()
+    before = snapshot()
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{ONE_TENSOR}'.*shape is \[65, 128\], "
                                          rf"the model expects \[64, 128\]"):
         LLM(broken, tensor_parallel_size=tp, kvcache_block_size=16)
-    assert_nothing_left(since=before)
+    assert_nothing_left(before)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -53,7 +53,7 @@ def test_a_truncated_safetensors_file_is_a_value_error_naming_it(tiny_model, tmp
     weights.write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
         LLM(broken, tensor_parallel_size=tp)
-    assert_nothing_left()
+    assert_nothing_left(before)
 
 
 def test_invalid_json_in_config_is_a_value_error_naming_the_file(tiny_model, tmp_path):
