@@ -46,6 +46,7 @@ def test_a_misshaped_tensor_is_a_value_error_naming_it_and_both_shapes(tiny_mode
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_truncated_safetensors_file_is_a_value_error_naming_it(tiny_model, tmp_path, tp):
+    before = snapshot()
     broken = tmp_path / "truncated"
     shutil.copytree(tiny_model, broken)
     weights = broken / "model.safetensors"
