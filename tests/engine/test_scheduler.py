@@ -565,8 +565,8 @@ def test_a_listed_stop_token_is_the_stop_reason():
 @pytest.mark.parametrize("prompt_len", [9, 8, 1])  # last block partly filled, exactly full, one token
 def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(prompt_len):
     scheduler = make_scheduler()
-    parent = Sequence(list(range(1, prompt_len + 1)), SamplingParams(n=2))
-    child = Sequence(list(range(1, prompt_len + 1)), SamplingParams(n=2), index=1, parent=parent)
+    parent = new_seq(list(range(1, prompt_len + 1)), SamplingParams(n=2))
+    child = new_seq(list(range(1, prompt_len + 1)), SamplingParams(n=2), index=1, parent=parent)
     scheduler.add(parent)
     scheduler.add(child)
     seqs, is_prefill, plan = schedule(scheduler)
@@ -588,8 +588,8 @@ def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(pro
 
 def test_a_child_whose_parent_already_finished_prefills_as_any_request():
     scheduler = make_scheduler()
-    parent = Sequence(list(range(1, 10)), SamplingParams(n=2, max_tokens=1))
-    child = Sequence(list(range(1, 10)), SamplingParams(n=2, max_tokens=1), index=1, parent=parent)
+    parent = new_seq(list(range(1, 10)), SamplingParams(n=2, max_tokens=1))
+    child = new_seq(list(range(1, 10)), SamplingParams(n=2, max_tokens=1), index=1, parent=parent)
     scheduler.add(parent)
     scheduler.add(child)
     step(scheduler)

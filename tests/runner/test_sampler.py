@@ -118,7 +118,7 @@ def test_seeded_draws_are_a_pure_function_of_seed_and_position():
 
 def test_logprobs_only_for_rows_that_asked_with_the_sampled_token_included():
     logits = random_logits(2, seed=6)
-    seqs = [Sequence([1, 2], SamplingParams(temperature=0.0, logprobs=2)), Sequence([1, 2], SamplingParams())]
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.0, logprobs=2), 16), Sequence([1, 2], SamplingParams(), 16)]
     out = _sampler(logits, seqs)
     reference = logits[0].float().log_softmax(-1)
     assert out.logprobs[1] is None
@@ -135,7 +135,7 @@ def test_a_cuda_step_waits_on_the_device_only_for_its_tokens():
               SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05),
               SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
               SamplingParams(temperature=0.7, min_tokens=4, stop_token_ids=[5]), SamplingParams(temperature=1.2)]
-    seqs = [Sequence([1, 2, 3, 4, 5], p) for p in params]
+    seqs = [Sequence([1, 2, 3, 4, 5], p, 16) for p in params]
     for seq in seqs:
         seq.eos_and_stop_token_ids = frozenset([0, *seq.sampling_params.stop_token_ids])
     _sampler(logits, seqs)  # compiles the filters first
