@@ -63,3 +63,10 @@ def test_invalid_json_in_config_is_a_value_error_naming_the_file(tiny_model, tmp
     (broken / "config.json").write_text('{"model_type": "qwen3", ')
     with pytest.raises(ValueError, match=r"config.json is not a valid model config"):
         LLM(broken)
+
+
+def test_a_missing_part_of_a_packed_weight_is_a_value_error_naming_it(tiny_model, tmp_path):
+    # q and v still fill qkv_proj's other rows: without the per-part check the engine would run on garbage
+    broken = _copy_with_tensors(tiny_model, tmp_path, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks weights for.*layers\.0\.self_attn\.qkv_proj\.weight.*'k'"):
+        LLM(broken, kvcache_block_size=16)

@@ -12,6 +12,7 @@ from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
 from tpengine.layers.activation import silu_and_mul
+from tpengine.layers.linear import check_weight_shape
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -81,10 +82,15 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
+        self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int, shard: str) -> None:
         """One expert's gate_proj / up_proj ([intermediate, hidden]) or down_proj ([hidden, intermediate])."""
         size, rank = self.intermediate_per_rank, self.tp_group.rank
+        whole = size * self.tp_group.size
+        hidden = self.w2_weight.size(1)
+        check_weight_shape(loaded_weight, [hidden, whole] if shard == "down" else [whole, hidden])
         if shard == "down":
             param.data[expert].copy_(loaded_weight.narrow(1, rank * size, size))
         else:

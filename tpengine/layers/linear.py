@@ -31,6 +31,13 @@ def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple
         raise ValueError(f"its shape is {list(loaded_weight.shape)}, the model expects {list(expected)}")
 
 
+def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
+    """A packed parameter is filled by several checkpoint tensors, one per weight_loader argument tuple:
+    record them, so the loader can name a part the checkpoint lacks (a missing k_proj, say)."""
+    for param in module.parameters(recurse=False):
+        param.loader_shards = shards
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed_weight: torch.Tensor | None) -> torch.Tensor:
     if packed_weight is None:
@@ -97,6 +104,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        expect_loader_shards(self, [(i,) for i in range(len(output_sizes))])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
         check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
@@ -122,6 +130,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
+        expect_loader_shards(self, [("q",), ("k",), ("v",)])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim

@@ -66,7 +66,14 @@ def load_model(model: nn.Module, path: str | os.PathLike) -> None:
                     getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name), *args)
                 except (ValueError, RuntimeError, IndexError, SafetensorError) as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file} cannot be loaded: {e}") from None
-    loaded = {key[0] for key in chosen}
-    missing = {n for n, p in params.items() if id(p) not in loaded}
+    loaded: dict[int, set[tuple]] = {}
+    for param_id, args in chosen:
+        loaded.setdefault(param_id, set()).add(args)
+    missing = []
+    for name, param in model.named_parameters():  # a tied parameter once, under its first name
+        # a packed parameter (q/k/v, gate/up, stacked experts) needs every one of its parts
+        lacking = [args for args in getattr(param, "loader_shards", [()]) if args not in loaded.get(id(param), ())]
+        if lacking:
+            missing.append(name if lacking == [()] else f"{name} (its parts {lacking[:4]})")
     if missing:
-        raise ValueError(f"checkpoint {path!r} lacks weights for: {sorted(missing)[:5]}")
+        raise ValueError(f"checkpoint {path!r} lacks weights for: {missing[:5]}")
