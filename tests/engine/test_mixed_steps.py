@@ -70,11 +70,12 @@ def test_mixed_steps_with_chunks_prefix_hits_and_preemption_match_transformers(t
     assert any(preempted for _, _, _, preempted in mixed), "no preemption in a mixed step"
 
 
-def test_mixed_steps_match_transformers_at_tp_2(tiny_model):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    arrivals = workload(16)
-    with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16, max_num_batched_tokens=20,
-             num_kvcache_blocks=8) as llm:
+@pytest.mark.parametrize("block_size,budget,num_blocks", [(16, 20, 8), (256, 300, 5)])
+def test_mixed_steps_match_transformers_at_tp_2(tiny_model, block_size, budget, num_blocks):
+    params = SamplingParams(temperature=0.0, max_tokens=block_size // 2 + 4, ignore_eos=True)
+    arrivals = workload(block_size)
+    with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=block_size, max_num_batched_tokens=budget,
+             num_kvcache_blocks=num_blocks) as llm:
         log = StepLog(llm)
         outputs = run_arrivals(llm, arrivals, params)
     assert outputs == hf_greedy(tiny_model, [p for _, p in arrivals], params.max_tokens)

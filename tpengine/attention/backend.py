@@ -27,8 +27,7 @@ class AttentionBackend(ABC):
         """One query per sequence over its paged context."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if k_cache.numel():  # no cache while the engine measures peak memory on a dummy batch
-            self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         if not meta.is_prefill:
             return self.decode(q, k_cache, v_cache, meta, scale)
         n = meta.num_decode_tokens
