@@ -286,7 +286,10 @@ class Scheduler:
                 self.finish(seq, "abort")
                 finished.append(seq)
                 continue
-            seq.append_token(token_id)
+            # Sequence.append_token, inlined: this line runs for every running sequence every step
+            seq.token_ids.append(token_id)
+            seq.last_token = token_id
+            seq.num_tokens += 1
             # add() folded EOS and max_model_len into these two fields.
             if token_id in seq.eos_and_stop_token_ids and seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens:
                 # a stop token the user listed is the reason; EOS has none
