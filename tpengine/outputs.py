@@ -1,23 +1,120 @@
 """What step() and generate() hand back, with vLLM's names: one RequestOutput per request, one
-CompletionOutput per sample of it. Structs: cheap to build every step, and msgspec can encode them."""
+CompletionOutput per sample of it. Cheap to build every step, and msgspec can encode them."""
+import dataclasses
+
 import msgspec
 
 
-class CompletionOutput(msgspec.Struct, kw_only=True):
-    index: int                          # which of the request's n completions
-    text: str | None                    # None when the model folder has no tokenizer
-    token_ids: list[int]
-    finish_reason: str | None           # "stop", "length", "abort"; None while running
-    stop_reason: int | str | None = None    # the stop string or stop token id that ended it; None for EOS/length
-    logprobs: list[dict[int, float]] | None = None  # per token: token id -> log-probability, if asked
-    cumulative_logprob: float | None = None         # sum of the sampled tokens' log-probabilities, if asked
+class CompletionOutput:
+    """One completion so far. A streamed one is built every step, so the engine hands it its
+    sequence's append-only token list (and logprob list) with where this snapshot ends instead of a
+    copy: `token_ids` and `logprobs` are sliced on first read, and always show exactly what was there
+    when the snapshot was taken. Built by hand (CompletionOutput(index=..., token_ids=[...], ...)) it
+    is a plain record."""
+
+    __slots__ = ("index", "text", "_token_ids", "finish_reason", "stop_reason", "_logprobs", "cumulative_logprob",
+                 "_token_source", "_token_start", "_token_end", "_logprob_source", "_logprob_end")
+
+    def __init__(self, *, index: int, text: str | None, token_ids: list[int], finish_reason: str | None,
+                 stop_reason: int | str | None = None, logprobs: list[dict[int, float]] | None = None,
+                 cumulative_logprob: float | None = None):
+        self.index = index                          # which of the request's n completions
+        self.text = text                            # None when the model folder has no tokenizer
+        self._token_ids = token_ids
+        self.finish_reason = finish_reason          # "stop", "length", "abort"; None while running
+        self.stop_reason = stop_reason              # the stop string or stop token id that ended it; None for EOS/length
+        self._logprobs = logprobs                   # per token: token id -> log-probability, if asked
+        self.cumulative_logprob = cumulative_logprob    # sum of the sampled tokens' log-probabilities, if asked
+        self._token_source = self._logprob_source = None
+
+    @classmethod
+    def _snapshot(cls, index: int, text: str | None, token_source: list[int], token_start: int, token_end: int,
+                  finish_reason: str | None, stop_reason: int | str | None,
+                  logprob_source: list | None = None, cumulative_logprob: float | None = None) -> "CompletionOutput":
+        """The engine's constructor: token_ids is token_source[token_start:token_end], logprobs (when
+        logprob_source is given) what logprob_source holds now; both lists are only ever appended to,
+        so slicing them later gives what they held now."""
+        self = cls.__new__(cls)
+        self.index, self.text, self.finish_reason, self.stop_reason = index, text, finish_reason, stop_reason
+        self._token_ids = self._logprobs = None
+        self._token_source, self._token_start, self._token_end = token_source, token_start, token_end
+        self._logprob_source = logprob_source
+        self._logprob_end = 0 if logprob_source is None else len(logprob_source)
+        self.cumulative_logprob = cumulative_logprob
+        return self
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._token_source is not None:
+            self._token_ids = self._token_source[self._token_start:self._token_end]
+            self._token_source = None
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids, self._token_source = value, None
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        if self._logprob_source is not None:
+            self._logprobs = self._logprob_source[:self._logprob_end]
+            self._logprob_source = None
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, value: list[dict[int, float]] | None) -> None:
+        self._logprobs, self._logprob_source = value, None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, name) for name in _COMPLETION_FIELDS)
 
-class RequestOutput(msgspec.Struct, kw_only=True):
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return "CompletionOutput(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in _COMPLETION_FIELDS) + ")"
+
+    def __copy__(self) -> "CompletionOutput":
+        return CompletionOutput(**{name: getattr(self, name) for name in _COMPLETION_FIELDS})
+
+    def __reduce__(self):
+        return _completion_output, self._fields()
+
+
+@dataclasses.dataclass(kw_only=True)
+class _CompletionFields:
+    # The public fields, in order: CompletionOutput lends this dataclass's field table so that
+    # msgspec (and dataclasses.fields / asdict) see a record of exactly these, read by attribute.
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+_COMPLETION_FIELDS = tuple(f.name for f in dataclasses.fields(_CompletionFields))
+CompletionOutput.__dataclass_fields__ = _CompletionFields.__dataclass_fields__
+CompletionOutput.__dataclass_params__ = _CompletionFields.__dataclass_params__
+CompletionOutput.__match_args__ = _COMPLETION_FIELDS
+CompletionOutput.__annotations__ = dict(_CompletionFields.__annotations__)  # for msgspec.decode(type=...)
+
+
+def _completion_output(*fields) -> CompletionOutput:
+    return CompletionOutput(**dict(zip(_COMPLETION_FIELDS, fields)))
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    # gc=False: one is built per streamed request per step; it holds no cycles (its lists hold ids and outputs)
     request_id: int
     prompt: str | list[int] | None
     prompt_token_ids: list[int]

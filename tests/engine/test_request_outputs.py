@@ -109,3 +109,47 @@ def test_engine_seed_makes_unseeded_sampling_repeatable(tiny_model):
             texts[name + "-seeded"] = seeded.token_ids
     assert texts["a"] == texts["b"] and texts["a"] != texts["c"]
     assert texts["a-seeded"] == texts["b-seeded"] == texts["c-seeded"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_output_stays_the_snapshot_of_its_step(llm, n):
+    """Outputs share their sequence's growing token list: one read only after later steps (and after
+    the request ended) still shows exactly the tokens and logprobs of its own step."""
+    import copy
+    import pickle
+
+    import msgspec
+
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=1, n=n)
+    request_id = llm.add_request(random_prompts(3, [11], VOCAB)[0], params)
+    history = [o for outputs in run_steps(llm) for o in outputs if o.request_id == request_id]  # read nothing yet
+    final = history[-1]
+    assert final.finished and all(len(c.token_ids) == 7 for c in final.outputs)
+    # with n > 1 the completions need not get their tokens in the same steps: k counts per completion
+    lengths = [[len(completion.token_ids) for completion in out.outputs] for out in history]
+    for index in range(n):  # each step a completion got a token, its snapshot holds one more
+        assert [step[index] for step in lengths] == sorted(step[index] for step in lengths)
+    if n == 1:
+        assert lengths == [[k] for k in range(1, 8)]
+    for out, ks in zip(history, lengths):
+        for completion, last, k in zip(out.outputs, final.outputs, ks):
+            assert completion.token_ids == last.token_ids[:k]
+            assert completion.logprobs == last.logprobs[:k]
+            assert completion.token_ids == completion.token_ids  # a second read is the same list
+            assert completion == copy.copy(completion) == pickle.loads(pickle.dumps(completion))
+            encoded = msgspec.json.decode(msgspec.json.encode(completion))
+            assert encoded["token_ids"] == last.token_ids[:k] and encoded["index"] == completion.index
+            assert set(encoded) == {"index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs",
+                                    "cumulative_logprob"}
+    assert msgspec.json.decode(msgspec.json.encode(history[0]))["outputs"][0]["token_ids"] == \
+        final.outputs[0].token_ids[:1]
+    assert all(msgspec.json.decode(msgspec.json.encode(out), type=RequestOutput) == out for out in history)
+
+
+def test_a_completion_output_built_by_hand_is_a_plain_record():
+    out = CompletionOutput(index=1, text="ab", token_ids=[3, 4], finish_reason=None)
+    assert (out.token_ids, out.logprobs, out.stop_reason, out.cumulative_logprob, out.finished) == \
+        ([3, 4], None, None, None, False)
+    out.token_ids = [5]
+    assert out.token_ids == [5] and out == CompletionOutput(index=1, text="ab", token_ids=[5], finish_reason=None)
+    assert "token_ids=[5]" in repr(out)

@@ -141,7 +141,10 @@ class IncrementalText:
     def _match_stop(self, old_len: int) -> str | None:
         text = self.text
         tail = text[max(0, old_len - self._longest_stop + 1):]
-        if not any(stop in tail for stop in self.stop):  # the common step: one C search per stop string
+        for stop in self.stop:  # the common step: one C search per stop string, none found
+            if stop in tail:
+                break
+        else:
             return None
         # only a match that ends in the new text is new; the earliest start wins
         best, best_at = None, len(text)

@@ -68,10 +68,15 @@ class Request:
 
     def output(self) -> RequestOutput:
         """Everything so far (cumulative); a running completion's text holds back a possible stop-string start."""
-        completions = [self._completion(seq, text) for seq, text in zip(self.seqs, self.texts)]
+        seqs, completion = self.seqs, self._completion
+        if len(seqs) == 1:  # built per streamed request per step: the common case without a zip
+            completions = [completion(seqs[0], self.texts[0])]
+        else:
+            completions = [completion(seq, text) for seq, text in zip(seqs, self.texts)]
+        num_cached = seqs[0].num_prompt_cached_tokens
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=completions, finished=self.finished,
-                             num_cached_tokens=max(self.seqs[0].num_prompt_cached_tokens, 0))
+                             outputs=completions, finished=self.num_unfinished == 0,
+                             num_cached_tokens=num_cached if num_cached > 0 else 0)
 
     def _completion(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput:
         if text is None:
@@ -79,9 +84,8 @@ class Request:
         else:
             text_so_far = text.visible_text if seq.finish_reason is None else text.text
         if self.logprobs is None:
-            return CompletionOutput(index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
-                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return CompletionOutput(index=seq.index, text=text_so_far, token_ids=seq.token_ids[seq.num_prompt_tokens:],
-                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                logprobs=list(self.logprobs[seq.index]),
-                                cumulative_logprob=self.cumulative_logprobs[seq.index])
+            return CompletionOutput._snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
+                                              seq.finish_reason, seq.stop_reason)
+        return CompletionOutput._snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
+                                          seq.finish_reason, seq.stop_reason, self.logprobs[seq.index],
+                                          self.cumulative_logprobs[seq.index])
