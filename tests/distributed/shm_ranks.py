@@ -69,3 +69,47 @@ def check_sums(rank: int, world_size: int, port: int, names_file: str) -> None:
     small.close()
     large.close()
     dist.destroy_process_group()
+
+
+def check_gathers(rank: int, world_size: int, port: int) -> None:
+    """gather_to_first gives rank 0 every rank's tensor bit for bit (-0.0 and NaN too), at sizes around
+    the slot size, interleaved with all-reduces on the same segment, equal to gloo's gather."""
+    from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    small, _ = connect(rank, world_size, dist.all_reduce, slot_bytes=SMALL_SLOT_BYTES)
+    large, _ = connect(rank, world_size, dist.all_reduce)
+    cases = [(small, numel, dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+             for numel in [0] + SIZES]
+    cases += [(large, numel, torch.float32) for numel in
+              (DEFAULT_SLOT_BYTES // 4 - 1, DEFAULT_SLOT_BYTES // 4, DEFAULT_SLOT_BYTES // 4 + 1,
+               DEFAULT_SLOT_BYTES // 4 * 2 + 5)]
+    for call, (shm, numel, dtype) in enumerate(cases):
+        inputs = [rank_input(r, numel, dtype, call) for r in range(world_size)]
+        for t in inputs:
+            if numel >= 3:
+                t[0], t[1], t[2] = -0.0, float("nan"), float("-inf")
+        mine = inputs[rank].clone()
+        gathered = shm.gather_to_first(mine)
+        assert torch.equal(mine.view(INT_VIEW[dtype]), inputs[rank].view(INT_VIEW[dtype]))  # left alone
+        by_gloo = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
+        dist.gather(mine, by_gloo, dst=0)
+        if rank == 0:
+            assert len(gathered) == world_size
+            for r in range(world_size):
+                assert gathered[r].shape == inputs[r].shape and gathered[r].dtype == dtype
+                assert torch.equal(gathered[r].view(INT_VIEW[dtype]), inputs[r].view(INT_VIEW[dtype])), (r, numel)
+                assert torch.equal(gathered[r].view(INT_VIEW[dtype]), by_gloo[r].view(INT_VIEW[dtype]))
+        else:
+            assert gathered is None
+        if call % 3 == 0:  # the all-reduce and the gather share the slots and the sequence
+            assert_rank_order_sum(shm, 300, torch.float32, call)
+    # a non-contiguous 2-D tensor, as the LM head's logits can be
+    inputs = [rank_input(r, 96, torch.float32, 99).view(8, 12) for r in range(world_size)]
+    gathered = small.gather_to_first(inputs[rank].t())
+    if rank == 0:
+        assert all(torch.equal(g, t.t()) for g, t in zip(gathered, inputs))
+    small.close()
+    large.close()
+    dist.destroy_process_group()

@@ -11,7 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tests.distributed.shm_ranks import check_sums, segments
+from tests.distributed.shm_ranks import check_gathers, check_sums, segments
 from tpengine import LLM, SamplingParams
 from tpengine.distributed.parallel_state import find_free_port
 from tpengine.distributed.shm_ring import PeerDiedError
@@ -30,6 +30,28 @@ def test_every_rank_gets_the_rank_order_sum_bit_for_bit_at_every_size(world_size
     mp.spawn(check_sums, args=(world_size, find_free_port(), str(names_file)), nprocs=world_size)
     names = names_file.read_text().split()
     assert len(names) == 2 and not set(names) & segments()
+
+
+@needs_compiler
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_rank0_gathers_every_ranks_tensor_bit_for_bit_through_the_segment(world_size):
+    before = segments()
+    mp.spawn(check_gathers, args=(world_size, find_free_port()), nprocs=world_size)
+    assert segments() <= before
+
+
+@needs_compiler
+def test_the_engine_gathers_the_lm_head_through_shared_memory(tiny_model):
+    prompts = random_prompts(5, [3, 30], TP_MODEL["vocab_size"])
+    with LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as llm:
+        group = llm.executor.group
+        assert group.shm_all_reduce is not None
+        calls = []
+        gather = group.shm_all_reduce.gather_to_first
+        group.shm_all_reduce.gather_to_first = lambda t: calls.append(t.shape) or gather(t)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert calls  # rank 0's LM head went through the segment
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
 
 
 RANK_SCRIPT = """

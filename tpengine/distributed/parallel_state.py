@@ -70,9 +70,12 @@ class TensorParallelGroup:
         return int(t.item())
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's tensor, in rank order, on rank 0; None on the other ranks."""
+        """Every rank's tensor, in rank order, on rank 0; None on the other ranks: through the all-reduce's
+        shared memory where it can, else the process group."""
         if self.size == 1:
             return [tensor]
+        if self.shm_all_reduce is not None and self.shm_all_reduce.supports_gather(tensor):
+            return self.shm_all_reduce.gather_to_first(tensor)
         options = dist.GatherOptions()
         options.rootRank = 0
         gathered = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []

@@ -7,6 +7,14 @@ spinning and sums every rank's copy in rank order, so every rank gets the same b
 ``t_0 + t_1 + ... + t_{n-1}``; a tensor larger than a slot goes through in pieces. When a wait
 outlasts the op's spin, the wait goes on here, checking that the lagging peers are still alive.
 
+``gather_to_first`` (rank 0 gets every rank's tensor, in rank order) uses the same slots and sequence
+numbers from Python: each piece is a chunk as in the all-reduce (copy into this rank's slot, publish,
+wait until every rank has published), after which rank 0 copies the slots out. Every rank waits for
+every rank on each piece, as in the all-reduce, so the two-slot argument of the C++ op covers both.
+The ready word is published with a plain store after the copy, which orders it after the slot's
+bytes only on a CPU that keeps stores in order (x86: ``ORDERED_STORES``); elsewhere the gather is not
+offered and the group gathers through gloo.
+
 Segment layout, native uint64 words in 64-byte lines::
 
     line 0                magic, world_size, slot_bytes
@@ -16,6 +24,7 @@ Segment layout, native uint64 words in 64-byte lines::
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable
 from multiprocessing import shared_memory, util
 
@@ -33,6 +42,9 @@ _NAME_BYTES = 128
 _MAGIC_WORD, _WORLD_SIZE_WORD, _SLOT_BYTES_WORD = 0, 1, 2
 _READY_SEQ, _PID = 0, 3  # words of a rank's line; 1 and 2 are the C++ op's chunk sizes
 _SPIN_S = 1e-3  # the op's own spin per call; longer waits continue in _wait_for_peers
+_CHUNK_BYTES = 1  # + seq % 2, as in the C++ op
+# stores become visible to other cores in program order (x86-TSO): the Python gather relies on it
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _control_words(world_size: int) -> int:
@@ -112,6 +124,52 @@ class ShmAllReduce:
         self._seq += num_chunks
         if data is not tensor:
             tensor.copy_(data)
+
+    def supports_gather(self, tensor: torch.Tensor) -> bool:
+        return ORDERED_STORES and self.supports(tensor)
+
+    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's tensor, in rank order, on rank 0 (bit for bit); None on the other ranks. Every
+        rank calls it with a tensor of the same size and dtype.
+
+        PeerDiedError when a rank it waits for has died; the segment is then unusable.
+        """
+        if self._broken:
+            raise RuntimeError(f"shm all-reduce {self.name}: an earlier all-reduce failed midway")
+        data = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = data.view(-1).view(torch.uint8)  # bytes: copied, never added, so every bit survives
+        total = flat.numel()
+        num_chunks = max(1, -(-total // self.slot_bytes))
+        outputs = [torch.empty_like(data) for _ in range(self.world_size)] if self.rank == 0 else None
+        out_bytes = [o.view(-1).view(torch.uint8) for o in outputs] if outputs is not None else None
+        words, own_line = self._words, self._line(self.rank)
+        try:
+            for c in range(num_chunks):
+                seq = self._seq + c + 1
+                begin = c * self.slot_bytes
+                n = min(self.slot_bytes, total - begin)
+                if self.rank != 0:  # rank 0 copies its own piece straight from its tensor
+                    self._slots[self.rank, seq % 2, :n].copy_(flat[begin:begin + n])
+                words[own_line + _CHUNK_BYTES + seq % 2] = n
+                words[own_line + _READY_SEQ] = seq  # last: the slot is complete
+                if not self._all_published(seq):
+                    self._wait_for_peers(seq)
+                if self.rank == 0:
+                    for r in range(self.world_size):
+                        if words[self._line(r) + _CHUNK_BYTES + seq % 2] != n:
+                            raise RuntimeError(f"shm gather: rank {r} gathers a tensor of another size than rank 0")
+                    out_bytes[0][begin:begin + n].copy_(flat[begin:begin + n])
+                    for r in range(1, self.world_size):
+                        out_bytes[r][begin:begin + n].copy_(self._slots[r, seq % 2, :n])
+        except BaseException:
+            self._broken = True
+            raise
+        self._seq += num_chunks
+        return outputs
+
+    def _all_published(self, seq: int) -> bool:
+        words = self._words
+        return all(words[self._line(r) + _READY_SEQ] >= seq for r in range(self.world_size))
 
     def _wait_for_peers(self, seq: int) -> None:
         words = self._words
