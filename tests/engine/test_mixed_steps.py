@@ -118,3 +118,21 @@ def test_running_requests_gain_one_token_every_step_while_a_long_prompt_is_chunk
     else:
         assert stalled_steps == chunk_steps == -(-len(long) // 16)
     assert [outputs[i] for i in [*ids, long_id]] == hf_greedy(tiny_model, [*short, long], params.max_tokens)
+
+
+def test_a_plan_keeps_its_token_counts_after_the_step_ran(tiny_model):
+    # the plan is a value: postprocess resets each sequence's num_scheduled_tokens, the plan's counts stay
+    # (generate's progress bar reads them after the step; it showed "prefill 0 tok/s" when they did not)
+    plans = []
+    with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=20) as llm:
+        schedule = llm.scheduler.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            plans.append((plan, len(plan.decode), sum(seq.num_scheduled_tokens for seq in plan.prefill)))
+            return plan
+        llm.scheduler.schedule = recording_schedule
+        llm.generate(random_prompts(31, [30, 7], VOCAB), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert sum(num_prefill for _, _, num_prefill in plans) == 37
+    for plan, num_decode, num_prefill in plans:
+        assert (plan.num_prefill_tokens, plan.num_tokens) == (num_prefill, num_decode + num_prefill)

@@ -13,14 +13,15 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, num_tokens), before the forward
+    # counted when the plan is made: postprocess resets the sequences' num_scheduled_tokens
+    num_prefill_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prefill_tokens = sum(seq.num_scheduled_tokens for seq in self.prefill)
 
     @property
     def seqs(self) -> list[Sequence]:
         return self.decode + self.prefill if self.prefill else self.decode
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(seq.num_scheduled_tokens for seq in self.prefill)
 
     @property
     def num_tokens(self) -> int:
