@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="Qwen3 checkpoint folder (default: bench.py's random-weight CPU shape)")
+    p.add_argument("--model", help="checkpoint folder of a supported family (default: bench.py's random-weight CPU shape)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--rate", type=float, default=3.0, help="mean arrivals per second (default 3)")

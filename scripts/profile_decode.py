@@ -37,7 +37,7 @@ from bench import num_params, write_model  # scripts/ is this script's folder, s
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--model", help="existing Qwen3 checkpoint folder (default: bench.py's random-weight model)")
+    p.add_argument("--model", help="existing checkpoint folder of a supported family (default: bench.py's random-weight model)")
     p.add_argument("--model-dir", help="keep the random-weight model in this folder, and reuse it if it is there")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                    help="default: bfloat16 on cuda, float32 on cpu")
