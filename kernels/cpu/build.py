@@ -35,22 +35,22 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _compile_command(compiler: str, source: str, output: str) -> list[str]:
+def _compile_command(compiler: str, source: str, output: str, extra_flags: tuple[str, ...] = ()) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libs = library_paths()
-    return ([compiler, *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    return ([compiler, *CXX_FLAGS, *extra_flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
             + [f"-I{path}" for path in include_paths()] + [source, "-o", output]
             # torch's own libgomp shares the soname libgomp.so.1: the ops run on torch's OpenMP pool
             + [f"-L{path}" for path in libs] + [f"-Wl,-rpath,{path}" for path in libs]
             + ["-lc10", "-ltorch_cpu", "-ltorch"])
 
 
-def _build(compiler: str, source: str, folder: str, library: str) -> None:
+def _build(compiler: str, source: str, folder: str, library: str, extra_flags: tuple[str, ...]) -> None:
     fd, staging = tempfile.mkstemp(suffix=".so", dir=folder)  # built aside, then renamed into place
     os.close(fd)
     try:
-        result = subprocess.run(_compile_command(compiler, source, staging), capture_output=True, text=True)
+        result = subprocess.run(_compile_command(compiler, source, staging, extra_flags), capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"building {source} failed:\n{result.stderr[-4000:]}")
         os.replace(staging, library)
@@ -59,9 +59,10 @@ def _build(compiler: str, source: str, folder: str, library: str) -> None:
             os.unlink(staging)
 
 
-def build_and_load(source_name: str) -> None:
+def build_and_load(source_name: str, extra_flags: tuple[str, ...] = ()) -> None:
     """Build kernels/cpu/<source_name> if this machine has no build of it yet, then load its ops into
-    torch.ops; RuntimeError saying why not (no compiler, a failed build)."""
+    torch.ops; RuntimeError saying why not (no compiler, a failed build). extra_flags follow CXX_FLAGS
+    on this source's command line (and key its build)."""
     from tpengine.cache import cache_dir
 
     compiler = compiler_name()
@@ -71,7 +72,7 @@ def build_and_load(source_name: str) -> None:
     with open(source, "rb") as f:
         text = f.read()
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), compiler.encode(),
-                                     " ".join(CXX_FLAGS).encode(), _cpu_features().encode()])).hexdigest()[:16]
+                                     " ".join(CXX_FLAGS + list(extra_flags)).encode(), _cpu_features().encode()])).hexdigest()[:16]
     folder = cache_dir("kernels")
     library = os.path.join(folder, f"cpu_{os.path.splitext(source_name)[0]}-{key}.so")
     if not os.path.exists(library):
@@ -80,5 +81,5 @@ def build_and_load(source_name: str) -> None:
         with open(library + ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(library):
-                _build(compiler, source, folder, library)
+                _build(compiler, source, folder, library, extra_flags)
     torch.ops.load_library(library)

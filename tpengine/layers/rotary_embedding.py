@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from tpengine.kernels.cpu import fused_ops
 from tpengine.layers.compile import compiled_on_cuda
 from tpengine.models.config import RopeParameters
 
@@ -124,7 +125,18 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated by each token's position;
+        given q_norm and k_norm (RMSNorms over head_dim, Qwen3's), each head is normed first. On the CPU
+        one C++ op does it all in place, in q and k (views of the fresh q/k/v projection)."""
+        if (fused_ops.usable(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64
+                and self.cos_sin_cache.dtype == torch.float32 and (q_norm is None or q_norm.eps == k_norm.eps)):
+            return fused_ops.qk_norm_rotary_(q, k, None if q_norm is None else q_norm.weight,
+                                             None if k_norm is None else k_norm.weight,
+                                             0.0 if q_norm is None else q_norm.eps, positions, self.cos_sin_cache)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return apply_rotary(positions, q, k, self.cos_sin_cache)
 
 

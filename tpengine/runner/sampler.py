@@ -3,6 +3,7 @@
 Per step the host sends the device only small tensors, each by one pinned non-blocking copy (the
 random numbers included: they are drawn on the host), and waits on the device once, for the result.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -59,19 +60,25 @@ class Sampler:
         raw_logprobs = raw[_to_device(logprob_rows, torch.int64, device)].log_softmax(-1) if logprob_rows else None
         logits = self._penalized(raw, seqs, params)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        token_ids = logits.argmax(dim=-1)
-        # NaN anywhere in a row makes argmax pick it; an all -inf row picks -inf: neither is a token
-        valid = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).isfinite()
-        if random_rows:
-            rows = _to_device(random_rows, torch.int64, device)
-            picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows])
-            token_ids.index_copy_(0, rows, picked)
-            valid.index_copy_(0, rows, picked_valid)
-        token_ids = torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
+        if not random_rows:
+            token_ids = _greedy(logits)
+        else:
+            token_ids = self._sample(logits, seqs, random_rows)
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         if logprob_rows:
             self._gather_logprobs(raw_logprobs, logprob_rows, params, token_ids, logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, seqs, random_rows: list[int]) -> list[int]:
+        """Greedy rows by argmax, the random rows drawn; -1 where a row has no finite distribution."""
+        values, token_ids = logits.max(dim=-1)  # the first of equal maxima, as argmax
+        # NaN anywhere in a row makes the max NaN; an all -inf row's is -inf: neither is a token
+        valid = values.isfinite()
+        rows = _to_device(random_rows, torch.int64, logits.device)
+        picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows])
+        token_ids.index_copy_(0, rows, picked)
+        valid.index_copy_(0, rows, picked_valid)
+        return torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
 
     def warm_up(self, logits: torch.Tensor) -> SamplerOutput:
         """Sample every row of logits with every option on: the most memory one step's sampling takes
@@ -175,6 +182,15 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_ps = _to_device([p.min_p for p in params], torch.float32, device)
         return filtered_probs(logits, temperatures, top_ks, top_ps, min_ps)
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as argmax), -1 where the maximum is not finite (NaN
+    anywhere in the row, or every logit -inf). One max over the rows: the greedy step's whole sampling."""
+    values, token_ids = logits.max(dim=-1)
+    if logits.device.type != "cpu":  # one wait on the device
+        return torch.where(values.isfinite(), token_ids, -1).tolist()
+    return [token if math.isfinite(value) else -1 for token, value in zip(token_ids.tolist(), values.tolist())]
 
 
 @compiled_on_cuda
