@@ -24,6 +24,8 @@ $(STAMP): setup.cfg pyproject.toml
 	@# the CPU kernels are compiled on first use; build them now so the first run does not wait
 	$(BIN)/python -c "from tpengine.kernels.cpu.paged_decode_attention import load; load()" \
 		|| echo "could not build the CPU attention kernel: the CPU will use the slower torch backend"
+	$(BIN)/python -c "from tpengine.kernels.cpu.fused_ops import load; load()" \
+		|| echo "could not build the fused CPU ops: the CPU layers will run their torch code"
 	$(BIN)/python -c "from tpengine.kernels.cpu.shm_allreduce import load; load()" \
 		|| echo "could not build the CPU all-reduce kernel: CPU ranks on one host will all-reduce through gloo"
 	touch $(STAMP)

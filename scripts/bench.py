@@ -132,13 +132,14 @@ def make_workload(args, vocab_size: int):
     return prompts, output_lens
 
 
-def write_model(device: str, folder: str) -> str:
-    """The device's default random-weight model in folder: written there unless an earlier run did."""
+def write_model(device: str, folder: str, shape: dict | None = None) -> str:
+    """A random-weight Qwen3 of `shape` (default: the device's) in folder: written there unless an earlier
+    run did."""
     from tpengine.tiny_model import write_tiny_model
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     started = time.perf_counter()
-    shape = QWEN3_0_6B if device == "cuda" else CPU_MODEL
+    shape = shape or (QWEN3_0_6B if device == "cuda" else CPU_MODEL)
     write_tiny_model(folder, seed=0, with_tokenizer=False, **shape)
     print(f"wrote a random-weight Qwen3 to {folder} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return folder

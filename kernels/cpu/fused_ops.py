@@ -41,20 +41,25 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in DTYPES and available()
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dimension] (a view where it can be)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.size(-1))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * rms_normed(x) over the last dimension, into a new tensor."""
-    rows = x.reshape(-1, x.size(-1))
-    out = torch.empty(rows.shape, dtype=x.dtype)
     load()
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype)
     torch.ops.tpengine_fused.rms_norm(out, rows, weight, eps)
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """residual += x, then x = weight * rms_normed(residual): both in place; returns (x, residual)."""
     load()
-    torch.ops.tpengine_fused.add_rms_norm_(x.view(-1, x.size(-1)), residual.view(-1, x.size(-1)), weight, eps)
+    torch.ops.tpengine_fused.add_rms_norm_(_rows(x), _rows(residual), weight, eps)
     return x, residual
 
 
@@ -69,11 +74,11 @@ def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | N
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension."""
-    rows = x.reshape(-1, x.size(-1))
-    out = torch.empty(rows.size(0), rows.size(1) // 2, dtype=x.dtype)
     load()
+    rows = _rows(x)
+    out = torch.empty(rows.size(0), rows.size(1) // 2, dtype=x.dtype)
     torch.ops.tpengine_fused.silu_and_mul(out, rows)
-    return out.view(*x.shape[:-1], out.size(1))
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.size(1))
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -122,3 +122,18 @@ def test_store_kvcache_rejects_a_slot_outside_the_cache():
     cache = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="slot 8 of token 0 is outside the cache's 8 slots"):
         fused_ops.store_kvcache(k, v, cache, cache.clone(), torch.tensor([8]))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch fallback"])
+def test_greedy_tokens_match_transformers_with_and_without_the_fused_ops(tiny_model, monkeypatch, fused):
+    """The layers take the fused ops where they are built, their torch code where not: both give
+    transformers' tokens (Qwen3: q/k norm, rotary, residual norms, SiLU, the KV store all on the path)."""
+    from tests.conftest import hf_greedy, random_prompts
+    from tpengine import LLM, SamplingParams
+
+    if not fused:
+        monkeypatch.setattr(fused_ops, "usable", lambda x: False)
+    prompts = random_prompts(3, [1, 17, 90], 1003)
+    with LLM(tiny_model, attention_backend="cpu", kvcache_block_size=16) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [out.token_ids for out in outputs] == hf_greedy(tiny_model, prompts, 8)
