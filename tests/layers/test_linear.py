@@ -1,4 +1,5 @@
-"""Linear layers on the CPU run on oneDNN-packed weights: same products as F.linear, plain weights freed."""
+"""Linear layers on the CPU run on oneDNN-packed weights (float32, and bfloat16 / float16 where the CPU computes
+them): same products as F.linear, plain weights freed."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +8,7 @@ from tests.conftest import relative_error
 from tpengine.layers.embed_head import ParallelLMHead
 from tpengine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
                                     prepack_weight_for_cpu)
+from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 
 # skipped on the platform, never on the function under test: broken packing must fail these tests
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -52,9 +54,28 @@ def test_lm_head_packs_but_keeps_the_weight_a_tied_embedding_shares():
     assert relative_error(head(x), x @ weight.T) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
-def test_no_packing_outside_float32_so_those_dtypes_keep_f_linear(dtype):
-    assert prepack_weight_for_cpu(torch.zeros(4, 4, dtype=dtype)) is None
-    layer = ColumnParallelLinear(8, 4).to(dtype)
+def test_no_packing_for_float64_so_it_keeps_f_linear():
+    assert prepack_weight_for_cpu(torch.zeros(4, 4, dtype=torch.float64)) is None
+    layer = ColumnParallelLinear(8, 4).to(torch.float64)
     layer.prepack_for_cpu()
     assert layer.packed_weight is None and layer.weight.numel() == 32
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_half_weights_pack_where_the_cpu_computes_them_and_match_f_linear(dtype, rows):
+    if resolve_cpu_dtype(dtype, log=False) != dtype:
+        pytest.skip(f"this CPU runs {dtype} models in float32")
+    torch.manual_seed(rows)
+    layer = ColumnParallelLinear(96, 200, bias=True).to(dtype)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    x = torch.randn(rows, 96, dtype=dtype)
+    layer.prepack_for_cpu()
+    assert layer.packed_weight is not None and layer.weight.numel() == 0
+    out = layer(x)
+    assert out.dtype == dtype
+    # both accumulate in float32 and round once to the half dtype
+    assert relative_error(out, F.linear(x.float(), weight.float(), bias.float())) < 1e-2

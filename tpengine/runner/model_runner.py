@@ -11,6 +11,7 @@ from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
+from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.sampler import Sampler
 
@@ -23,10 +24,10 @@ CPU_MAX_NUM_BATCHED_TOKENS = 2048
 CUDA_MAX_NUM_BATCHED_TOKENS = 16384
 
 
-def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, hf_config, log: bool = True) -> torch.dtype:
+    if device.type == "cpu":  # a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)
+        return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
     if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
         checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(torch, checkpoint_dtype)
@@ -68,7 +69,7 @@ class ModelRunner:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
         self.max_num_batched_tokens = config.max_num_batched_tokens or (
             CPU_MAX_NUM_BATCHED_TOKENS if self.device.type == "cpu" else CUDA_MAX_NUM_BATCHED_TOKENS)
-        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config, log=rank == 0)
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions and window
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:

@@ -1,0 +1,116 @@
+"""Decode speed on the CPU by dtype: float32 against bfloat16 and float16 weights, in one run.
+
+One engine per dtype, all in this process. For each batch size, rounds alternate between the dtypes:
+each round adds `batch` requests (random prompts of --context-len tokens, ignore_eos), runs their
+prefill, then times --steps decode steps with llm.step(); a dtype's figure is its best round's median
+step. Alternating rounds keep a shared machine's load from favouring one dtype. Prints what each engine
+actually runs in: a half dtype this CPU cannot compute fast runs as float32 (one log line says why).
+
+    python scripts/bench_cpu_dtype.py                                   # the random Qwen3 below, batches 1 4 16
+    python scripts/bench_cpu_dtype.py --model PATH --batch-sizes 1 --rounds 5
+"""
+import argparse
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from bench import load_average  # scripts/ is this script's folder, so it is on sys.path
+
+# llama.cpp's anchor model in docs/benchmarks.md: a random Qwen3 with an untied 8192-token head
+ANCHOR_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
+                    tie_word_embeddings=False, initializer_range=0.02)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint folder (default: a random Qwen3 of the llama.cpp anchor's shape)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"],
+                   choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--context-len", type=int, default=208, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per dtype and batch size, alternating")
+    args = p.parse_args(argv)
+    if min(*args.batch_sizes, args.context_len, args.steps, args.rounds) < 1:
+        p.error("sizes and counts must be >= 1")
+    return args
+
+
+def decode_round(llm, batch: int, context_len: int, steps: int, rng: random.Random) -> float:
+    """Median ms of one decode step (a step with no prompt tokens in it) of `batch` sequences."""
+    from tpengine import SamplingParams
+
+    vocab = llm.executor.runner.hf_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params, stream=False)
+    executor, prefills = llm.executor, []
+    execute = executor.execute
+    executor.execute = lambda plan: prefills.append(bool(plan.prefill)) or execute(plan)
+    times = []
+    try:
+        while llm.has_unfinished_requests():
+            started = time.perf_counter()
+            llm.step()
+            if not prefills[-1]:
+                times.append((time.perf_counter() - started) * 1e3)
+    finally:
+        del executor.execute  # the instance attribute goes, the class's method is back
+    return statistics.median(times)
+
+
+def run(args, model: str) -> list[str]:
+    from tpengine import LLM
+
+    max_len = args.context_len + args.steps + 4
+    engines = {d: LLM(model, device="cpu", dtype=d, max_num_seqs=max(args.batch_sizes), max_model_len=max_len,
+                      kvcache_memory_gb=0.25) for d in args.dtypes}
+    try:
+        runs_in = {d: str(llm.executor.runner.dtype).removeprefix("torch.") for d, llm in engines.items()}
+        rng = random.Random(0)
+        best = {}
+        for batch in args.batch_sizes:
+            for d, llm in engines.items():  # warm-up: a round's shapes once per engine
+                decode_round(llm, batch, args.context_len, 4, rng)
+            for _ in range(args.rounds):
+                for d, llm in engines.items():
+                    ms = decode_round(llm, batch, args.context_len, args.steps, rng)
+                    best[d, batch] = min(best.get((d, batch), ms), ms)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    base = args.dtypes[0]
+    lines = ["| batch | " + " | ".join(f"{d} (runs in {runs_in[d]}): tok/s, ms/step, vs {base}" for d in args.dtypes)
+             + " |", "|---:|" + "---:|" * len(args.dtypes)]
+    for b in args.batch_sizes:
+        cells = [f"{b / best[d, b] * 1e3:,.0f}, {best[d, b]:.2f}, {best[base, b] / best[d, b]:.2f}x"
+                 for d in args.dtypes]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"load average before: {load_average()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    with tempfile.TemporaryDirectory(prefix="tpengine-dtype-") as tmp:
+        model = args.model
+        if model is None:
+            from tpengine.tiny_model import write_tiny_model
+            model = write_tiny_model(os.path.join(tmp, "model"), seed=0, with_tokenizer=False, **ANCHOR_MODEL)
+        lines = run(args, model)
+    print(f"context {args.context_len}, best of {args.rounds} rounds of {args.steps} decode steps (median step)")
+    print("\n".join(lines))
+    print(f"load average after: {load_average()}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
