@@ -91,7 +91,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA")
+                        help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
+                             "dtype the CPU has no instructions for runs as float32")
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
