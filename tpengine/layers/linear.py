@@ -1,29 +1,41 @@
 """Linear layers that shard across the tensor-parallel group; each parameter loads its own shard."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
+from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 
 
 # oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
 PREPACK_ROWS_HINT = 64
-
 
 # dtypes oneDNN multiplies on packed weights; a half dtype reaches a CPU model only where the CPU has
 # the instructions for it (tpengine/runner/cpu_dtype.py), else the model runs in float32
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked copy of an [out, in] weight on the CPU, or None where there is none.
+class Bf16Blocks(NamedTuple):
+    """A bfloat16 weight packed for tpengine's AVX512-BF16 linear (kernels/cpu/bf16_linear.cpp)."""
+    blocks: torch.Tensor
+    out_features: int
 
-    Without it each matmul repacks the weight first: at decode batch sizes that repacking costs as
-    much as the product, and the packed copy runs about 2-3.5x faster (docs/benchmarks.md). In bfloat16
-    it also picks oneDNN's AVX512-BF16 kernels, ~2x faster than F.linear's at batch 1.
+
+def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | Bf16Blocks | None:
+    """A packed copy of an [out, in] weight on the CPU that linear() multiplies faster, or None.
+
+    bfloat16 on a CPU with AVX512-BF16: blocks for tpengine's kernel, ~2-3x oneDNN's speed at decode
+    batch sizes (no per-call dispatch) and on par with it for a prefill. Otherwise oneDNN's blocked copy:
+    without it each matmul repacks the weight first, at decode batch sizes as costly as the product; the
+    packed copy runs about 2-3.5x faster (docs/benchmarks.md).
     """
-    if (weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available()
-            or not hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return None
+    if weight.dtype == torch.bfloat16 and weight.size(1) % 2 == 0 and bf16_kernel.available():
+        return Bf16Blocks(bf16_kernel.pack_weight(weight.detach()), weight.size(0))
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
@@ -45,9 +57,11 @@ def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | None) -> torch.Tensor:
+           packed_weight: torch.Tensor | Bf16Blocks | None) -> torch.Tensor:
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if type(packed_weight) is Bf16Blocks:
+        return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 

@@ -1,0 +1,53 @@
+"""The AVX512-BF16 linear: float32-accumulated products of bfloat16 rows against a block-packed weight, rounded
+once, for any number of rows, output features that fill no whole block, bias or none, and strided inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import relative_error
+from tpengine.kernels.cpu.bf16_linear import available, bf16_linear, pack_weight, unpack_weight
+
+pytestmark = pytest.mark.skipif(not available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler)")
+
+
+def reference(x, weight, bias):
+    """The exact product in float32, rounded once to bfloat16: what the kernel computes up to summation order."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("out_features, in_features", [(64, 32), (200, 96), (1003, 64), (40, 30)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_float32_product_rounded_once(rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    out = bf16_linear(x, pack_weight(weight), out_features, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    assert relative_error(out, reference(x, weight, bias)) < 1e-2  # bfloat16 keeps 8 bits: one rounding
+
+
+def test_packing_round_trips_and_pads_the_last_block_with_zeros():
+    weight = torch.randn(100, 48).bfloat16()
+    packed = pack_weight(weight)
+    assert packed.shape == (2, 24, 64, 2)
+    assert torch.equal(unpack_weight(packed, 100), weight)
+    assert not packed.permute(0, 2, 1, 3).reshape(128, 48)[100:].any()
+
+
+def test_takes_strided_and_batched_inputs():
+    weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70).bfloat16()
+    wide = torch.randn(3, 4, 81).bfloat16()
+    x = wide[..., 1:41]  # rows start at odd offsets: not the 4-byte pairs the kernel reads
+    out = bf16_linear(x, pack_weight(weight), 70, bias)
+    assert out.shape == (3, 4, 70)
+    assert relative_error(out, reference(x, weight, bias)) < 1e-2
+
+
+def test_a_packed_weight_of_another_shape_is_refused():
+    packed = pack_weight(torch.randn(100, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="out_features"):
+        bf16_linear(torch.randn(1, 48).bfloat16(), packed, 300)
+    with pytest.raises(RuntimeError, match="in-features"):
+        bf16_linear(torch.randn(1, 50).bfloat16(), packed, 100)
