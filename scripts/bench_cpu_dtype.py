@@ -8,6 +8,7 @@ actually runs in: a half dtype this CPU cannot compute fast runs as float32 (one
 
     python scripts/bench_cpu_dtype.py                                   # the random Qwen3 below, batches 1 4 16
     python scripts/bench_cpu_dtype.py --model PATH --batch-sizes 1 --rounds 5
+    python scripts/bench_cpu_dtype.py --dtypes float32 --batch-sizes 1 16 --float16-forms
 """
 import argparse
 import logging
@@ -37,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--context-len", type=int, default=208, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds per dtype and batch size, alternating")
+    p.add_argument("--float16-forms", action="store_true",
+                   help="also time the forms a float16 linear could take on this CPU (what the fallback chose)")
     args = p.parse_args(argv)
     if min(*args.batch_sizes, args.context_len, args.steps, args.rounds) < 1:
         p.error("sizes and counts must be >= 1")
@@ -96,6 +99,37 @@ def run(args, model: str) -> list[str]:
     return lines
 
 
+def float16_forms(batch_sizes: list[int], out_features: int = 2048, in_features: int = 512,
+                  repeats: int = 200) -> list[str]:
+    """us per call of one [out, in] linear in the forms a float16 model could run in on this CPU."""
+    import torch.nn.functional as F
+
+    from tpengine.layers.linear import linear, prepack_weight_for_cpu
+
+    weight = torch.randn(out_features, in_features)
+    half = weight.half()
+    packed = prepack_weight_for_cpu(weight)
+    lines = [f"float16 linear forms, [{out_features}, {in_features}] weight, us per call (best of 5):", "",
+             "| rows | float32 weights converted at load (the fallback) | float16 weights, torch's float16 matmul "
+             "| float16 weights upcast per call |", "|---:|---:|---:|---:|"]
+    for rows in batch_sizes:
+        x = torch.randn(rows, in_features)
+        forms = [lambda: linear(x, weight, None, packed), lambda: F.linear(x.half(), half),
+                 lambda: F.linear(x, half.float())]
+        cells = []
+        for form in forms:
+            form()
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                for _ in range(repeats):
+                    form()
+                best = min(best, (time.perf_counter() - started) / repeats * 1e6)
+            cells.append(f"{best:,.1f}")
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -109,6 +143,8 @@ def main(argv=None) -> None:
         lines = run(args, model)
     print(f"context {args.context_len}, best of {args.rounds} rounds of {args.steps} decode steps (median step)")
     print("\n".join(lines))
+    if args.float16_forms:
+        print("\n".join(["", *float16_forms(args.batch_sizes)]))
     print(f"load average after: {load_average()}")
 
 
