@@ -4,6 +4,8 @@ and end to end, scripts/bench.py's tpengine run at tp=2 against tp=1; each pair 
 Latency: --tp rank processes (one torch thread each) join one gloo group and one shared-memory
 all-reduce; for every size, rounds alternate --iters back-to-back float32 all-reduces through each;
 rank 0 reports the median microseconds per call (every call is a full synchronisation of the ranks).
+Then the same for the LM head's gather to rank 0 (--gather-bytes per rank, default a 64-row step of a
+4,096-column vocabulary slice).
 
 End to end (--end-to-end): scripts/bench.py's workload and model (defaults: 64 sequences of the CPU
 bench model, sampling at temperature 0.6), tpengine alone, timed at tp=1 and at tp=2 alternately
@@ -35,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=2, help="ranks for the latency runs (default 2)")
     p.add_argument("--sizes", type=int, nargs="+", default=[128 << 10, 19 << 20],
                    help="tensor sizes in bytes (default: 128 KB, a decode step's; 19 MB, a long prefill's)")
+    p.add_argument("--gather-bytes", type=int, default=1 << 20, help="per rank, for the gather (default 1 MB)")
     p.add_argument("--iters", type=int, default=200, help="all-reduces per round and size (fewer for big sizes)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--slot-bytes", type=int, default=DEFAULT_SLOT_BYTES)
@@ -52,21 +55,28 @@ def time_calls(all_reduce, tensor: torch.Tensor, iters: int) -> list[float]:
     return times
 
 
+def gloo_gather(tensor: torch.Tensor) -> None:
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(tensor, gathered, dst=0)
+
+
 def latency_rank(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.tp)
     shm, line = connect(rank, args.tp, dist.all_reduce, slot_bytes=args.slot_bytes)
     assert shm is not None, line
-    for size in args.sizes:
+    cases = [("all-reduce", size, shm.all_reduce, dist.all_reduce) for size in args.sizes]
+    cases.append(("gather to rank 0", args.gather_bytes, shm.gather_to_first, gloo_gather))
+    for what, size, through_shm, through_gloo in cases:
         tensor = torch.randn(size // 4)
         iters = max(5, min(args.iters, args.iters * (1 << 20) // size))
         times = {"shm": [], "gloo": []}
         for _ in range(args.rounds):
-            for name, all_reduce in (("shm", shm.all_reduce), ("gloo", dist.all_reduce)):
-                time_calls(all_reduce, tensor, 3)  # warm
-                times[name] += time_calls(all_reduce, tensor, iters)
+            for name, call in (("shm", through_shm), ("gloo", through_gloo)):
+                time_calls(call, tensor, 3)  # warm
+                times[name] += time_calls(call, tensor, iters)
         if rank == 0:
-            results.append((size, statistics.median(times["shm"]), statistics.median(times["gloo"])))
+            results.append((what, size, statistics.median(times["shm"]), statistics.median(times["gloo"])))
     shm.close()
     dist.destroy_process_group()
 
@@ -104,12 +114,12 @@ def main(argv=None) -> None:
     load_before = bench.load_average()
     print(f"machine: {bench.machine_line('cpu', torch.get_num_threads())}")
     print(f"revision {bench.git_revision()}; load average before {load_before}")
-    print(f"\nall-reduce latency, {args.tp} ranks, float32, slot {args.slot_bytes >> 10} KB, median µs per call:\n")
-    print("| size | shared memory | gloo | speed-up |")
-    print("|---:|---:|---:|---:|")
-    for size, shm, gloo in measure_latency(args):
+    print(f"\nlatency, {args.tp} ranks, float32, slot {args.slot_bytes >> 10} KB, median µs per call:\n")
+    print("| collective | size per rank | shared memory | gloo | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for what, size, shm, gloo in measure_latency(args):
         label = f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB" if size >= 1 << 10 else f"{size} B"
-        print(f"| {label} | {shm * 1e6:,.1f} | {gloo * 1e6:,.1f} | {gloo / shm:.1f}x |")
+        print(f"| {what} | {label} | {shm * 1e6:,.1f} | {gloo * 1e6:,.1f} | {gloo / shm:.1f}x |")
     if args.end_to_end:
         rates, useful = measure_end_to_end(args.repeat)
         print(f"\nend to end, scripts/bench.py --skip-hf workload ({useful} output tokens), best of {args.repeat}:\n")

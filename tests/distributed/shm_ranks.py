@@ -113,3 +113,34 @@ def check_gathers(rank: int, world_size: int, port: int) -> None:
     small.close()
     large.close()
     dist.destroy_process_group()
+
+
+def check_wakes(rank: int, world_size: int, port: int, late_s: float) -> None:
+    """With no spinning and a futex wait longer than the test allows, every all-reduce and gather
+    whose last rank arrives late_s after the others still completes, bit for bit: the waiting ranks
+    were asleep and the last rank's publish woke them. Each rank in turn is the late one."""
+    import time
+
+    from tpengine.distributed import shm_all_reduce
+    from tpengine.distributed.shm_all_reduce import connect
+
+    torch.set_num_threads(1)
+    shm_all_reduce._WAIT_SLICE_S = 600.0  # a lost wake-up would hang past the test's limit
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    shm, _ = connect(rank, world_size, dist.all_reduce, slot_bytes=SMALL_SLOT_BYTES)
+    shm.spin_s = 0.0  # every waiting rank goes straight to sleep
+    for call in range(world_size):
+        late = call % world_size
+        if rank == late:
+            time.sleep(late_s)
+        assert_rank_order_sum(shm, 100, torch.float32, call)  # two chunks: a wait on each
+        if rank == late:
+            time.sleep(late_s)
+        inputs = [rank_input(r, 100, torch.float32, call) for r in range(world_size)]
+        gathered = shm.gather_to_first(inputs[rank])
+        if rank == 0:
+            assert all(torch.equal(g, t) for g, t in zip(gathered, inputs))
+    dist.barrier()
+    assert shm._words[shm_all_reduce.SLEEPERS_WORD] == 0  # no rank is still counted as asleep
+    shm.close()
+    dist.destroy_process_group()

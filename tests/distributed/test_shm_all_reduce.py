@@ -11,7 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tests.distributed.shm_ranks import check_gathers, check_sums, segments
+from tests.distributed.shm_ranks import check_gathers, check_sums, check_wakes, segments
 from tpengine import LLM, SamplingParams
 from tpengine.distributed.parallel_state import find_free_port
 from tpengine.distributed.shm_ring import PeerDiedError
@@ -38,6 +38,18 @@ def test_rank0_gathers_every_ranks_tensor_bit_for_bit_through_the_segment(world_
     before = segments()
     mp.spawn(check_gathers, args=(world_size, find_free_port()), nprocs=world_size)
     assert segments() <= before
+
+
+@needs_compiler
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_asleep_in_a_wait_are_woken_by_the_last_rank_to_arrive(world_size):
+    ranks = mp.spawn(check_wakes, args=(world_size, find_free_port(), 0.3), nprocs=world_size, join=False)
+    deadline = time.monotonic() + 120  # the ranks' futex waits are 600 s: only a wake-up ends them sooner
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("a rank asleep in an all-reduce or gather was not woken when the last rank arrived")
 
 
 @needs_compiler

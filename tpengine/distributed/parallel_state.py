@@ -74,7 +74,7 @@ class TensorParallelGroup:
         shared memory where it can, else the process group."""
         if self.size == 1:
             return [tensor]
-        if self.shm_all_reduce is not None and self.shm_all_reduce.supports_gather(tensor):
+        if self.shm_all_reduce is not None and self.shm_all_reduce.supports(tensor):
             return self.shm_all_reduce.gather_to_first(tensor)
         options = dist.GatherOptions()
         options.rootRank = 0

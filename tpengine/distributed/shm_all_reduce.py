@@ -2,49 +2,47 @@
 
 Rank 0 creates the segment, every other rank maps it, and rank 0 unlinks its name as soon as all have
 (``connect``): from then on no way the processes end can leave it in /dev/shm. The C++ op
-(kernels/cpu/shm_allreduce.cpp) copies this rank's tensor in, waits for the peers with bounded
-spinning and sums every rank's copy in rank order, so every rank gets the same bits, equal to
-``t_0 + t_1 + ... + t_{n-1}``; a tensor larger than a slot goes through in pieces. When a wait
-outlasts the op's spin, the wait goes on here, checking that the lagging peers are still alive.
+(kernels/cpu/shm_allreduce.cpp) copies this rank's tensor in, waits for the peers and sums every
+rank's copy in rank order, so every rank gets the same bits, equal to ``t_0 + t_1 + ... + t_{n-1}``;
+a tensor larger than a slot goes through in pieces.
 
-``gather_to_first`` (rank 0 gets every rank's tensor, in rank order) uses the same slots and sequence
-numbers from Python: each piece is a chunk as in the all-reduce (copy into this rank's slot, publish,
-wait until every rank has published), after which rank 0 copies the slots out. Every rank waits for
-every rank on each piece, as in the all-reduce, so the two-slot argument of the C++ op covers both.
-The ready word is published with a plain store after the copy, which orders it after the slot's
-bytes only on a CPU that keeps stores in order (x86: ``ORDERED_STORES``); elsewhere the gather is not
-offered and the group gathers through gloo.
+``gather_to_first`` (rank 0 gets every rank's tensor, in rank order) is a C++ op on the same slots and
+sequence numbers: each piece is a chunk as in the all-reduce, after which rank 0 copies the slots out.
+
+A wait spins for ``spin_s`` (pausing the core; yielding it when the ranks outnumber the cores this
+process may run on), then sleeps on a futex in the segment that a publishing rank wakes, in slices of
+``_WAIT_SLICE_S`` after each of which the op returns and this side checks that the peers it waits for
+are alive before it resumes the wait.
 
 Segment layout, native uint64 words in 64-byte lines::
 
-    line 0                magic, world_size, slot_bytes
+    line 0                magic, world_size, slot_bytes, wake (futex: low 32 bits), sleepers
     line 1 + r            rank r: ready_seq, chunk_bytes (two: by seq parity), pid
     control_bytes + ...   rank r's two slots of slot_bytes each, rank after rank
 """
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Callable
 from multiprocessing import shared_memory, util
 
 import torch
 
-from tpengine.distributed.shm_ring import (PeerDiedError, _attach_untracked, _pid_alive, _segment_name,
-                                           _wait_until)
+from tpengine.distributed.shm_ring import PeerDiedError, _attach_untracked, _pid_alive, _segment_name
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_SLOT_BYTES = 1 << 20  # a decode step's tensor fits whole; a prefill pass's goes in a few pieces
 
-_MAGIC = int.from_bytes(b"tpeallr1", "little")  # also versions the layout
+_MAGIC = int.from_bytes(b"tpeallr2", "little")  # also versions the layout
 _LINE_WORDS = 8
 _NAME_BYTES = 128
 _MAGIC_WORD, _WORLD_SIZE_WORD, _SLOT_BYTES_WORD = 0, 1, 2
+SLEEPERS_WORD = 4  # line 0: ranks asleep in the C++ op's futex wait (word 3 is the futex)
 _READY_SEQ, _PID = 0, 3  # words of a rank's line; 1 and 2 are the C++ op's chunk sizes
-_SPIN_S = 1e-3  # the op's own spin per call; longer waits continue in _wait_for_peers
-_CHUNK_BYTES = 1  # + seq % 2, as in the C++ op
-# stores become visible to other cores in program order (x86-TSO): the Python gather relies on it
-ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# spinning before a wait sleeps: past the waits between ranks inside a step, since a futex wake-up
+# on a core another process holds can take a scheduler slice (milliseconds)
+DEFAULT_SPIN_S = 2e-3
+_WAIT_SLICE_S = 0.05  # the longest an op sleeps before this side checks that the peers are alive
 
 
 def _control_words(world_size: int) -> int:
@@ -58,7 +56,8 @@ def _segment_bytes(world_size: int, slot_bytes: int) -> int:
 class ShmAllReduce:
     """This rank's end of the segment: rank 0 creates it (``name=None``), the others attach by name."""
 
-    def __init__(self, rank: int, world_size: int, name: str | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES):
+    def __init__(self, rank: int, world_size: int, name: str | None = None, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 spin_s: float = DEFAULT_SPIN_S):
         from tpengine.kernels.cpu.shm_allreduce import load
         load()
         if world_size < 2 or not 0 <= rank < world_size:
@@ -70,7 +69,11 @@ class ShmAllReduce:
         self._seq = 0  # chunks reduced so far; the same count on every rank
         self._broken = False
         self._aborted = False
-        self._op = torch.ops.tpengine_shm.all_reduce
+        self._all_reduce_op = torch.ops.tpengine_shm.all_reduce
+        self._gather_op = torch.ops.tpengine_shm.gather
+        self.spin_s = spin_s
+        # more ranks than cores to run them: a spinning rank would hold up the one it waits for
+        self._yield_cpu = world_size > len(os.sched_getaffinity(0))
         self._segment: shared_memory.SharedMemory | None = None
         if name is None:
             self._segment = shared_memory.SharedMemory(_segment_name(), create=True,
@@ -107,26 +110,15 @@ class ShmAllReduce:
 
         PeerDiedError when a rank it waits for has died; the all-reduce is then unusable.
         """
-        if self._broken:
-            raise RuntimeError(f"shm all-reduce {self.name}: an earlier all-reduce failed midway")
         data = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = data.view(-1)
         chunk_elements = self.slot_bytes // flat.element_size()
-        num_chunks = -(-flat.numel() // chunk_elements)
-        try:
-            done = self._op(flat, self._control, self._slots, self.rank, self._seq, 0, False, _SPIN_S)
-            while done < num_chunks:
-                self._wait_for_peers(self._seq + done + 1)
-                done = self._op(flat, self._control, self._slots, self.rank, self._seq, done, True, _SPIN_S)
-        except BaseException:
-            self._broken = True  # the ranks' chunk counts may now disagree
-            raise
-        self._seq += num_chunks
+        op, control, slots, rank, first_seq = self._all_reduce_op, self._control, self._slots, self.rank, self._seq
+        self._run(lambda start, resumed, spin_s: op(flat, control, slots, rank, first_seq, start, resumed, spin_s,
+                                                    _WAIT_SLICE_S, self._yield_cpu),
+                  -(-flat.numel() // chunk_elements))
         if data is not tensor:
             tensor.copy_(data)
-
-    def supports_gather(self, tensor: torch.Tensor) -> bool:
-        return ORDERED_STORES and self.supports(tensor)
 
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's tensor, in rank order, on rank 0 (bit for bit); None on the other ranks. Every
@@ -134,59 +126,43 @@ class ShmAllReduce:
 
         PeerDiedError when a rank it waits for has died; the segment is then unusable.
         """
-        if self._broken:
-            raise RuntimeError(f"shm all-reduce {self.name}: an earlier all-reduce failed midway")
         data = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = data.view(-1).view(torch.uint8)  # bytes: copied, never added, so every bit survives
-        total = flat.numel()
-        num_chunks = max(1, -(-total // self.slot_bytes))
-        outputs = [torch.empty_like(data) for _ in range(self.world_size)] if self.rank == 0 else None
-        out_bytes = [o.view(-1).view(torch.uint8) for o in outputs] if outputs is not None else None
-        words, own_line = self._words, self._line(self.rank)
+        out = (torch.empty((self.world_size, *data.shape), dtype=data.dtype) if self.rank == 0
+               else torch.empty(0, dtype=data.dtype))
+        out_bytes = out.view(-1).view(torch.uint8)
+        op, control, slots, rank, first_seq = self._gather_op, self._control, self._slots, self.rank, self._seq
+        self._run(lambda start, resumed, spin_s: op(flat, out_bytes, control, slots, rank, first_seq, start, resumed,
+                                                    spin_s, _WAIT_SLICE_S, self._yield_cpu),
+                  max(1, -(-flat.numel() // self.slot_bytes)))
+        return list(out.unbind(0)) if self.rank == 0 else None
+
+    def _run(self, op: Callable[[int, bool, float], int], num_chunks: int) -> None:
+        """Drive op (start chunk, whether this rank already published it, spin seconds -> chunks done)
+        until all num_chunks are done, checking the peers whenever it returns early."""
+        if self._broken:
+            raise RuntimeError(f"shm all-reduce {self.name}: an earlier all-reduce failed midway")
         try:
-            for c in range(num_chunks):
-                seq = self._seq + c + 1
-                begin = c * self.slot_bytes
-                n = min(self.slot_bytes, total - begin)
-                if self.rank != 0:  # rank 0 copies its own piece straight from its tensor
-                    self._slots[self.rank, seq % 2, :n].copy_(flat[begin:begin + n])
-                words[own_line + _CHUNK_BYTES + seq % 2] = n
-                words[own_line + _READY_SEQ] = seq  # last: the slot is complete
-                if not self._all_published(seq):
-                    self._wait_for_peers(seq)
-                if self.rank == 0:
-                    for r in range(self.world_size):
-                        if words[self._line(r) + _CHUNK_BYTES + seq % 2] != n:
-                            raise RuntimeError(f"shm gather: rank {r} gathers a tensor of another size than rank 0")
-                    out_bytes[0][begin:begin + n].copy_(flat[begin:begin + n])
-                    for r in range(1, self.world_size):
-                        out_bytes[r][begin:begin + n].copy_(self._slots[r, seq % 2, :n])
+            done = op(0, False, self.spin_s)
+            while done < num_chunks:
+                self._check_peers(self._seq + done + 1)
+                done = op(done, True, 0.0)
         except BaseException:
-            self._broken = True
+            self._broken = True  # the ranks' chunk counts may now disagree
             raise
         self._seq += num_chunks
-        return outputs
 
-    def _all_published(self, seq: int) -> bool:
+    def _check_peers(self, seq: int) -> None:
+        """Raise if the wait for seq cannot end: this side was aborted, or a rank that has not published
+        it is dead."""
         words = self._words
-        return all(words[self._line(r) + _READY_SEQ] >= seq for r in range(self.world_size))
-
-    def _wait_for_peers(self, seq: int) -> None:
-        words = self._words
-
-        def lagging() -> list[int]:
-            return [r for r in range(self.world_size) if words[self._line(r) + _READY_SEQ] < seq]
-
-        def check_peers() -> None:
-            if self._aborted:
-                raise RuntimeError(f"shm all-reduce {self.name} was aborted while waiting for ranks {lagging()}")
-            for rank in lagging():
-                pid = words[self._line(rank) + _PID]
-                if not _pid_alive(pid):
-                    raise PeerDiedError(f"tensor-parallel rank {rank} (pid {pid}) died during an all-reduce")
-
-        _wait_until(lambda: not lagging(), None, check_peers,
-                    lambda: f"ranks {lagging()} in all-reduce {self.name}")
+        lagging = [r for r in range(self.world_size) if words[self._line(r) + _READY_SEQ] < seq]
+        if self._aborted:
+            raise RuntimeError(f"shm all-reduce {self.name} was aborted while waiting for ranks {lagging}")
+        for rank in lagging:
+            pid = words[self._line(rank) + _PID]
+            if not _pid_alive(pid):
+                raise PeerDiedError(f"tensor-parallel rank {rank} (pid {pid}) died during an all-reduce")
 
     def abort(self) -> None:
         """From another thread: make a wait for the peers raise within a peer check; the mapping stays

@@ -39,6 +39,8 @@ from multiprocessing import shared_memory, util
 
 import _posixshmem
 
+from tpengine.distributed import futex
+
 __all__ = ["PeerDiedError", "ShmRingReader", "ShmRingWriter", "stores_are_ordered"]
 
 _TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
@@ -148,8 +150,10 @@ def _wait_until(
     deadline: float | None,
     check_peers: Callable[[], None],
     describe_wait: Callable[[], str],
+    block: Callable[[float], None] | None = None,
 ) -> None:
-    """Spin briefly, then poll with growing sleeps until ``ready()``.
+    """Spin briefly, then sleep until ``ready()``: in ``block(timeout_s)`` (a futex wait that the
+    other side wakes) where given, else polling with growing sleeps.
 
     ``check_peers`` runs every ``_PEER_CHECK_INTERVAL_S`` and raises when the other
     side can no longer make progress; ``TimeoutError`` is raised at ``deadline``.
@@ -174,6 +178,10 @@ def _wait_until(
         if deadline is not None:
             if now >= deadline:
                 raise TimeoutError(f"timed out waiting for {describe_wait()}")
+        if block is not None:
+            block(min(next_peer_check, deadline or next_peer_check) - now)
+            continue
+        if deadline is not None:
             sleep_s = min(sleep_s, deadline - now)
         time.sleep(sleep_s)
         sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
@@ -237,6 +245,7 @@ class ShmRingWriter:
         )
         self._buf = self._segment.buf
         self._words = self._buf[: layout.control_bytes].cast("Q")
+        self._base_address = futex.address_of(self._buf) if futex.available() else None
         # Runs on close(), garbage collection, interpreter exit and multiprocessing-child exit
         # (fork/forkserver children skip atexit); never in a forked copy of this process.
         self._linked = [True]
@@ -304,6 +313,8 @@ class ShmRingWriter:
         meta = self._slot_words[slot]
         self._words[meta + _MESSAGE_LEN] = total
         self._words[meta + _SEQ] = index + 1  # published last: the bytes above are complete
+        if self._base_address is not None:  # readers past their spin sleep on this word
+            futex.wake(self._base_address + 8 * (meta + _SEQ))
         self._chunks_written = index + 1
 
     def _wait_for_space(self, index: int, deadline: float | None) -> None:
@@ -405,6 +416,7 @@ class ShmRingReader:
         self._slot_starts = [layout.slot_data(s) for s in range(layout.num_slots)]
         # Resumes where an earlier attach under this index stopped.
         self._read_count = self._words[self._line + _READ_COUNT]
+        self._base_address = futex.address_of(self._mmap) if futex.available() else None
         self._partial: bytearray | None = None  # a multi-slot message being assembled
         self._partial_filled = 0
 
@@ -471,11 +483,16 @@ class ShmRingReader:
         seq_word = self._slot_words[slot] + _SEQ
         expected = self._read_count + 1
         if self._words[seq_word] != expected:
+            block = None
+            if self._base_address is not None:  # the writer wakes this word when it publishes
+                address = self._base_address + 8 * seq_word
+                block = lambda timeout_s: futex.wait(address, self._words[seq_word], timeout_s)  # noqa: E731
             _wait_until(
                 lambda: self._words[seq_word] == expected,
                 deadline,
                 self._raise_if_writer_gone,
                 lambda: f"message chunk {expected} of shm ring {self._name}",
+                block,
             )
         return slot
 
