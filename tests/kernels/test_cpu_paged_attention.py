@@ -19,6 +19,9 @@ pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here
         (16, 96, 8, 2, [40, 3, 100], torch.float32, 1e-5),
         (256, 128, 4, 1, [300, 9], torch.bfloat16, 2e-2),
         (16, 128, 4, 1, [40, 3], torch.float16, 2e-3),
+        # one sequence: its KV heads are the work items; bfloat16 widened 16 at a time, and head_dim 48 not
+        (16, 64, 8, 4, [70], torch.bfloat16, 2e-2),
+        (16, 48, 8, 4, [70], torch.bfloat16, 2e-2),
     ],
 )
 def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, check_decode):
