@@ -9,6 +9,7 @@ actually runs in: a half dtype this CPU cannot compute fast runs as float32 (one
     python scripts/bench_cpu_dtype.py                                   # the random Qwen3 below, batches 1 4 16
     python scripts/bench_cpu_dtype.py --model PATH --batch-sizes 1 --rounds 5
     python scripts/bench_cpu_dtype.py --dtypes float32 --batch-sizes 1 16 --float16-forms
+    python scripts/bench_cpu_dtype.py --batch-sizes 1 --agreement 32   # bfloat16 greedy tokens vs transformers'
 """
 import argparse
 import logging
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     p.add_argument("--context-len", type=int, default=208, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds per dtype and batch size, alternating")
+    p.add_argument("--agreement", type=int, default=0, metavar="N",
+                   help="also compare bfloat16's greedy tokens with transformers' (bfloat16 and float32) on N prompts")
+    p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt for --agreement")
     p.add_argument("--float16-forms", action="store_true",
                    help="also time the forms a float16 linear could take on this CPU (what the fallback chose)")
     args = p.parse_args(argv)
@@ -130,6 +134,41 @@ def float16_forms(batch_sizes: list[int], out_features: int = 2048, in_features:
     return lines
 
 
+def agreement(model: str, num_prompts: int, max_tokens: int, context_len: int) -> list[str]:
+    """How far tpengine's bfloat16 greedy tokens follow transformers' in bfloat16 (and in float32, the oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    from tpengine import LLM, SamplingParams
+
+    rng = random.Random(1)
+    with LLM(model, device="cpu", dtype="bfloat16", max_model_len=context_len + max_tokens + 1,
+             kvcache_memory_gb=0.25) as llm:
+        vocab = llm.executor.runner.hf_config.vocab_size
+        prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, context_len))] for _ in range(num_prompts)]
+        ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                          ignore_eos=True), use_tqdm=False)]
+
+    def greedy(dtype):
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+        with torch.inference_mode():
+            return [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                                eos_token_id=None, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+                    [0, len(p):].tolist() for p in prompts]
+
+    def summary(a, b) -> str:
+        parts = [next((i for i, (x, y) in enumerate(zip(x_, y_)) if x != y), None) for x_, y_ in zip(a, b)]
+        split = sorted(d for d in parts if d is not None)
+        return (f"{parts.count(None)}/{len(parts)} prompts match all {max_tokens} tokens; first divergence at "
+                + (", ".join(map(str, split)) if split else "-"))
+
+    hf_bf16, hf_f32 = greedy(torch.bfloat16), greedy(torch.float32)
+    return [f"greedy agreement, {num_prompts} random prompts of 1-{context_len} tokens, {max_tokens} tokens each:",
+            "", "| compared | agreement |", "|---|---|",
+            f"| tpengine bfloat16 vs transformers bfloat16 | {summary(ours, hf_bf16)} |",
+            f"| tpengine bfloat16 vs transformers float32 | {summary(ours, hf_f32)} |",
+            f"| transformers bfloat16 vs transformers float32 | {summary(hf_bf16, hf_f32)} |"]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -141,6 +180,8 @@ def main(argv=None) -> None:
             from tpengine.tiny_model import write_tiny_model
             model = write_tiny_model(os.path.join(tmp, "model"), seed=0, with_tokenizer=False, **ANCHOR_MODEL)
         lines = run(args, model)
+        if args.agreement:
+            lines += ["", *agreement(model, args.agreement, args.agreement_tokens, args.context_len)]
     print(f"context {args.context_len}, best of {args.rounds} rounds of {args.steps} decode steps (median step)")
     print("\n".join(lines))
     if args.float16_forms:

@@ -5,6 +5,7 @@
 2. Linear layers: matmuls on oneDNN-packed weights against F.linear, for the projections of the
    bench.py CPU model (hidden 512, 8 layers, intermediate 1536, vocab 16384). All 8 layers' weights
    are cycled, as in a forward pass, so they come from memory rather than a warm cache.
+   The same in bfloat16: oneDNN-packed against tpengine's AVX512-BF16 kernel (kernels/cpu/bf16_linear.cpp).
 3. Sampling one token per row: the inverse-CDF draw the sampler uses against the exponential
    race (argmax of p / E, one Exp(1) draw per vocabulary entry) it used before.
 4. Rotary, eager: the CPU form (each half written in place into one output) against the form CUDA
@@ -12,6 +13,7 @@
    bench model's shape (8 heads, 4 KV heads of 64) at --rows tokens.
 
     .venv/bin/python scripts/bench_cpu_kernels.py
+    .venv/bin/python scripts/bench_cpu_kernels.py --sections bf16-linears --rows 1 4 16 2048
 """
 import argparse
 import random
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
-from tpengine.layers.linear import linear, prepack_weight_for_cpu
+from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
 
 
@@ -95,6 +97,33 @@ def linears(args) -> None:
               f"{head_plain:.2f} | {head_fast:.2f} |")
 
 
+def bf16_linears(args) -> None:
+    print("\n## bfloat16 linears: the same layers and LM head, float32 packed (oneDNN), bfloat16 packed by "
+          "oneDNN, bfloat16 on tpengine's AVX512-BF16 kernel; ms per forward\n")
+    hidden, intermediate, vocab = 512, 1536, 16384
+    shapes = [(1024, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate), (vocab, hidden)]
+    weights = [torch.randn(out, inp) * 0.02 for _ in range(8) for out, inp in shapes[:4]] + [torch.randn(vocab, hidden)]
+    halves = [w.bfloat16() for w in weights]
+    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
+             "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
+             "bfloat16 tpengine": (halves, [prepack_weight_for_cpu(w) for w in halves])}
+    if not isinstance(forms["bfloat16 tpengine"][1][0], Bf16Blocks):
+        print("this CPU has no AVX512-BF16 (or no compiler): nothing to compare")
+        return
+    print("| rows | " + " | ".join(f"{name} ms" for name in forms) + " | tpengine vs oneDNN bfloat16 |\n"
+          "|---:|" + "---:|" * (len(forms) + 1))
+    for rows in args.rows:
+        inputs = {(dtype, k): torch.randn(rows, k, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
+                  for k in (hidden, intermediate)}
+
+        def forward(ws, ps):
+            for w, p in zip(ws, ps):
+                linear(inputs[w.dtype, w.size(1)], w, None, p)
+
+        times = [best_ms(lambda: forward(*form), max(1, 200 // rows)) for form in forms.values()]
+        print(f"| {rows} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {times[1] / times[2]:.2f}x |")
+
+
 def sampling(args) -> None:
     print(f"\n## Sampling one token per row: {args.batch} rows x {args.vocab} vocabulary, temperature 0.6\n")
     probs = (torch.randn(args.batch, args.vocab) * 3 / 0.6).softmax(dim=-1)
@@ -127,6 +156,10 @@ def rotary(args) -> None:
         print(f"| {rows} | {in_place_ms:.3f} | {cuda_ms:.3f} | {cuda_ms / in_place_ms:.2f}x |")
 
 
+SECTIONS = {"attention": decode_attention, "linears": linears, "bf16-linears": bf16_linears, "sampling": sampling,
+            "rotary": rotary}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
@@ -134,12 +167,11 @@ def main():
     p.add_argument("--max-context", type=int, default=384)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 2048])
     p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    decode_attention(args)
-    linears(args)
-    sampling(args)
-    rotary(args)
+    for name in args.sections:
+        SECTIONS[name](args)
 
 
 if __name__ == "__main__":
