@@ -30,11 +30,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK_OUT, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """pack_weight's inverse: the [out, in] weight."""
-    return packed.permute(0, 2, 1, 3).reshape(-1, 2 * packed.size(1))[:out_features]
-
-
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ bias) from pack_weight(W), accumulated in float32; needs available()."""

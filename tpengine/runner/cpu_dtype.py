@@ -1,5 +1,6 @@
 """Half precision on the CPU: bfloat16 / float16 run as asked where the CPU has the instructions for fast
-kernels (oneDNN's bf16/fp16 matmuls); elsewhere the model runs in float32, and one log line says why.
+kernels (tpengine's AVX512-BF16 linear, oneDNN's bf16/fp16 matmuls); elsewhere the model runs in float32,
+and one log line says why.
 
 Without the instructions a half-precision matmul converts every weight on every call: measured on an
 AVX-512 CPU without avx512_fp16, float16 weights ran a batch-1 linear ~7x slower upcast per matmul and
