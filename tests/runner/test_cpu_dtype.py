@@ -72,8 +72,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @bf16_natively
-def test_bfloat16_runs_on_packed_bf16_weights_and_agrees_with_transformers_in_bfloat16(tiny_model):
-    with LLM(tiny_model, dtype="bfloat16", kvcache_block_size=16) as llm:
+@pytest.mark.parametrize("tp", [1, 2])  # tp 2: sharded packed weights, bfloat16 partial sums all-reduced
+def test_bfloat16_runs_on_packed_bf16_weights_and_agrees_with_transformers_in_bfloat16(tiny_model, tp):
+    with LLM(tiny_model, dtype="bfloat16", kvcache_block_size=16, tensor_parallel_size=tp) as llm:
         runner = llm.executor.runner
         assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
         packed = [m for m in runner.model.modules() if getattr(m, "packed_weight", None) is not None]
