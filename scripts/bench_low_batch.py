@@ -128,8 +128,10 @@ def batched_bench_seconds(llm, rng, batch: int, context_len: int) -> float:
     prompts = random_prompts(rng, batch, context_len, llm.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=BATCHED_BENCH_OUTPUT + 1, ignore_eos=True)
     started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - started
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    assert all(len(out.token_ids) == params.max_tokens for out in outputs), "tpengine wrote other lengths than asked"
+    return elapsed
 
 
 # --- breakdown ------------------------------------------------------------------------------------
