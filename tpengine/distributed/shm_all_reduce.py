@@ -39,9 +39,9 @@ _NAME_BYTES = 128
 _MAGIC_WORD, _WORLD_SIZE_WORD, _SLOT_BYTES_WORD = 0, 1, 2
 SLEEPERS_WORD = 4  # line 0: ranks asleep in the C++ op's futex wait (word 3 is the futex)
 _READY_SEQ, _PID = 0, 3  # words of a rank's line; 1 and 2 are the C++ op's chunk sizes
-# spinning before a wait sleeps: past the waits between ranks inside a step, since a futex wake-up
-# on a core another process holds can take a scheduler slice (milliseconds)
-DEFAULT_SPIN_S = 2e-3
+# spinning before a wait sleeps: enough for ranks that run in step; longer spins hold a core that the
+# awaited rank may need when other processes crowd the cores (2 ms: tp=2 at half the speed under load)
+DEFAULT_SPIN_S = 200e-6
 _WAIT_SLICE_S = 0.05  # the longest an op sleeps before this side checks that the peers are alive
 
 
