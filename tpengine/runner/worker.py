@@ -6,6 +6,9 @@ import sys
 import threading
 import traceback
 
+if __name__ == "__main__":  # spawned by rank 0: ignore Ctrl-C before the slow imports below (rank 0 stops every rank)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 import torch.distributed as dist
 
 from tpengine.config import EngineConfig
