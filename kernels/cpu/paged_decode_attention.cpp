@@ -96,33 +96,39 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     }
   }
 
-  // One work item per (sequence, KV head): at batch 1 the heads still spread over the threads. Its group of
-  // query heads shares every K/V row it loads, so each row is read once per step.
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), acc(group * head_dim), scores, inv_sum(group);
+  // A work item is one sequence's run of KV heads: a whole sequence when there are sequences enough for
+  // every thread (a token's K/V rows of all its heads lie side by side, read front to back once), else the
+  // heads split so one sequence still spreads over the threads. Each head's math is the same either way.
+  const int64_t splits = std::min<int64_t>(num_kv_heads, (at::get_num_threads() + batch - 1) / batch);
+  const int64_t kv_per_item = (num_kv_heads + splits - 1) / splits;
+  const int64_t items_per_seq = (num_kv_heads + kv_per_item - 1) / kv_per_item;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(kv_per_item * group * head_dim), acc(kv_per_item * group * head_dim), scores;
+    std::vector<float> inv_sum(kv_per_item * group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq = item / items_per_seq, kv_first = (item % items_per_seq) * kv_per_item;
+      const int64_t heads = (std::min(num_kv_heads, kv_first + kv_per_item) - kv_first) * group;  // query heads
       const int64_t context_len = lens[seq];
-      scalar_t* o_first = o_ptr + seq * o_seq + kv_head * group * o_head;  // this group's first head
+      scalar_t* o_first = o_ptr + seq * o_seq + kv_first * group * o_head;  // this item's first query head
       if (context_len == 0) {  // a padding row: nothing to attend to
-        for (int64_t h = 0; h < group; ++h) std::fill(o_first + h * o_head, o_first + h * o_head + head_dim, scalar_t(0));
+        for (int64_t h = 0; h < heads; ++h) std::fill(o_first + h * o_head, o_first + h * o_head + head_dim, scalar_t(0));
         continue;
       }
-      for (int64_t h = 0; h < group; ++h) {
-        const scalar_t* src = q_ptr + seq * q_seq + (kv_head * group + h) * q_head;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* src = q_ptr + seq * q_seq + (kv_first * group + h) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      // scores[h * context_len + t]: the group's query head h against token t
-      scores.resize(group * context_len);
+      // scores[h * context_len + t]: the item's query head h against token t; it reads KV head h / group
+      scores.resize(heads * context_len);
       const int32_t* table = tables + seq * max_blocks;
       for (int64_t start = 0; start < context_len; start += block_size) {
         const int64_t n = std::min(block_size, context_len - start);
-        const scalar_t* keys = k_ptr + table[start / block_size] * k_block + kv_head * k_head;
+        const scalar_t* keys = k_ptr + table[start / block_size] * k_block + kv_first * k_head;
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t h = 0; h < group; ++h)
-            scores[h * context_len + start + t] = dot(&query[h * head_dim], keys + t * k_row, head_dim);
+          for (int64_t h = 0; h < heads; ++h)
+            scores[h * context_len + start + t] = dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
       }
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         float* s = &scores[h * context_len];
         const float peak = *std::max_element(s, s + context_len);
         float sum = 0.f;
@@ -132,12 +138,13 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < context_len; start += block_size) {
         const int64_t n = std::min(block_size, context_len - start);
-        const scalar_t* values = v_ptr + table[start / block_size] * v_block + kv_head * v_head;
+        const scalar_t* values = v_ptr + table[start / block_size] * v_block + kv_first * v_head;
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t h = 0; h < group; ++h)
-            add_scaled(&acc[h * head_dim], values + t * v_row, scores[h * context_len + start + t], head_dim);
+          for (int64_t h = 0; h < heads; ++h)
+            add_scaled(&acc[h * head_dim], values + t * v_row + (h / group) * v_head,
+                       scores[h * context_len + start + t], head_dim);
       }
-      for (int64_t h = 0; h < group; ++h) {
+      for (int64_t h = 0; h < heads; ++h) {
         scalar_t* o = o_first + h * o_head;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
       }
