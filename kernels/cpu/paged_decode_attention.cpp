@@ -96,12 +96,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     }
   }
 
-  // A work item is one sequence's run of KV heads: a whole sequence when there are sequences enough for
-  // every thread (a token's K/V rows of all its heads lie side by side, read front to back once), else the
-  // heads split so one sequence still spreads over the threads. Each head's math is the same either way.
-  const int64_t splits = std::min<int64_t>(num_kv_heads, (at::get_num_threads() + batch - 1) / batch);
-  const int64_t kv_per_item = (num_kv_heads + splits - 1) / splits;
-  const int64_t items_per_seq = (num_kv_heads + kv_per_item - 1) / kv_per_item;
+  // One work item per sequence: a token's K/V rows of all its heads lie side by side, read front to back
+  // once. Splitting a sequence's heads over the threads was faster alone but about 2x slower inside the
+  // engine's decode step at batch 1 (contexts 208 to 3,000, docs/benchmarks.md), so it is not done.
+  const int64_t kv_per_item = num_kv_heads, items_per_seq = 1;
   at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(kv_per_item * group * head_dim), acc(kv_per_item * group * head_dim), scores;
     std::vector<float> inv_sum(kv_per_item * group);
