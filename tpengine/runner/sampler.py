@@ -71,6 +71,9 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs, random_rows: list[int]) -> list[int]:
         """Greedy rows by argmax, the random rows drawn; -1 where a row has no finite distribution."""
+        if len(random_rows) == len(seqs):  # no greedy row: no max over the vocabulary, no copy of the rows
+            picked, picked_valid = self._draw(logits, seqs)
+            return torch.where(picked_valid, picked, -1).tolist()  # the step's one wait on the device
         values, token_ids = logits.max(dim=-1)  # the first of equal maxima, as argmax
         # NaN anywhere in a row makes the max NaN; an all -inf row's is -inf: neither is a token
         valid = values.isfinite()
