@@ -5,7 +5,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels.cpu.build import build_and_load, has_compiler
+from tpengine.kernels.cpu.build import build_and_load, cpu_flags, has_compiler
 
 BLOCK_OUT = 64  # output features per packed block (bf16_linear.cpp)
 
@@ -13,7 +13,6 @@ BLOCK_OUT = 64  # output features per packed block (bf16_linear.cpp)
 @functools.cache
 def available() -> bool:
     """Whether this CPU has AVX512-BF16 (the op's instructions) and the op builds and loads here."""
-    from tpengine.runner.cpu_dtype import cpu_flags
     if not {"avx512_bf16", "avx512bw"} <= cpu_flags() or not has_compiler():
         return False
     try:

@@ -5,6 +5,7 @@ tpengine's cache folder. Built for the host CPU (-march=native), so a build is k
 feature flags as well as by the source, the torch version and the compiler.
 """
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -27,12 +28,21 @@ def has_compiler() -> bool:
     return shutil.which(compiler_name()) is not None
 
 
-def _cpu_features() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (x86 "flags", aarch64 "Features"); empty without /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), platform.processor())
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return platform.processor()
+        pass
+    return frozenset()
+
+
+def _cpu_features() -> str:
+    return " ".join(sorted(cpu_flags())) or platform.processor()
 
 
 def _compile_command(compiler: str, source: str, output: str, extra_flags: tuple[str, ...] = ()) -> list[str]:

@@ -96,37 +96,34 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     }
   }
 
-  // One work item per sequence: a token's K/V rows of all its heads lie side by side, read front to back
-  // once. Splitting a sequence's heads over the threads was faster alone but about 2x slower inside the
-  // engine's decode step at batch 1 (contexts 208 to 3,000, docs/benchmarks.md), so it is not done.
-  const int64_t kv_per_item = num_kv_heads, items_per_seq = 1;
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(kv_per_item * group * head_dim), acc(kv_per_item * group * head_dim), scores;
-    std::vector<float> inv_sum(kv_per_item * group);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / items_per_seq, kv_first = (item % items_per_seq) * kv_per_item;
-      const int64_t heads = (std::min(num_kv_heads, kv_first + kv_per_item) - kv_first) * group;  // query heads
+  // One work item per sequence: a token's K (and V) rows of all KV heads lie next to each other, so
+  // each block is read front to back once per step. Splitting a sequence's heads over the threads was
+  // faster alone but about 2x slower inside the engine's batch-1 step (docs/benchmarks.md).
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t context_len = lens[seq];
-      scalar_t* o_first = o_ptr + seq * o_seq + kv_first * group * o_head;  // this item's first query head
+      scalar_t* o_seq_ptr = o_ptr + seq * o_seq;
       if (context_len == 0) {  // a padding row: nothing to attend to
-        for (int64_t h = 0; h < heads; ++h) std::fill(o_first + h * o_head, o_first + h * o_head + head_dim, scalar_t(0));
+        for (int64_t h = 0; h < num_heads; ++h) std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
         continue;
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* src = q_ptr + seq * q_seq + (kv_first * group + h) * q_head;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const scalar_t* src = q_ptr + seq * q_seq + h * q_head;
         for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      // scores[h * context_len + t]: the item's query head h against token t; it reads KV head h / group
-      scores.resize(heads * context_len);
+      // scores[h * context_len + t]: query head h against token t; query head h reads KV head h / group
+      scores.resize(num_heads * context_len);
       const int32_t* table = tables + seq * max_blocks;
       for (int64_t start = 0; start < context_len; start += block_size) {
         const int64_t n = std::min(block_size, context_len - start);
-        const scalar_t* keys = k_ptr + table[start / block_size] * k_block + kv_first * k_head;
+        const scalar_t* keys = k_ptr + table[start / block_size] * k_block;
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t h = 0; h < heads; ++h)
-            scores[h * context_len + start + t] = dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
+          for (int64_t h = 0; h < num_heads; ++h)
+            scores[h * context_len + start + t] =
+                dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
       }
-      for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t h = 0; h < num_heads; ++h) {
         float* s = &scores[h * context_len];
         const float peak = *std::max_element(s, s + context_len);
         float sum = 0.f;
@@ -136,14 +133,14 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < context_len; start += block_size) {
         const int64_t n = std::min(block_size, context_len - start);
-        const scalar_t* values = v_ptr + table[start / block_size] * v_block + kv_first * v_head;
+        const scalar_t* values = v_ptr + table[start / block_size] * v_block;
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t h = 0; h < heads; ++h)
+          for (int64_t h = 0; h < num_heads; ++h)
             add_scaled(&acc[h * head_dim], values + t * v_row + (h / group) * v_head,
                        scores[h * context_len + start + t], head_dim);
       }
-      for (int64_t h = 0; h < heads; ++h) {
-        scalar_t* o = o_first + h * o_head;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* o = o_seq_ptr + h * o_head;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
       }
     }

@@ -7,11 +7,12 @@ AVX-512 CPU without avx512_fp16, float16 weights ran a batch-1 linear ~7x slower
 up to ~10x slower at batch 16 through torch's own float16 kernel than float32 weights converted once at
 load (docs/benchmarks.md), so the fallback converts once, at load, and computes in float32.
 """
-import functools
 import logging
 import platform
 
 import torch
+
+from tpengine.kernels.cpu.build import cpu_flags
 
 logger = logging.getLogger("tpengine")
 
@@ -20,19 +21,6 @@ NATIVE_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
     torch.float16: ("avx512_fp16", "amx_fp16"),
 }
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them; empty where there is no /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):  # x86, aarch64
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def onednn_supports(dtype: torch.dtype) -> bool:
