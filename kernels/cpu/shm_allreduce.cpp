@@ -197,15 +197,31 @@ int64_t all_reduce(at::Tensor data, at::Tensor control, at::Tensor slots, int64_
   return num_chunks;
 }
 
-// Rank 0 gets every rank's bytes of data (contiguous) in out ([world_size, data's bytes], uint8);
-// out is unused on the other ranks. Chunks, first_seq, start_published and the result as in
-// all_reduce; an empty tensor is one chunk of no bytes, so every rank still counts it.
+// Bytes [begin, begin + n) of rank r's data, rows of row_bytes, from src into out, whose rows hold every
+// rank's row side by side in rank order (the concatenation along the last dimension).
+void copy_into_rows(uint8_t* out, const uint8_t* src, int64_t begin, int64_t n, int64_t row_bytes,
+                    int64_t world_size, int64_t r) {
+  while (n > 0) {
+    const int64_t row = begin / row_bytes, column = begin % row_bytes, len = std::min(n, row_bytes - column);
+    copy_bytes(out + (row * world_size + r) * row_bytes + column, src, len);
+    src += len;
+    begin += len;
+    n -= len;
+  }
+}
+
+// Rank 0 gets every rank's data (contiguous, rows of row_bytes) concatenated row by row in out (uint8,
+// world_size x the input's bytes): no second pass joins the pieces. out is unused on the other ranks.
+// Chunks, first_seq, start_published and the result as in all_reduce; an empty tensor is one chunk of
+// no bytes, so every rank still counts it.
 int64_t gather(at::Tensor data, at::Tensor out, at::Tensor control, at::Tensor slots, int64_t rank,
                int64_t first_seq, int64_t start_chunk, bool start_published, double spin_s, double wait_s,
-               bool yield) {
+               bool yield, int64_t row_bytes) {
   TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "shm gather needs a contiguous CPU tensor");
   const Segment s(control, slots, rank);
   const int64_t total = data.numel() * data.element_size();
+  TORCH_CHECK(row_bytes > 0 && total % row_bytes == 0, "shm gather: rows of ", row_bytes, " bytes must tile the ",
+              total, " bytes of the input");
   const int64_t num_chunks = std::max<int64_t>(1, (total + s.slot_bytes - 1) / s.slot_bytes);
   const auto* bytes = static_cast<const uint8_t*>(data.data_ptr());
   uint8_t* gathered = nullptr;
@@ -218,8 +234,8 @@ int64_t gather(at::Tensor data, at::Tensor out, at::Tensor control, at::Tensor s
     const uint64_t seq = first_seq + c + 1;
     const int64_t begin = c * s.slot_bytes, n = std::min(s.slot_bytes, total - begin);
     if (!(c == start_chunk && start_published)) {
-      if (rank == 0) {
-        copy_bytes(gathered + begin, bytes + begin, n);  // its own piece goes straight to the output
+      if (rank == 0) {  // its own piece goes straight to the output
+        copy_into_rows(gathered, bytes + begin, begin, n, row_bytes, s.world_size, 0);
       } else {
         copy_bytes(s.slot(rank, seq), bytes + begin, n);
       }
@@ -228,7 +244,8 @@ int64_t gather(at::Tensor data, at::Tensor out, at::Tensor control, at::Tensor s
     if (!s.wait_published(seq, spin_s, wait_s, yield)) return c;
     if (rank == 0) {
       check_sizes(s, seq, n, "gather");
-      for (int64_t r = 1; r < s.world_size; ++r) copy_bytes(gathered + r * total + begin, s.slot(r, seq), n);
+      for (int64_t r = 1; r < s.world_size; ++r)
+        copy_into_rows(gathered, s.slot(r, seq), begin, n, row_bytes, s.world_size, r);
     }
   }
   return num_chunks;
@@ -240,7 +257,7 @@ TORCH_LIBRARY(tpengine_shm, m) {
   m.def("all_reduce(Tensor(a!) data, Tensor(b!) control, Tensor(c!) slots, int rank, int first_seq, "
         "int start_chunk, bool start_published, float spin_s, float wait_s, bool yield_cpu) -> int");
   m.def("gather(Tensor data, Tensor(a!) out, Tensor(b!) control, Tensor(c!) slots, int rank, int first_seq, "
-        "int start_chunk, bool start_published, float spin_s, float wait_s, bool yield_cpu) -> int");
+        "int start_chunk, bool start_published, float spin_s, float wait_s, bool yield_cpu, int row_bytes) -> int");
 }
 
 TORCH_LIBRARY_IMPL(tpengine_shm, CPU, m) {

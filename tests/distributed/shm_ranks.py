@@ -96,20 +96,25 @@ def check_gathers(rank: int, world_size: int, port: int) -> None:
         by_gloo = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
         dist.gather(mine, by_gloo, dst=0)
         if rank == 0:
-            assert len(gathered) == world_size
-            for r in range(world_size):
-                assert gathered[r].shape == inputs[r].shape and gathered[r].dtype == dtype
-                assert torch.equal(gathered[r].view(INT_VIEW[dtype]), inputs[r].view(INT_VIEW[dtype])), (r, numel)
-                assert torch.equal(gathered[r].view(INT_VIEW[dtype]), by_gloo[r].view(INT_VIEW[dtype]))
+            assert gathered.shape == (world_size * numel,) and gathered.dtype == dtype
+            bits = gathered.view(INT_VIEW[dtype])
+            assert torch.equal(bits, torch.cat(inputs).view(INT_VIEW[dtype])), numel
+            assert torch.equal(bits, torch.cat(by_gloo).view(INT_VIEW[dtype]))
         else:
             assert gathered is None
         if call % 3 == 0:  # the all-reduce and the gather share the slots and the sequence
             assert_rank_order_sum(shm, 300, torch.float32, call)
-    # a non-contiguous 2-D tensor, as the LM head's logits can be
+    # 2-D, as the LM head's logits: each rank's rows side by side, rows split across chunks; a
+    # non-contiguous one too
+    for rows, columns in ((8, 12), (37, SMALL_SLOT_BYTES // 4 // 3 + 1), (3, 2 * SMALL_SLOT_BYTES // 4 + 5)):
+        inputs = [rank_input(r, rows * columns, torch.float32, 98).view(rows, columns) for r in range(world_size)]
+        gathered = small.gather_to_first(inputs[rank])
+        if rank == 0:
+            assert torch.equal(gathered, torch.cat(inputs, dim=-1))
     inputs = [rank_input(r, 96, torch.float32, 99).view(8, 12) for r in range(world_size)]
     gathered = small.gather_to_first(inputs[rank].t())
     if rank == 0:
-        assert all(torch.equal(g, t.t()) for g, t in zip(gathered, inputs))
+        assert torch.equal(gathered, torch.cat([t.t() for t in inputs], dim=-1))
     small.close()
     large.close()
     dist.destroy_process_group()
@@ -139,7 +144,7 @@ def check_wakes(rank: int, world_size: int, port: int, late_s: float) -> None:
         inputs = [rank_input(r, 100, torch.float32, call) for r in range(world_size)]
         gathered = shm.gather_to_first(inputs[rank])
         if rank == 0:
-            assert all(torch.equal(g, t) for g, t in zip(gathered, inputs))
+            assert torch.equal(gathered, torch.cat(inputs))
     dist.barrier()
     assert shm._words[shm_all_reduce.SLEEPERS_WORD] == 0  # no rank is still counted as asleep
     shm.close()

@@ -4,9 +4,19 @@ import torch
 
 from tpengine import SamplingParams
 from tpengine.engine.sequence import Sequence
+from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.runner.sampler import Sampler
 
 _sampler = Sampler(seed=None)
+
+
+@pytest.fixture(autouse=True, params=["cpu kernel", "torch"])
+def sampling_path(request, monkeypatch):
+    """Every test runs on the CPU kernel (rows a temperature alone shapes) and on the torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sampling, "available", lambda: False)
+    elif not cpu_sampling.available():
+        pytest.skip("the CPU sampling kernel does not build here")
 
 
 def sampler(logits, params, positions):

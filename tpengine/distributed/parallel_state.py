@@ -69,18 +69,18 @@ class TensorParallelGroup:
         self.process_group.allreduce([t], options).wait()
         return int(t.item())
 
-    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's tensor, in rank order, on rank 0; None on the other ranks: through the all-reduce's
-        shared memory where it can, else the process group."""
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's tensor concatenated along the last dimension in rank order, on rank 0; None on the
+        other ranks: through the all-reduce's shared memory where it can, else the process group."""
         if self.size == 1:
-            return [tensor]
+            return tensor
         if self.shm_all_reduce is not None and self.shm_all_reduce.supports(tensor):
             return self.shm_all_reduce.gather_to_first(tensor)
         options = dist.GatherOptions()
         options.rootRank = 0
         gathered = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
         self.process_group.gather(gathered, [tensor], options).wait()
-        return gathered[0] if self.rank == 0 else None
+        return torch.cat(gathered[0], dim=-1) if self.rank == 0 else None
 
     def abort(self) -> None:
         """Make collectives blocked in another thread return with an error (a peer is gone)."""

@@ -6,8 +6,9 @@ Rank 0 creates the segment, every other rank maps it, and rank 0 unlinks its nam
 rank's copy in rank order, so every rank gets the same bits, equal to ``t_0 + t_1 + ... + t_{n-1}``;
 a tensor larger than a slot goes through in pieces.
 
-``gather_to_first`` (rank 0 gets every rank's tensor, in rank order) is a C++ op on the same slots and
-sequence numbers: each piece is a chunk as in the all-reduce, after which rank 0 copies the slots out.
+``gather_to_first`` (rank 0 gets every rank's tensor, concatenated along the last dimension in rank
+order) is a C++ op on the same slots and sequence numbers: each piece is a chunk as in the all-reduce,
+after which rank 0 copies each rank's rows from the slots straight to their place in the output.
 
 A wait spins for ``spin_s`` (pausing the core; yielding it when the ranks outnumber the cores this
 process may run on), then sleeps on a futex in the segment that a publishing rank wakes, in slices of
@@ -120,22 +121,24 @@ class ShmAllReduce:
         if data is not tensor:
             tensor.copy_(data)
 
-    def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's tensor, in rank order, on rank 0 (bit for bit); None on the other ranks. Every
-        rank calls it with a tensor of the same size and dtype.
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's tensor concatenated along the last dimension in rank order, on rank 0 (bit for
+        bit); None on the other ranks. Every rank calls it with a tensor of the same shape and dtype.
 
         PeerDiedError when a rank it waits for has died; the segment is then unusable.
         """
         data = tensor if tensor.is_contiguous() else tensor.contiguous()
+        shape = data.shape if data.dim() else torch.Size([1])
         flat = data.view(-1).view(torch.uint8)  # bytes: copied, never added, so every bit survives
-        out = (torch.empty((self.world_size, *data.shape), dtype=data.dtype) if self.rank == 0
+        row_bytes = max(1, shape[-1] * data.element_size())
+        out = (torch.empty((*shape[:-1], self.world_size * shape[-1]), dtype=data.dtype) if self.rank == 0
                else torch.empty(0, dtype=data.dtype))
         out_bytes = out.view(-1).view(torch.uint8)
         op, control, slots, rank, first_seq = self._gather_op, self._control, self._slots, self.rank, self._seq
         self._run(lambda start, resumed, spin_s: op(flat, out_bytes, control, slots, rank, first_seq, start, resumed,
-                                                    spin_s, _WAIT_SLICE_S, self._yield_cpu),
+                                                    spin_s, _WAIT_SLICE_S, self._yield_cpu, row_bytes),
                   max(1, -(-flat.numel() // self.slot_bytes)))
-        return list(out.unbind(0)) if self.rank == 0 else None
+        return out if self.rank == 0 else None
 
     def _run(self, op: Callable[[int, bool, float], int], num_chunks: int) -> None:
         """Drive op (start chunk, whether this rank already published it, spin seconds -> chunks done)

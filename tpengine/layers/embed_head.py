@@ -51,8 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = linear(x, self.weight, None, self.packed_weight)
         if self.tp_size > 1:
-            gathered = self.tp_group.gather_to_first(logits)
-            if gathered is None:
+            logits = self.tp_group.gather_to_first(logits)
+            if logits is None:
                 return None
-            logits = torch.cat(gathered, dim=-1)
         return logits[..., :self.num_embeddings]  # padding columns are never sampled

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from tpengine.engine.sequence import Sequence
+from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.layers.compile import compiled_on_cuda
 from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -71,17 +72,49 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs, random_rows: list[int]) -> list[int]:
         """Greedy rows by argmax, the random rows drawn; -1 where a row has no finite distribution."""
+        uniform = self._uniforms([seqs[i] for i in random_rows])
+        if logits.device.type == "cpu" and cpu_sampling.available():
+            return self._sample_on_cpu(logits, seqs, random_rows, uniform)
         if len(random_rows) == len(seqs):  # no greedy row: no max over the vocabulary, no copy of the rows
-            picked, picked_valid = self._draw(logits, seqs)
+            picked, picked_valid = self._draw(logits, seqs, uniform)
             return torch.where(picked_valid, picked, -1).tolist()  # the step's one wait on the device
         values, token_ids = logits.max(dim=-1)  # the first of equal maxima, as argmax
         # NaN anywhere in a row makes the max NaN; an all -inf row's is -inf: neither is a token
         valid = values.isfinite()
         rows = _to_device(random_rows, torch.int64, logits.device)
-        picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows])
+        picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows], uniform)
         token_ids.index_copy_(0, rows, picked)
         valid.index_copy_(0, rows, picked_valid)
         return torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
+
+    def _sample_on_cpu(self, logits: torch.Tensor, seqs, random_rows: list[int], uniform: torch.Tensor) -> list[int]:
+        """The CPU kernel takes every row a temperature alone shapes (greedy ones included); rows with a
+        top-k, top-p or min-p filter are drawn by the torch path, with the same uniforms."""
+        temperatures, uniforms, filtered = [0.0] * len(seqs), [0.0] * len(seqs), []
+        drawn = uniform.tolist()
+        for j, i in enumerate(random_rows):
+            p = seqs[i].sampling_params
+            if p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0:
+                filtered.append(j)  # the kernel takes it as greedy; its draw below replaces that
+            else:
+                temperatures[i], uniforms[i] = p.temperature, drawn[j]
+        token_ids = cpu_sampling.sample_rows(logits if logits.stride(1) == 1 else logits.contiguous(),
+                                             torch.tensor(temperatures, dtype=torch.float32),
+                                             torch.tensor(uniforms, dtype=torch.float64))
+        if filtered:
+            rows = torch.tensor([random_rows[j] for j in filtered])
+            picked, valid = self._draw(logits[rows], [seqs[i] for i in rows.tolist()], uniform[filtered])
+            token_ids[rows] = torch.where(valid, picked, -1)
+        return token_ids.tolist()
+
+    def _uniforms(self, seqs) -> torch.Tensor:
+        """One float64 draw in [0, 1) per row, on the host: a seeded row's from its (seed, position), the
+        others from the engine's generator."""
+        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None:
+                uniform[row] = seeded_uniform(seq.sampling_params.seed, seq.num_tokens)
+        return uniform
 
     def warm_up(self, logits: torch.Tensor) -> SamplerOutput:
         """Sample every row of logits with every option on: the most memory one step's sampling takes
@@ -148,19 +181,15 @@ class Sampler:
                        _to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor, seqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row from its filtered distribution, by inverse CDF: one uniform draw per row
-        picks the token whose slice of the cumulative distribution holds it. float64 keeps the slices
-        of unlikely tokens exact over a large vocabulary. (An exponential race needs a draw per
+    def _draw(self, logits: torch.Tensor, seqs, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row from its filtered distribution, by inverse CDF: the row's uniform draw (host
+        float64) picks the token whose slice of the cumulative distribution holds it. float64 keeps the
+        slices of unlikely tokens exact over a large vocabulary. (An exponential race needs a draw per
         vocabulary entry: 13x the time on the CPU, docs/benchmarks.md.) Also returns which rows had a
         distribution at all."""
         device = logits.device
         params = [seq.sampling_params for seq in seqs]
         cdf = self._filtered_probs(logits, params).cumsum(dim=-1, dtype=torch.float64)
-        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator)
-        for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None:
-                uniform[row] = seeded_uniform(seq.sampling_params.seed, seq.num_tokens)
         if device.type != "cpu":
             uniform = uniform.pin_memory().to(device, non_blocking=True)
         total = cdf[:, -1:]
