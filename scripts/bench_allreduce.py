@@ -9,7 +9,8 @@ Then the same for the LM head's gather to rank 0 (--gather-bytes per rank, defau
 
 End to end (--end-to-end): scripts/bench.py's workload and model (defaults: 64 sequences of the CPU
 bench model, sampling at temperature 0.6), tpengine alone, timed at tp=1 and at tp=2 alternately
---repeat times; the fastest run of each counts.
+--repeat times. Reported: each side's fastest and median run, and the median over rounds of tp=2's
+rate over tp=1's in the same round (on a noisy machine the pairing cancels what drifts between rounds).
 
     .venv/bin/python scripts/bench_allreduce.py                       # latency, 128 KB and 19 MB
     .venv/bin/python scripts/bench_allreduce.py --end-to-end --repeat 3
@@ -88,7 +89,8 @@ def measure_latency(args) -> list[tuple[int, float, float]]:
         return list(results)
 
 
-def measure_end_to_end(repeat: int) -> dict[int, float]:
+def measure_end_to_end(repeat: int) -> tuple[dict[int, list[float]], int]:
+    """Output tok/s of every run, by tp (round order), and the useful output tokens of one run."""
     import tempfile
     options = bench.parse_args(["--skip-hf"])
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
@@ -96,17 +98,17 @@ def measure_end_to_end(repeat: int) -> dict[int, float]:
         from transformers import AutoConfig
         prompts, output_lens = bench.make_workload(options, AutoConfig.from_pretrained(model).vocab_size)
         useful = sum(output_lens)
-        best: dict[int, float] = {}
+        rates: dict[int, list[float]] = {1: [], 2: []}
         num_threads = torch.get_num_threads()
         for round_ in range(repeat):
             for tp in (1, 2):
                 options.tp = tp
                 seconds = bench.time_tpengine(options, model, prompts, output_lens)
                 torch.set_num_threads(num_threads)
-                best[tp] = min(best.get(tp, seconds), seconds)
+                rates[tp].append(useful / seconds)
                 print(f"[round {round_ + 1}/{repeat}] tp={tp}: {seconds:.2f}s ({useful / seconds:,.1f} tok/s), "
                       f"load {bench.load_average()}", file=sys.stderr)
-    return {tp: useful / seconds for tp, seconds in best.items()}, useful
+    return rates, useful
 
 
 def main(argv=None) -> None:
@@ -122,12 +124,15 @@ def main(argv=None) -> None:
         print(f"| {what} | {label} | {shm * 1e6:,.1f} | {gloo * 1e6:,.1f} | {gloo / shm:.1f}x |")
     if args.end_to_end:
         rates, useful = measure_end_to_end(args.repeat)
-        print(f"\nend to end, scripts/bench.py --skip-hf workload ({useful} output tokens), best of {args.repeat}:\n")
-        print("| tp | output tok/s |")
-        print("|---:|---:|")
-        for tp, tok_s in rates.items():
-            print(f"| {tp} | {tok_s:,.1f} |")
-        print(f"\ntp=2 / tp=1: {rates[2] / rates[1]:.2f}x")
+        print(f"\nend to end, scripts/bench.py --skip-hf workload ({useful} output tokens), {args.repeat} rounds:\n")
+        print("| tp | best tok/s | median tok/s | slowest tok/s |")
+        print("|---:|---:|---:|---:|")
+        for tp, runs in rates.items():
+            print(f"| {tp} | {max(runs):,.1f} | {statistics.median(runs):,.1f} | {min(runs):,.1f} |")
+        paired = [two / one for one, two in zip(rates[1], rates[2])]
+        print(f"\ntp=2 / tp=1: best {max(rates[2]) / max(rates[1]):.3f}x, medians "
+              f"{statistics.median(rates[2]) / statistics.median(rates[1]):.3f}x; same-round ratios "
+              f"{', '.join(f'{r:.3f}' for r in paired)} (median {statistics.median(paired):.3f}x)")
     print(f"\nload average after {bench.load_average()}")
 
 

@@ -6,8 +6,9 @@
    bench.py CPU model (hidden 512, 8 layers, intermediate 1536, vocab 16384). All 8 layers' weights
    are cycled, as in a forward pass, so they come from memory rather than a warm cache.
    The same in bfloat16: oneDNN-packed against tpengine's AVX512-BF16 kernel (kernels/cpu/bf16_linear.cpp).
-3. Sampling one token per row: the inverse-CDF draw the sampler uses against the exponential
-   race (argmax of p / E, one Exp(1) draw per vocabulary entry) it used before.
+3. Sampling one token per row from the logits: the inverse-CDF draw in torch (the sampler's torch
+   path) and in C++ (kernels/cpu/sampling.cpp, the CPU's path for rows a temperature alone shapes),
+   against the exponential race (argmax of p / E, one Exp(1) draw per vocabulary entry) used before.
 4. Rotary, eager: the CPU form (each half written in place into one output) against the form CUDA
    compiles (broadcast elementwise ops that torch.compile traces as one graph), for q and k of the
    bench model's shape (8 heads, 4 KV heads of 64) at --rows tokens.
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
+from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
+from tpengine.runner.sampler import filtered_probs
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -125,20 +128,27 @@ def bf16_linears(args) -> None:
 
 
 def sampling(args) -> None:
-    print(f"\n## Sampling one token per row: {args.batch} rows x {args.vocab} vocabulary, temperature 0.6\n")
-    probs = (torch.randn(args.batch, args.vocab) * 3 / 0.6).softmax(dim=-1)
+    print(f"\n## Sampling one token per row: {args.batch} rows x {args.vocab} vocabulary, temperature 0.6, "
+          "from the logits\n")
+    logits = torch.randn(args.batch, args.vocab) * 3
+    temperatures = torch.full((args.batch,), 0.6)
 
     def exponential_race():
+        probs = filtered_probs(logits, temperatures, None, None, None)
         return (probs / torch.empty_like(probs).uniform_().log_().neg_()).argmax(dim=-1)
 
-    def inverse_cdf():
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    def inverse_cdf():  # the sampler's torch path
+        cdf = filtered_probs(logits, temperatures, None, None, None).cumsum(dim=-1, dtype=torch.float64)
         uniform = torch.rand(args.batch, 1, dtype=torch.float64)
         return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
 
+    def kernel():  # the same draw in C++ (kernels/cpu/sampling.cpp), no cumulative sum written out
+        return cpu_sampling.sample_rows(logits, temperatures, torch.rand(args.batch, dtype=torch.float64))
+
     race_ms, cdf_ms = best_ms(exponential_race, 20), best_ms(inverse_cdf, 20)
-    print("| exponential race ms | inverse CDF ms | speed-up |\n|---:|---:|---:|")
-    print(f"| {race_ms:.2f} | {cdf_ms:.2f} | {race_ms / cdf_ms:.1f}x |")
+    kernel_ms = best_ms(kernel, 20) if cpu_sampling.available() else float("nan")
+    print("| exponential race ms | inverse CDF in torch ms | inverse CDF in C++ ms | C++ vs torch |\n|---:|---:|---:|---:|")
+    print(f"| {race_ms:.2f} | {cdf_ms:.2f} | {kernel_ms:.2f} | {cdf_ms / kernel_ms:.1f}x |")
 
 
 def rotary(args) -> None:

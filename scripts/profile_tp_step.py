@@ -47,6 +47,7 @@ if os.environ.get("TPENGINE_PROFILE_DIR"):
                            (model_runner.ModelRunner, "execute", "forward"),
                            (shm_ring.ShmRingReader, "read", "wait for step"),
                            (sampler.Sampler, "__call__", "sample"),
+                           (model_runner, "sample_vocab_parallel", "sample (own vocabulary slice)"),
                            (scheduler.Scheduler, "schedule", "schedule"),
                            (scheduler.Scheduler, "postprocess", "postprocess"),
                            (multiproc_executor.MultiprocExecutor, "send_to_workers", "send"),
@@ -148,8 +149,8 @@ def report(tp: int, window: dict, ranks: dict[int, dict]) -> None:
             waits[rank] += last_arrival - entered
             position_waits[rank][n % per_step] += last_arrival - entered
         after_arrival[calls[0][0]].append(min(c[2] for c in calls) - last_arrival)
-    print(f"\n{steps} steps, {per_step} collectives per step (the embedding's and two per layer all-reduces, "
-          f"the LM head's gather)")
+    print(f"\n{steps} steps, {per_step} collectives per step (the embedding's and two per layer all-reduces, then "
+          f"the LM head's gather, or two small all-reduces where every rank samples its vocabulary slice)")
     for rank in sorted(ranks):
         first = position_waits[rank][0]
         print(f"- rank {rank} waits for the others in collectives: {ms(waits[rank])} "

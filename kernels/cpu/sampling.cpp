@@ -1,12 +1,14 @@
 // One token per row of float32 logits on the CPU: argmax for temperature 0, else an inverse-CDF draw
-// from softmax(logits / temperature) with a uniform the host drew. One pass for the row's maximum, one
-// that exponentiates and sums in blocks, and a pick that walks the block sums and then one block: the
-// full-vocabulary float64 cumulative sum the torch path builds (0.7 ms a step on one core at
-// 64 x 16,384) is never written out.
+// from softmax(logits / temperature) with a uniform the host drew. The full-vocabulary float64
+// cumulative sum the torch path builds (0.7 ms a step on one core at 64 x 16,384) is never written out:
+// one pass finds the row's maximum, one exponentiates and sums in blocks, and the pick walks the block
+// sums and then one block.
 //
-// Every number of the draw comes from block_exps on one block of kBlock entries, in a fixed order, so
-// the pick sees exactly the sums the total was made of: a row's token depends only on its own logits,
-// temperature and uniform, never on its batch or on how rows are split over threads.
+// The vocabulary may come in slices: tensor-parallel ranks each hold one, and sample their own slice
+// (slice_stats), share those few numbers per row, and the rank whose slice holds the draw finds the token
+// (slice_tokens), so no rank gathers every logit. Rank 0 sampling gathered logits cuts them into the same
+// slices and runs the same two steps, so a row's token depends only on its own logits, temperature and
+// uniform: never on its batch, the path its step took, or how rows are split over threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -87,24 +89,30 @@ int64_t first_index_of(const float* x, int64_t n, float value) {
   return -1;
 }
 
-// The first entry whose cumulative mass exceeds uniform * total, as torch.searchsorted(right=True) over
-// the cumulative sum: an entry of probability 0 (an empty slice) is never picked.
-int64_t draw(const float* x, int64_t n, float max, float temperature, double uniform, std::vector<double>& sums) {
+// sums[b] = the block sums of exp((x - max) / temperature) over x[0..n); returns their total, summed in
+// block order
+double block_sums(const float* x, int64_t n, float max, float temperature, double* sums) {
   float e[kBlock];
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  sums.resize(blocks);
   double total = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b * kBlock < n; ++b) {
     const int64_t len = std::min(kBlock, n - b * kBlock);
     block_exps(x + b * kBlock, len, max, temperature, e);
     sums[b] = block_sum(e, len);
     total += sums[b];
   }
-  const double target = uniform * total;
+  return total;
+}
+
+// The first entry whose cumulative mass (in block_sums' units) exceeds target, as
+// torch.searchsorted(right=True) over the cumulative sum: an entry of probability 0 is never picked.
+// Past the total (rounding), the last entry with any mass.
+int64_t walk(const float* x, int64_t n, float max, float temperature, const double* sums, double target) {
+  float e[kBlock];
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
   double before = 0;
   int64_t b = 0;
   for (; b < blocks && before + sums[b] <= target; ++b) before += sums[b];
-  const bool past_the_end = b == blocks;  // uniform * total rounded up to the total
+  const bool past_the_end = b == blocks;
   if (past_the_end)
     for (b = blocks - 1; b > 0 && sums[b] <= 0; --b) {}  // the last block with any mass
   const int64_t len = std::min(kBlock, n - b * kBlock);
@@ -120,37 +128,120 @@ int64_t draw(const float* x, int64_t n, float max, float temperature, double uni
   return b * kBlock + last_positive;
 }
 
-// out[r] = the token of row r of logits: its argmax (the first of equal maxima) where temperatures[r] is
-// 0, else a draw with uniforms[r]; -1 where the row has no distribution (a NaN, or no finite maximum)
-void sample_rows(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
-                 at::Tensor out) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+void check_rows(const at::Tensor& logits, const at::Tensor& temperatures) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && (logits.stride(1) == 1 || logits.size(1) <= 1),
               "logits must be float32 [rows, vocab] with contiguous rows");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
   TORCH_CHECK(temperatures.scalar_type() == at::kFloat && temperatures.is_contiguous() &&
-                  temperatures.numel() == rows, "temperatures must be float32 [rows]");
+                  temperatures.numel() == logits.size(0), "temperatures must be float32 [rows]");
+}
+
+int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// Per row of one slice of the vocabulary: stats[r] = {the maximum (NaN where the row has a NaN), the sum
+// of exp((x - max) / temperature) (0 where the temperature is 0), the first index of the maximum (where
+// the temperature is 0, else -1)}, and block_sums[r] the sum's blocks, which slice_tokens walks.
+void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::Tensor stats, at::Tensor sums) {
+  check_rows(logits, temperatures);
+  const int64_t rows = logits.size(0), n = logits.size(1), blocks = num_blocks(n);
+  TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.numel() == rows * 3,
+              "stats must be float64 [rows, 3]");
+  TORCH_CHECK(sums.scalar_type() == at::kDouble && sums.is_contiguous() && sums.numel() == rows * blocks,
+              "block sums must be float64 [rows, ceil(vocab / ", kBlock, ")]");
+  const float* data = logits.data_ptr<float>();
+  const float* temperature = temperatures.data_ptr<float>();
+  double* out = stats.data_ptr<double>();
+  double* block = sums.data_ptr<double>();
+  const int64_t row_stride = logits.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, n)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = data + r * row_stride;
+      const RowMax m = row_max(x, n);
+      double* row = out + 3 * r;
+      row[0] = m.has_nan ? std::numeric_limits<double>::quiet_NaN() : m.value;
+      row[1] = 0;
+      row[2] = -1;
+      if (m.has_nan || !std::isfinite(m.value)) continue;
+      if (temperature[r] == 0.f) {
+        row[2] = static_cast<double>(first_index_of(x, n, m.value));
+      } else {
+        row[1] = block_sums(x, n, m.value, temperature[r], block + r * blocks);
+      }
+    }
+  });
+}
+
+// Every slice's stats of a row decide which slice holds its token: the one with the first maximum
+// (temperature 0), else the one whose share of the cumulative mass, in slice order, holds
+// uniform * total. Where that is slice `slice` (this one), out[r] = offset + the token's index in it;
+// rows without a distribution (a NaN, no finite maximum) get -1 from slice 0; other rows are left alone.
+// all_stats is [slices, rows, 3] from slice_stats, the same on every caller, so callers agree.
+void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
+                  const at::Tensor& all_stats, const at::Tensor& sums, int64_t slice, int64_t offset, at::Tensor out) {
+  check_rows(logits, temperatures);
+  const int64_t rows = logits.size(0), n = logits.size(1), blocks = num_blocks(n);
   TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.numel() == rows,
               "uniforms must be float64 [rows]");
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows, "out must be int64 [rows]");
-  TORCH_CHECK(vocab > 0, "logits must have at least one column");
+  TORCH_CHECK(all_stats.scalar_type() == at::kDouble && all_stats.is_contiguous() && all_stats.dim() == 3 &&
+                  all_stats.size(1) == rows && all_stats.size(2) == 3, "all_stats must be float64 [slices, rows, 3]");
+  const int64_t slices = all_stats.size(0);
+  TORCH_CHECK(slice >= 0 && slice < slices, "slice ", slice, " is not one of the ", slices, " slices");
+  TORCH_CHECK(sums.scalar_type() == at::kDouble && sums.is_contiguous() && sums.numel() == rows * blocks,
+              "block sums must be float64 [rows, ceil(vocab / ", kBlock, ")]");
+  TORCH_CHECK(out.scalar_type() == at::kDouble && out.is_contiguous() && out.numel() == rows, "out must be float64 [rows]");
   const float* data = logits.data_ptr<float>();
   const float* temperature = temperatures.data_ptr<float>();
   const double* uniform = uniforms.data_ptr<double>();
-  int64_t* token = out.data_ptr<int64_t>();
+  const double* stats = all_stats.data_ptr<double>();
+  const double* block = sums.data_ptr<double>();
+  double* token = out.data_ptr<double>();
   const int64_t row_stride = logits.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kParallelElements / vocab);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> sums;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(1, n)),
+                   [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* x = data + r * row_stride;
-      const RowMax m = row_max(x, vocab);
-      if (m.has_nan || !std::isfinite(m.value)) {
-        token[r] = -1;
-      } else if (temperature[r] == 0.f) {
-        token[r] = first_index_of(x, vocab, m.value);
-      } else {
-        token[r] = draw(x, vocab, m.value, temperature[r], uniform[r], sums);
+      auto stat = [&](int64_t s, int k) { return stats[(s * rows + r) * 3 + k]; };
+      double max = -std::numeric_limits<double>::infinity();
+      bool has_nan = false;
+      for (int64_t s = 0; s < slices; ++s) {
+        has_nan |= std::isnan(stat(s, 0));
+        max = stat(s, 0) > max ? stat(s, 0) : max;
       }
+      if (has_nan || !std::isfinite(max)) {
+        if (slice == 0) token[r] = -1;
+        continue;
+      }
+      const double t = temperature[r];
+      if (t == 0) {  // the first slice holding the maximum, at its first index of it
+        int64_t owner = 0;
+        while (stat(owner, 0) != max) ++owner;
+        if (owner == slice) token[r] = static_cast<double>(offset) + stat(owner, 2);
+        continue;
+      }
+      // slice s's mass in units of the global maximum: its sum scaled by exp((its max - max) / t)
+      double total = 0;
+      for (int64_t s = 0; s < slices; ++s) total += stat(s, 1) * std::exp((stat(s, 0) - max) / t);
+      const double target = uniform[r] * total;
+      double before = 0;
+      int64_t owner = -1;
+      for (int64_t s = 0; s < slices; ++s) {
+        const double mass = stat(s, 1) * std::exp((stat(s, 0) - max) / t);
+        if (before + mass > target) {
+          owner = s;
+          break;
+        }
+        before += mass;
+      }
+      double local_target;
+      if (owner < 0) {  // uniform * total rounded up to the total: the last slice with any mass, past its end
+        for (owner = slices - 1; owner > 0 && !(stat(owner, 1) > 0); --owner) {}
+        local_target = std::numeric_limits<double>::infinity();
+      } else {
+        local_target = (target - before) / std::exp((stat(owner, 0) - max) / t);
+      }
+      if (owner != slice) continue;
+      const float* x = data + r * row_stride;
+      token[r] = static_cast<double>(offset + walk(x, n, static_cast<float>(stat(owner, 0)), temperature[r],
+                                                   block + r * blocks, local_target));
     }
   });
 }
@@ -160,8 +251,13 @@ std::string isa() { return SAMPLING_ISA; }
 }  // namespace
 
 TORCH_LIBRARY(tpengine_sampling, m) {
-  m.def("sample_rows(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor(a!) out) -> ()");
+  m.def("slice_stats(Tensor logits, Tensor temperatures, Tensor(a!) stats, Tensor(b!) block_sums) -> ()");
+  m.def("slice_tokens(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor all_stats, Tensor block_sums, "
+        "int slice, int offset, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
 }
 
-TORCH_LIBRARY_IMPL(tpengine_sampling, CPU, m) { m.impl("sample_rows", &sample_rows); }
+TORCH_LIBRARY_IMPL(tpengine_sampling, CPU, m) {
+  m.impl("slice_stats", &slice_stats);
+  m.impl("slice_tokens", &slice_tokens);
+}

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
@@ -61,11 +62,27 @@ def test_the_engine_gathers_the_lm_head_through_shared_memory(tiny_model):
     with LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as llm:
         group = llm.executor.group
         assert group.shm_all_reduce is not None
+        llm.executor.runner.samples_vocab_parallel = False  # rank 0 samples the gathered logits
         calls = []
         gather = group.shm_all_reduce.gather_to_first
         group.shm_all_reduce.gather_to_first = lambda t: calls.append(t.shape) or gather(t)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert calls  # rank 0's LM head went through the segment
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+
+
+@needs_compiler
+def test_ranks_sampling_their_vocabulary_slices_share_their_numbers_through_shared_memory(tiny_model):
+    prompts = random_prompts(6, [3, 30], TP_MODEL["vocab_size"])
+    with LLM(tiny_model, tensor_parallel_size=2, device="cpu", kvcache_block_size=16) as llm:
+        shm = llm.executor.group.shm_all_reduce
+        assert llm.executor.runner.samples_vocab_parallel
+        dtypes, gathers = [], []
+        all_reduce, gather = shm.all_reduce, shm.gather_to_first
+        shm.all_reduce = lambda t: dtypes.append(t.dtype) or all_reduce(t)
+        shm.gather_to_first = lambda t: gathers.append(t.shape) or gather(t)
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert torch.float64 in dtypes and not gathers  # the sampler's few numbers, no logits
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
 
 

@@ -82,12 +82,18 @@ def test_torchrun_launch_matches_transformers(tiny_model):
     assert [o["token_ids"] for o in outputs] == expected
 
 
-def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model):
+@pytest.mark.parametrize("path", ["each rank samples its slice", "rank 0 samples the gathered logits"])
+def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model, path):
+    from tpengine.kernels.cpu import sampling as cpu_sampling
+    vocab_parallel = path == "each rank samples its slice"
+    if vocab_parallel and not cpu_sampling.available():
+        pytest.skip("the CPU sampling kernel does not build here")
     vocab = TP_MODEL["vocab_size"]  # 1003: padded to 1004 at tp=4
     params = SamplingParams(temperature=50.0, max_tokens=32, ignore_eos=True)
     with LLM(tiny_model, tensor_parallel_size=4, kvcache_block_size=16) as llm:
         lm_head = llm.executor.runner.model.lm_head
         assert lm_head.num_embeddings_per_partition * 4 == vocab + 1
+        llm.executor.runner.samples_vocab_parallel = vocab_parallel  # rank 0 decides each step's path
         sampler, widths = llm.executor.sampler, []
 
         def recording_sampler(logits, *args):
@@ -95,12 +101,39 @@ def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model):
             return sampler(logits, *args)
 
         llm.executor.sampler = recording_sampler
+        recording_sampler.vocab_parallel_rows = sampler.vocab_parallel_rows
         outputs = llm.generate(random_prompts(5, [3] * 8, vocab), params, use_tqdm=False)
-    assert widths and set(widths) == {vocab}  # the gathered logits lose the padding column
+    if vocab_parallel:
+        assert not widths  # no step gathered the logits
+    else:
+        assert widths and set(widths) == {vocab}  # the gathered logits lose the padding column
     tokens = [t for o in outputs for t in o.token_ids]
     assert len(tokens) == 8 * 32 and max(tokens) < vocab
     # near-uniform sampling reaches the whole vocabulary, the last rank's shard included
     assert len(set(tokens)) > 150 and any(t >= 3 * lm_head.num_embeddings_per_partition for t in tokens)
+
+
+def test_a_row_gets_the_same_token_whether_the_ranks_sample_their_slices_or_rank_0_the_gathered_logits(tiny_model):
+    from tpengine.kernels.cpu import sampling as cpu_sampling
+    if not cpu_sampling.available():
+        pytest.skip("the CPU sampling kernel does not build here")
+    prompts = random_prompts(31, [4, 40, 9, 17, 23, 5, 31, 12], TP_MODEL["vocab_size"])
+    plain = [SamplingParams(temperature=t, seed=s, max_tokens=10, ignore_eos=True)
+             for t, s in zip([0.0, 0.7, 1.0, 1.3, 0.0, 2.0, 0.9, 0.5], range(8))]
+    # a batch mate asking for logprobs makes every step it is in sample the gathered logits on rank 0
+    gathering = SamplingParams(temperature=0.8, seed=99, logprobs=2, max_tokens=12, ignore_eos=True)
+    with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        steps = []
+        send = llm.executor.send_to_workers
+        llm.executor.send_to_workers = lambda step: steps.append(bool(step.temperatures)) or send(step)
+        alone = [o.token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+        assert steps and all(steps)  # every step sampled on the ranks' slices
+        steps.clear()
+        mixed = llm.generate(prompts + [prompts[0]], plain + [gathering], use_tqdm=False)
+        assert steps and not any(steps)
+    assert [o.token_ids for o in mixed[:-1]] == alone
+    assert alone[0] == hf_greedy(tiny_model, prompts[:1], 10)[0]
+    assert len({tuple(t) for t in alone}) == len(alone)
 
 
 def test_two_node_torchrun_sends_steps_over_the_gloo_broadcast(tiny_model):

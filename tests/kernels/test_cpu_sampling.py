@@ -111,3 +111,44 @@ def test_bad_arguments_are_refused():
         sampling.sample_rows(logits, torch.ones(3), torch.rand(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="uniforms"):
         sampling.sample_rows(logits, torch.ones(2), torch.rand(2))
+
+
+@pytest.mark.parametrize("num_slices", [2, 3, 4])
+def test_slices_as_tensor_parallel_ranks_hold_them_draw_what_the_whole_row_draws(num_slices):
+    generator = torch.Generator().manual_seed(10 + num_slices)
+    rows, vocab = 64, 1001  # slices of 501, 334 and 251 columns: blocks and vector tails do not line up
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    temperatures = torch.rand(rows, generator=generator) + 0.1
+    temperatures[::4] = 0.0
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
+    whole = sampling.sample_rows(logits, temperatures, uniforms).tolist()
+    sliced = sampling.sample_rows(logits, temperatures, uniforms, num_slices).tolist()
+    expected, cdf = reference(logits, temperatures, uniforms)
+    for r in range(rows):
+        if temperatures[r] == 0:
+            assert sliced[r] == whole[r] == logits[r].argmax().item()
+        elif not near_a_boundary(cdf[r], uniforms[r].item()):
+            assert sliced[r] == whole[r] == expected[r], r
+
+
+def test_slices_keep_the_first_of_equal_maxima_and_a_nan_in_any_slice_spoils_the_row():
+    logits = torch.randn(3, 40)
+    logits[0, 25] = logits[0, 35] = logits[0, 5] = 9.0  # maxima in slices 0 and 1 of two
+    logits[1, 30] = float("nan")  # only slice 1 sees it
+    logits[2] = float("-inf")
+    for temperature in (0.0, 1.0):
+        tokens = sampling.sample_rows(logits, torch.full((3,), temperature), torch.full((3,), 0.3, dtype=torch.float64), 2)
+        assert tokens[1:].tolist() == [-1, -1]
+    tokens = sampling.sample_rows(logits, torch.zeros(3), torch.zeros(3, dtype=torch.float64), 2)
+    assert tokens[0] == 5
+
+
+def test_more_slices_than_the_vocabulary_fills_leave_the_empty_ones_out():
+    assert sampling.slice_bounds(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]]).repeat(400, 1)
+    uniforms = torch.rand(400, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    temperatures = torch.ones(400)
+    assert torch.equal(sampling.sample_rows(logits, temperatures, uniforms, 4),
+                       sampling.sample_rows(logits, temperatures, uniforms))
+    uniforms[0] = 1.0 - 2.0 ** -53
+    assert sampling.sample_rows(logits, temperatures, uniforms, 4)[0] == 4

@@ -30,6 +30,10 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     decode: list[DecodeSeq]
     # prefix-cache hits that end inside a block: done on every rank before the step's forward
     block_copies: list[BlockCopy] = []
+    # when set, every rank samples the rows over its own slice of the vocabulary and rank 0 gets the
+    # tokens (no gather of the logits): each row's temperature (0: greedy) and uniform draw
+    temperatures: list[float] = []
+    uniforms: list[float] = []
 
 
 class InitMessage(msgspec.Struct, array_like=True, tag="init"):

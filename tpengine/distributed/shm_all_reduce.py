@@ -31,7 +31,7 @@ import torch
 
 from tpengine.distributed.shm_ring import PeerDiedError, _attach_untracked, _pid_alive, _segment_name
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the sampler's few numbers
 DEFAULT_SLOT_BYTES = 1 << 20  # a decode step's tensor fits whole; a prefill pass's goes in a few pieces
 
 _MAGIC = int.from_bytes(b"tpeallr2", "little")  # also versions the layout

@@ -40,7 +40,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the real vocabulary, gathered on rank 0 (other ranks get None)."""
+    """Logits for the real vocabulary, gathered on rank 0 (other ranks get None); or, gather=False, every
+    rank's own slice of them, columns vocab_start_idx onwards."""
 
     packed_weight = None
 
@@ -48,8 +49,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """After loading: logits from a packed copy. The weight stays: a tied embedding shares it."""
         self.packed_weight = prepack_weight_for_cpu(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
         logits = linear(x, self.weight, None, self.packed_weight)
+        if not gather:  # the last shard's padding columns are never sampled
+            return logits[..., :max(0, self.num_embeddings - self.vocab_start_idx)]
         if self.tp_size > 1:
             logits = self.tp_group.gather_to_first(logits)
             if logits is None:

@@ -146,5 +146,5 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        return self.lm_head(hidden_states, gather)

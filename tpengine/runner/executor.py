@@ -1,4 +1,5 @@
-"""Rank 0's view of all ranks: run a step everywhere, sample on rank 0, hand back token ids."""
+"""Rank 0's view of all ranks: run a step everywhere, sample (on rank 0, or on every rank over its slice of
+the vocabulary), hand back token ids."""
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import StepMessage, slim_step
 from tpengine.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup, resolve_device
@@ -11,7 +12,7 @@ class Executor:
 
     def __init__(self, config: EngineConfig, group: TensorParallelGroup = SINGLE_RANK, device=None):
         self.config = config
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.tensor_parallel_size)
         self.runner = ModelRunner(config, group, device or resolve_device(config.device), self.sampler)
 
     @property
@@ -29,9 +30,14 @@ class Executor:
     def execute(self, plan) -> SamplerOutput:
         """Run a StepPlan on every rank; one sampled token per row of plan.seqs."""
         step = slim_step(plan)
+        rows = self.sampler.vocab_parallel_rows(plan.seqs) if self.runner.samples_vocab_parallel else None
+        if rows is not None:
+            step.temperatures, step.uniforms = rows
         self.send_to_workers(step)
-        logits = self.runner.execute(step)
-        return self.sampler(logits, plan.seqs)
+        out = self.runner.execute(step)
+        if rows is not None:
+            return SamplerOutput(out, [None] * len(plan.seqs))
+        return self.sampler(out, plan.seqs)
 
     def check_health(self) -> None:
         """Raise if some rank is gone (rank 0 alone: nothing to check)."""

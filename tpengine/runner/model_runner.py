@@ -13,7 +13,8 @@ from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
 from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
-from tpengine.runner.sampler import Sampler
+from tpengine.kernels.cpu import sampling as cpu_sampling
+from tpengine.runner.sampler import Sampler, sample_vocab_parallel
 
 logger = logging.getLogger("tpengine")
 
@@ -93,6 +94,10 @@ class ModelRunner:
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        # CPU ranks sample a plain step over their own vocabulary slices, with no gather of the logits
+        # (rank 0 decides per step: StepMessage.temperatures), when every rank has the kernel
+        self.samples_vocab_parallel = (self.device.type == "cpu" and group.size > 1
+                                       and group.all_reduce_min(int(cpu_sampling.available()), self.device) == 1)
         self.cuda_graphs = None
         # a graph captures NCCL collectives, not gloo's (the one-GPU test mode): those ranks stay eager
         if self.device.type == "cuda" and not config.enforce_eager and (group.size == 1 or not one_gpu_test_mode()):
@@ -297,9 +302,9 @@ class ModelRunner:
     # --- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: StepMessage) -> torch.Tensor | None:
+    def execute(self, step: StepMessage) -> torch.Tensor | list[int] | None:
         """Run one step in one forward; rank 0 gets the logits of each row (decode tokens, then each
-        prefill chunk's last token), other ranks None."""
+        prefill chunk's last token), or with step.temperatures set their sampled tokens; other ranks None."""
         if step.block_copies:
             self.copy_blocks(step)
         input_ids, positions, meta, logits_rows = self.prepare(step)
@@ -310,5 +315,9 @@ class ModelRunner:
             hidden_states = graphs.run(input_ids, positions, meta)
         else:
             hidden_states = self.model(input_ids, positions, meta)
-        # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0
+        # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0,
+        # unless every rank samples its own slice
+        if step.temperatures:
+            return sample_vocab_parallel(self.model.compute_logits(hidden_states, gather=False), step.temperatures,
+                                         step.uniforms, self.group, self.model.lm_head.vocab_start_idx)
         return self.model.compute_logits(hidden_states)

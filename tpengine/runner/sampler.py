@@ -1,4 +1,9 @@
-"""Token sampling on rank 0: penalties, min_tokens, greedy or filtered sampling, logprobs, and seeds.
+"""Token sampling: penalties, min_tokens, greedy or filtered sampling, logprobs, and seeds.
+
+Rank 0 samples the gathered logits. On the CPU, rows that a temperature alone shapes go through the
+C++ kernel (kernels/cpu/sampling.cpp), and at tp > 1 a step made only of such rows is sampled by every
+rank over its own slice of the vocabulary instead (`sample_vocab_parallel`: no gather of the logits),
+with the same arithmetic, so either path gives a row the same token.
 
 Per step the host sends the device only small tensors, each by one pinned non-blocking copy (the
 random numbers included: they are drawn on the host), and waits on the device once, for the result.
@@ -42,14 +47,40 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return _to_device([row + [pad] * (width - len(row)) for row in rows], torch.int64, device)
 
 
+class VocabParallelRows(NamedTuple):
+    """What every rank needs to sample a step's rows over its own slice of the vocabulary."""
+    temperatures: list[float]  # 0: greedy
+    uniforms: list[float]      # 0.0 for greedy rows
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, num_vocab_slices: int = 1):
         # Unseeded sampled rows draw from this host generator: the engine's seed makes a run repeatable.
         self.generator = torch.Generator()
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        # the tensor-parallel size: the CPU kernel cuts gathered logits into the slices the ranks hold,
+        # so a row gets the token the ranks would sample without gathering (vocab_parallel_rows)
+        self.num_vocab_slices = num_vocab_slices
+
+    def vocab_parallel_rows(self, seqs) -> VocabParallelRows | None:
+        """Each row's temperature and uniform when every row of the step is one the ranks can sample over
+        their own vocabulary slices (greedy or temperature alone: no penalty, filter, logprobs or pending
+        min_tokens); None when some row needs the gathered logits. The uniforms are drawn here, as the
+        gathered path draws them, so either path gives a row the same token."""
+        for seq in seqs:
+            p = seq.sampling_params
+            if (p.has_penalties or _has_filter(p) or p.logprobs is not None
+                    or (seq.min_tokens and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens)):
+                return None
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+        uniforms = [0.0] * len(seqs)
+        if random_rows:
+            for i, u in zip(random_rows, self._uniforms([seqs[i] for i in random_rows]).tolist()):
+                uniforms[i] = u
+        return VocabParallelRows([seq.sampling_params.temperature for seq in seqs], uniforms)
 
     def __call__(self, logits: torch.Tensor, seqs) -> SamplerOutput:
         """logits: [batch, vocab] for seqs (rank 0's Sequences: their params, tokens and counts)."""
@@ -93,14 +124,13 @@ class Sampler:
         temperatures, uniforms, filtered = [0.0] * len(seqs), [0.0] * len(seqs), []
         drawn = uniform.tolist()
         for j, i in enumerate(random_rows):
-            p = seqs[i].sampling_params
-            if p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0:
+            if _has_filter(seqs[i].sampling_params):
                 filtered.append(j)  # the kernel takes it as greedy; its draw below replaces that
             else:
-                temperatures[i], uniforms[i] = p.temperature, drawn[j]
+                temperatures[i], uniforms[i] = seqs[i].sampling_params.temperature, drawn[j]
         token_ids = cpu_sampling.sample_rows(logits if logits.stride(1) == 1 else logits.contiguous(),
                                              torch.tensor(temperatures, dtype=torch.float32),
-                                             torch.tensor(uniforms, dtype=torch.float64))
+                                             torch.tensor(uniforms, dtype=torch.float64), self.num_vocab_slices)
         if filtered:
             rows = torch.tensor([random_rows[j] for j in filtered])
             picked, valid = self._draw(logits[rows], [seqs[i] for i in rows.tolist()], uniform[filtered])
@@ -214,6 +244,32 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_ps = _to_device([p.min_p for p in params], torch.float32, device)
         return filtered_probs(logits, temperatures, top_ks, top_ps, min_ps)
+
+
+def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], uniforms: list[float], group,
+                          vocab_start: int) -> list[int] | None:
+    """Every rank's part of sampling a step over its own slice of the vocabulary (logits: this rank's
+    columns, vocab_start onwards): each rank sums its slice per row, the ranks share those few numbers
+    (one all-reduce), the rank whose slice holds a row's draw finds the token, and a second all-reduce
+    brings the tokens together. The CPU kernel's tokens, as rank 0 would sample the gathered logits:
+    token ids on rank 0, None on the others. Collective."""
+    logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperatures = torch.tensor(temperatures, dtype=torch.float32)
+    uniforms = torch.tensor(uniforms, dtype=torch.float64)
+    stats, sums = cpu_sampling.slice_stats(logits, temperatures)
+    all_stats = torch.zeros(group.size, *stats.shape, dtype=torch.float64)
+    all_stats[group.rank] = stats
+    group.all_reduce(all_stats)  # x + 0 is x: every rank gets every rank's stats, bit for bit
+    tokens = torch.zeros(logits.size(0), dtype=torch.float64)
+    cpu_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, group.rank, vocab_start, tokens)
+    group.all_reduce(tokens)  # each row's token comes from one rank; the others add 0
+    return tokens.long().tolist() if group.rank == 0 else None
+
+
+def _has_filter(params: SamplingParams) -> bool:
+    return params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _greedy(logits: torch.Tensor) -> list[int]:
