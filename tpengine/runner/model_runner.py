@@ -9,11 +9,11 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
 from tpengine.distributed.messages import PrefillSeq, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
+from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
 from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
-from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.runner.sampler import Sampler, sample_vocab_parallel
 
 logger = logging.getLogger("tpengine")

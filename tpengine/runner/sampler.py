@@ -72,8 +72,7 @@ class Sampler:
         gathered path draws them, so either path gives a row the same token."""
         for seq in seqs:
             p = seq.sampling_params
-            if (p.has_penalties or _has_filter(p) or p.logprobs is not None
-                    or (seq.min_tokens and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens)):
+            if p.has_penalties or _has_filter(p) or p.logprobs is not None or _min_tokens_pending(seq):
                 return None
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
         uniforms = [0.0] * len(seqs)
@@ -181,8 +180,7 @@ class Sampler:
         """Repetition (prompt + generated, transformers' definition), frequency and presence (generated)
         penalties, then min_tokens: a completion shorter than it cannot sample its stop tokens."""
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        short_rows = [i for i, seq in enumerate(seqs)
-                      if seq.min_tokens and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens]
+        short_rows = [i for i, seq in enumerate(seqs) if _min_tokens_pending(seq)]
         if not penalty_rows and not short_rows:
             return logits
         device, vocab = logits.device, logits.size(1)
@@ -270,6 +268,11 @@ def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], unifo
 
 def _has_filter(params: SamplingParams) -> bool:
     return params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _min_tokens_pending(seq) -> bool:
+    """Whether the completion is still shorter than its min_tokens (its stop tokens are masked)."""
+    return bool(seq.min_tokens) and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens
 
 
 def _greedy(logits: torch.Tensor) -> list[int]:
