@@ -16,14 +16,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <sleef.h>
-#define SAMPLING_ISA "avx512"
-#else
-#define SAMPLING_ISA "scalar"
 #endif
 
 namespace {
@@ -246,15 +242,12 @@ void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, cons
   });
 }
 
-std::string isa() { return SAMPLING_ISA; }
-
 }  // namespace
 
 TORCH_LIBRARY(tpengine_sampling, m) {
   m.def("slice_stats(Tensor logits, Tensor temperatures, Tensor(a!) stats, Tensor(b!) block_sums) -> ()");
   m.def("slice_tokens(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor all_stats, Tensor block_sums, "
         "int slice, int offset, Tensor(a!) out) -> ()");
-  m.def("isa() -> str", &isa);
 }
 
 TORCH_LIBRARY_IMPL(tpengine_sampling, CPU, m) {

@@ -75,11 +75,9 @@ class Sampler:
             if p.has_penalties or _has_filter(p) or p.logprobs is not None or _min_tokens_pending(seq):
                 return None
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
-        uniforms = [0.0] * len(seqs)
-        if random_rows:
-            for i, u in zip(random_rows, self._uniforms([seqs[i] for i in random_rows]).tolist()):
-                uniforms[i] = u
-        return VocabParallelRows([seq.sampling_params.temperature for seq in seqs], uniforms)
+        uniform = self._uniforms([seqs[i] for i in random_rows]) if random_rows else torch.empty(0)
+        temperatures, uniforms, _ = _kernel_rows(seqs, random_rows, uniform)
+        return VocabParallelRows(temperatures, uniforms)
 
     def __call__(self, logits: torch.Tensor, seqs) -> SamplerOutput:
         """logits: [batch, vocab] for seqs (rank 0's Sequences: their params, tokens and counts)."""
@@ -120,13 +118,7 @@ class Sampler:
     def _sample_on_cpu(self, logits: torch.Tensor, seqs, random_rows: list[int], uniform: torch.Tensor) -> list[int]:
         """The CPU kernel takes every row a temperature alone shapes (greedy ones included); rows with a
         top-k, top-p or min-p filter are drawn by the torch path, with the same uniforms."""
-        temperatures, uniforms, filtered = [0.0] * len(seqs), [0.0] * len(seqs), []
-        drawn = uniform.tolist()
-        for j, i in enumerate(random_rows):
-            if _has_filter(seqs[i].sampling_params):
-                filtered.append(j)  # the kernel takes it as greedy; its draw below replaces that
-            else:
-                temperatures[i], uniforms[i] = seqs[i].sampling_params.temperature, drawn[j]
+        temperatures, uniforms, filtered = _kernel_rows(seqs, random_rows, uniform)
         token_ids = cpu_sampling.sample_rows(logits if logits.stride(1) == 1 else logits.contiguous(),
                                              torch.tensor(temperatures, dtype=torch.float32),
                                              torch.tensor(uniforms, dtype=torch.float64), self.num_vocab_slices)
@@ -264,6 +256,19 @@ def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], unifo
     cpu_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, group.rank, vocab_start, tokens)
     group.all_reduce(tokens)  # each row's token comes from one rank; the others add 0
     return tokens.long().tolist() if group.rank == 0 else None
+
+
+def _kernel_rows(seqs, random_rows: list[int], uniform: torch.Tensor) -> tuple[list[float], list[float], list[int]]:
+    """What the CPU kernel takes per row, temperature and uniform (0 and 0.0 for a greedy row), and the
+    positions in random_rows of the rows with a top-k, top-p or min-p filter, which the kernel takes as
+    greedy and the torch path draws instead."""
+    temperatures, uniforms, filtered = [0.0] * len(seqs), [0.0] * len(seqs), []
+    for j, (i, drawn) in enumerate(zip(random_rows, uniform.tolist())):
+        if _has_filter(seqs[i].sampling_params):
+            filtered.append(j)
+        else:
+            temperatures[i], uniforms[i] = seqs[i].sampling_params.temperature, drawn
+    return temperatures, uniforms, filtered
 
 
 def _has_filter(params: SamplingParams) -> bool:
