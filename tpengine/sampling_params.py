@@ -4,24 +4,38 @@ import numbers
 import struct
 from dataclasses import dataclass
 
+from tpengine.errors import InvalidRequestError
+
 MIN_TEMPERATURE = 1e-2   # below it logits / T overflow float32 on real models' logit ranges (vLLM's floor too)
 MAX_LOGPROBS = 20
+# Stop strings are matched as text grows (memory and time linear in them); these bound one request's
+# share of the engine thread. OpenAI allows 4 strings; real delimiters are far shorter.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 16384
+MAX_LOGIT_BIAS = 100.0   # OpenAI's range for a logit_bias value: -100 bans a token, 100 all but forces it
+# Token-id lists a request may carry: the sampler applies them to every step's logits.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def _invalid(name: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, name)
+
+
 def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise _invalid(name, f"{name} must be a number, got {value!r:.60}")
     return float(value)
 
 
 def _integer(name: str, value) -> int:
     # bools are ints in Python but never a count; numpy integers are accepted
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise _invalid(name, f"{name} must be an integer, got {value!r:.60}")
     return int(value)
 
 
@@ -30,9 +44,15 @@ def _stop_strings(stop) -> tuple[str, ...]:
         return ()
     strings = (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise _invalid("stop", f"stop must be a string or a list of strings, got {stop!r:.60}")
     if any(s == "" for s in strings):
-        raise ValueError("stop strings must not be empty")
+        raise _invalid("stop", "stop strings must not be empty")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise _invalid("stop", f"stop has {len(strings)} strings, more than the limit of {MAX_STOP_STRINGS}")
+    longest = max(map(len, strings), default=0)
+    if longest > MAX_STOP_STRING_LENGTH:
+        raise _invalid("stop", f"a stop string has {longest} characters, more than the limit of "
+                               f"{MAX_STOP_STRING_LENGTH}")
     return tuple(strings)
 
 
@@ -40,11 +60,36 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
     if ids is None:
         return ()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
-        raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+        raise _invalid(name, f"{name} must be a list of token ids, got {ids!r:.60}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(name, f"{name} has {len(ids)} token ids, more than the limit of {MAX_STOP_TOKEN_IDS}")
     ids = tuple(_integer(name, t) for t in ids)
     if any(t < 0 for t in ids):
-        raise ValueError(f"{name} must be non-negative token ids, got {ids!r}")
+        raise _invalid(name, f"{name} must be non-negative token ids, got {ids!r:.60}")
     return ids
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias}, ids as ints (JSON sends them as strings of digits), each bias within the range."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _invalid("logit_bias", f"logit_bias must be a dict of token id -> bias, got {bias!r:.60}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid("logit_bias", f"logit_bias has {len(bias)} entries, more than the limit of "
+                                     f"{MAX_LOGIT_BIAS_ENTRIES}")
+    normalized = {}
+    for token, value in bias.items():
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise _invalid("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {token!r:.60}")
+        value = _real("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise _invalid("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                         f"got {value!r} for token {token}")
+        normalized[int(token)] = value
+    return normalized or None
 
 
 @dataclass(frozen=True)
@@ -66,6 +111,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0          # -2..2, over generated tokens
     repetition_penalty: float = 1.0         # > 0, over prompt and generated tokens (transformers' definition)
     skip_special_tokens: bool = True
+    # token id -> bias in [-100, 100] added to its logit before penalties and sampling (greedy included)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         def set_(name, value):
@@ -73,48 +120,50 @@ class SamplingParams:
 
         n = _integer("n", self.n)
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise _invalid("n", f"n must be >= 1, got {n}")
         temperature = _real("temperature", self.temperature)
         if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+            raise _invalid("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE} "
-                             f"(smaller ones overflow float32 logits), got {self.temperature!r}")
+            raise _invalid("temperature", f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE} "
+                                          f"(smaller ones overflow float32 logits), got {self.temperature!r}")
         top_k = _integer("top_k", self.top_k)
         if top_k != -1 and top_k < 1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {top_k}")
+            raise _invalid("top_k", f"top_k must be -1 (disabled) or >= 1, got {top_k}")
         top_p = _real("top_p", self.top_p)
         if not (0.0 < top_p <= 1.0 and _float32(top_p) > 0.0):
-            raise ValueError(f"top_p must be in (0, 1] and nonzero in float32 (>= 1.4e-45), got {self.top_p!r}")
+            raise _invalid("top_p", f"top_p must be in (0, 1] and nonzero in float32 (>= 1.4e-45), got {self.top_p!r}")
         min_p = _real("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = None if self.seed is None else _integer("seed", self.seed)
         max_tokens = _integer("max_tokens", self.max_tokens)
         if max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens}")
+            raise _invalid("max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens}")
         min_tokens = _integer("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+            raise _invalid("min_tokens", f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+            raise _invalid("logprobs", f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise _invalid(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
             set_(name, value)
         repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
         if not 0.0 < repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite value > 0, got {self.repetition_penalty!r}")
+            raise _invalid("repetition_penalty",
+                           f"repetition_penalty must be a finite value > 0, got {self.repetition_penalty!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise _invalid(name, f"{name} must be True or False, got {getattr(self, name)!r:.60}")
         for name, value in (("n", n), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                             ("min_p", min_p), ("seed", seed), ("max_tokens", max_tokens),
                             ("min_tokens", min_tokens), ("logprobs", logprobs),
                             ("repetition_penalty", repetition_penalty), ("stop", _stop_strings(self.stop)),
-                            ("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))):
+                            ("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)),
+                            ("logit_bias", _logit_bias(self.logit_bias))):
             set_(name, value)
 
     @property

@@ -173,3 +173,29 @@ def test_requests_beyond_the_engine_limits_are_refused(tiny_model, params, messa
     with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=16, max_model_len=64, max_num_seqs=64) as llm:
         with pytest.raises(ValueError, match=message):
             llm.add_request([1, 2], params)
+
+
+def test_greedy_with_logit_bias_equals_transformers_sequence_bias(llm, tiny_model):
+    # transformers' SequenceBiasLogitsProcessor adds a bias to single-token sequences' logits, as logit_bias does
+    prompts = random_prompts(11, [7, 12], VOCAB)
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, plain):
+        # ban the first greedy token, push two others up a little: the continuation changes
+        bias = {out.token_ids[0]: -100.0, 5: 2.5, 17: 1.0}
+        ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                     logit_bias={str(t): b for t, b in bias.items()}),
+                            use_tqdm=False)[0]
+        expected = hf_greedy_with(tiny_model, prompt, 8, sequence_bias={(t,): b for t, b in bias.items()})
+        assert ours.token_ids == expected
+        assert out.token_ids[0] not in ours.token_ids
+
+
+def test_logit_bias_forces_a_sampled_token_and_bad_biases_name_the_limit(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                                                   logit_bias={42: 100.0}), use_tqdm=False)[0]
+    assert out.token_ids == [42] * 6
+    for bias, message in (({VOCAB: 1.0}, "outside the vocabulary"), ({3: 101.0}, r"\[-100, 100\]"),
+                          ({"x": 1.0}, "token ids"), ({3: float("nan")}, r"\[-100, 100\]")):
+        with pytest.raises(ValueError, match=message) as error:
+            llm.generate([[1, 2]], SamplingParams(logit_bias=bias), use_tqdm=False)
+        assert error.value.param == "logit_bias"

@@ -8,6 +8,8 @@ recent tokens (as vLLM does), reading on only when the window does not end in U+
 """
 from codecs import utf_8_decode
 
+from tpengine.engine.stop_strings import StopMatcher, StopStrings
+
 REPLACEMENT_CHAR = "\ufffd"
 _WINDOW_CONTEXT_TOKENS = 5   # prompt tokens a window starts with: a leading space decodes as in context
 
@@ -60,16 +62,6 @@ class Detokenizer:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def _proper_prefixes_by_last_char(stops: tuple[str, ...]) -> dict[str, list[str]]:
-    """Each stop string's proper prefixes, keyed by their last character, longest first: a text can end
-    in a stop's start only if its last character is a key (one dict lookup rejects most steps)."""
-    by_char: dict[str, set[str]] = {}
-    for stop in stops:
-        for k in range(1, len(stop)):
-            by_char.setdefault(stop[k - 1], set()).add(stop[:k])
-    return {char: sorted(prefixes, key=len, reverse=True) for char, prefixes in by_char.items()}
-
-
 class IncrementalText:
     """One completion's text, grown token by token, with its stop strings matched as it grows.
 
@@ -77,15 +69,16 @@ class IncrementalText:
     visible text is a prefix of the final one.
     """
 
-    __slots__ = ("detokenizer", "skip_special_tokens", "stop", "_stop_prefixes", "_longest_stop", "include_stop", "text",
+    __slots__ = ("detokenizer", "skip_special_tokens", "stop", "include_stop", "text",
                  "_bytes", "_undecoded", "_window", "_prefix_offset", "_read_offset")
 
-    def __init__(self, detokenizer: Detokenizer, params, prompt_token_ids: list[int]):
+    def __init__(self, detokenizer: Detokenizer, params, prompt_token_ids: list[int],
+                 stops: StopStrings | None = None):
+        """stops: the request's stop strings, shared by its completions (made here if not given)."""
         self.detokenizer = detokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop = params.stop
-        self._stop_prefixes = _proper_prefixes_by_last_char(params.stop)
-        self._longest_stop = max(map(len, params.stop), default=0)
+        # None when there is none to match (no stop strings, or a text only completed at the end)
+        self.stop = None if not params.stop else StopMatcher(stops or StopStrings(params.stop))
         self.include_stop = params.include_stop_str_in_output
         self.text = ""
         if detokenizer.byte_level:
@@ -113,9 +106,14 @@ class IncrementalText:
         else:
             self._window.extend(token_ids[start:end])
             self._read_window(final=False)
-        if not (self.stop and match_stop) or len(self.text) == old_len:
+        if self.stop is None or len(self.text) == old_len:
             return None
-        return self._match_stop(old_len)
+        found = self.stop.feed(self.text, old_len, match_stop)
+        if found is None:
+            return None
+        stop, at = found
+        self.text = self.text[:at + len(stop)] if self.include_stop else self.text[:at]
+        return stop
 
     def finish(self) -> None:
         """The completion ended without a stop string: flush what was held back (a character no later
@@ -138,31 +136,8 @@ class IncrementalText:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
 
-    def _match_stop(self, old_len: int) -> str | None:
-        text = self.text
-        tail = text[max(0, old_len - self._longest_stop + 1):]
-        for stop in self.stop:  # the common step: one C search per stop string, none found
-            if stop in tail:
-                break
-        else:
-            return None
-        # only a match that ends in the new text is new; the earliest start wins
-        best, best_at = None, len(text)
-        for stop in self.stop:
-            at = text.find(stop, max(0, old_len - len(stop) + 1))
-            if at != -1 and at < best_at:
-                best, best_at = stop, at
-        if best is not None:
-            self.text = text[:best_at + len(best)] if self.include_stop else text[:best_at]
-        return best
-
     @property
     def visible_text(self) -> str:
         """The text without a tail that may yet begin a stop string."""
-        text = self.text
-        candidates = self._stop_prefixes.get(text[-1:]) if self.stop else None
-        if candidates:
-            for prefix in candidates:  # longest first: the longest held-back tail wins
-                if text.endswith(prefix):
-                    return text[:len(text) - len(prefix)]
-        return text
+        held_back = self.stop.num_held_back if self.stop is not None else 0
+        return self.text[:len(self.text) - held_back] if held_back else self.text

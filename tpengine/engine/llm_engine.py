@@ -14,6 +14,7 @@ from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step_plan import StepPlan
+from tpengine.errors import InvalidRequestError
 from tpengine.models.config import max_model_len_of
 from tpengine.outputs import RequestOutput
 from tpengine.sampling_params import SamplingParams
@@ -130,27 +131,38 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none: use stop_token_ids")
+            raise InvalidRequestError("stop strings need a tokenizer, and this model folder has none: use "
+                                      "stop_token_ids", "stop")
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}")
+            raise InvalidRequestError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}", "n")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens")
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})")
-        prompt, token_ids = parse_prompt(prompt, self.tokenizer)
-        if not token_ids:
-            raise ValueError("prompt is empty: it needs at least one token")
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+            raise InvalidRequestError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} "
+                                      "tokens", "logprobs")
+        for name, what, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
+                                ("logit_bias", "logit_bias token id", params.logit_bias or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise InvalidRequestError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})", name)
+        try:
+            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
+            if not token_ids:
+                raise ValueError("prompt is empty: it needs at least one token")
+            for t in token_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+            self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:  # the prompt, or its length with max_tokens, is at fault
+            raise InvalidRequestError(str(e), "prompt") from None
         block_size = self.config.kvcache_block_size
-        seqs = [Sequence(token_ids, params, block_size=block_size)]
+        request_id = next(self._request_ids)
+        seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id)]
         for i in range(1, params.n):  # child i samples with seed + i: reproducible, and distinct from its siblings
             child_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0]))
-        return Request(next(self._request_ids), prompt, token_ids, params, seqs, self.detokenizer, stream)
+            seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0],
+                                 request_id=request_id))
+        return Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
 
     def _queue(self, request: Request) -> None:
         for seq in request.seqs:
@@ -222,8 +234,9 @@ class LLMEngine:
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
         # once per scheduled sequence per step: attribute tests only for a request that needs nothing
+        requests = self._requests
         for i, seq in enumerate(seqs):
-            request = seq.request
+            request = requests[seq.request_id]
             if seq.finish_reason is not None:  # finished in this step
                 if request.per_step and seq.finish_reason != "abort":
                     stop = request.on_token(seq, logprobs[i])
@@ -239,7 +252,7 @@ class LLMEngine:
                     self._process_finished(seq, touched)
 
     def _process_finished(self, seq: Sequence, touched: dict[int, Request]) -> None:
-        request = seq.request
+        request = self._requests[seq.request_id]
         request.on_finish(seq)
         touched[request.request_id] = request
         if request.finished:
@@ -268,7 +281,7 @@ class LLMEngine:
             try:
                 requests.append(self._make_request(prompt, params, stream=False))
             except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+                raise InvalidRequestError(f"prompt {i}: {e}", getattr(e, "param", None)) from None
         for request in requests:
             self._queue(request)
         own = {request.request_id for request in requests}

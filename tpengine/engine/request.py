@@ -1,6 +1,7 @@
 """One request on rank 0: its n completions (Sequences), their text, logprobs, and what step() reports."""
 from tpengine.engine.detokenizer import Detokenizer, IncrementalText
 from tpengine.engine.sequence import Sequence
+from tpengine.engine.stop_strings import StopStrings
 from tpengine.outputs import CompletionOutput, RequestOutput
 from tpengine.sampling_params import SamplingParams
 
@@ -21,13 +22,13 @@ class Request:
         # Text is grown every step only where someone reads it before the end: a stream or stop strings.
         self.per_step = stream or bool(params.stop) or params.logprobs is not None
         track_text = detokenizer is not None and (stream or bool(params.stop))
-        self.texts = [IncrementalText(detokenizer, params, prompt_token_ids) if track_text else None for _ in seqs]
+        stops = StopStrings(params.stop) if track_text and params.stop else None   # shared by the completions
+        self.texts = [IncrementalText(detokenizer, params, prompt_token_ids, stops) if track_text else None
+                      for _ in seqs]
         self.num_decoded = [len(prompt_token_ids)] * len(seqs)   # per completion: tokens already in its text
         self.logprobs = None if params.logprobs is None else [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
         self.num_unfinished = len(seqs)
-        for seq in seqs:
-            seq.request = self
 
     @property
     def finished(self) -> bool:

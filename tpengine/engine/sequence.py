@@ -20,11 +20,11 @@ class Sequence:
         "num_cached_tokens", "num_scheduled_tokens", "block_table",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
-        "request", "block_hashes", "arrival_step",
+        "request_id", "block_hashes", "arrival_step",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
-                 index: int = 0, parent: "Sequence | None" = None):
+                 index: int = 0, parent: "Sequence | None" = None, request_id: int = -1):
         self.seq_id = next(Sequence.counter)
         self.block_size = block_size  # the engine's, per sequence (the seed's class-wide 256 was a global)
         self.status = SequenceStatus.WAITING
@@ -50,7 +50,9 @@ class Sequence:
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
         # of computing the prompt again. Cleared once they have blocks of their own.
         self.parent = parent
-        self.request = None                 # the engine's per-request state; the ledger never reads it
+        # the engine's request it belongs to, by id: a reference back would make a cycle that only the
+        # cycle collector frees (request -> sequences -> request); the ledger never reads it
+        self.request_id = request_id
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
         self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
 

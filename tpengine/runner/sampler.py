@@ -72,7 +72,8 @@ class Sampler:
         gathered path draws them, so either path gives a row the same token."""
         for seq in seqs:
             p = seq.sampling_params
-            if p.has_penalties or _has_filter(p) or p.logprobs is not None or _min_tokens_pending(seq):
+            if (p.has_penalties or _has_filter(p) or p.logprobs is not None or p.logit_bias is not None
+                    or _min_tokens_pending(seq)):
                 return None
         random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
         uniform = self._uniforms([seqs[i] for i in random_rows]) if random_rows else torch.empty(0)
@@ -143,7 +144,7 @@ class Sampler:
         The engine's generator is left as it was, so warming up never changes a seeded run's tokens."""
         params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, seed=0, max_tokens=2, min_tokens=1,
                                 stop_token_ids=(0,), logprobs=MAX_LOGPROBS, repetition_penalty=1.1,
-                                frequency_penalty=0.1, presence_penalty=0.1)
+                                frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 1.0})
         state = self.generator.get_state()
         try:
             return self(logits, [Sequence([0, 1], params, block_size=16) for _ in range(logits.size(0))])
@@ -169,14 +170,22 @@ class Sampler:
 
     @staticmethod
     def _penalized(logits: torch.Tensor, seqs, params) -> torch.Tensor:
-        """Repetition (prompt + generated, transformers' definition), frequency and presence (generated)
-        penalties, then min_tokens: a completion shorter than it cannot sample its stop tokens."""
+        """logit_bias (vLLM applies it first), then repetition (prompt + generated, transformers'
+        definition), frequency and presence (generated) penalties, then min_tokens: a completion shorter
+        than it cannot sample its stop tokens."""
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         short_rows = [i for i, seq in enumerate(seqs) if _min_tokens_pending(seq)]
-        if not penalty_rows and not short_rows:
+        if not penalty_rows and not short_rows and not bias_rows:
             return logits
         device, vocab = logits.device, logits.size(1)
         logits = logits.clone()
+        if bias_rows:  # the engine checked every id against the vocabulary
+            rows = [i for i in bias_rows for _ in params[i].logit_bias]
+            columns = [t for i in bias_rows for t in params[i].logit_bias]
+            biases = [b for i in bias_rows for b in params[i].logit_bias.values()]
+            logits.index_put_((_to_device(rows, torch.int64, device), _to_device(columns, torch.int64, device)),
+                              _to_device(biases, torch.float32, device), accumulate=True)
         if penalty_rows:
             rows = _to_device(penalty_rows, torch.int64, device)
             # padded with an extra column `vocab` that is dropped: one scatter for every row
