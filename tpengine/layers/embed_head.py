@@ -49,8 +49,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """After loading: logits from a packed copy. The weight stays: a tied embedding shares it."""
         self.packed_weight = prepack_weight_for_cpu(self.weight)
 
-    def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, gather: bool = True, num_rows: int | None = None) -> torch.Tensor | None:
+        """num_rows: only the first rows are wanted (the rest pad the matmul to a size it has a kernel for)."""
         logits = linear(x, self.weight, None, self.packed_weight)
+        if num_rows is not None:
+            logits = logits[:num_rows]
         if not gather:  # the last shard's padding columns are never sampled
             return logits[..., :max(0, self.num_embeddings - self.vocab_start_idx)]
         if self.tp_size > 1:

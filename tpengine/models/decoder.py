@@ -146,5 +146,6 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
-        return self.lm_head(hidden_states, gather)
+    def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True,
+                       num_rows: int | None = None) -> torch.Tensor | None:
+        return self.lm_head(hidden_states, gather, num_rows)

@@ -36,6 +36,18 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config, log: bool = True)
     return getattr(torch, dtype)
 
 
+def cpu_row_bucket(num_rows: int) -> int:
+    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
+    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
+    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
+    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
+    weights are read once either way)."""
+    if num_rows <= 4:
+        return num_rows
+    power = 1 << (num_rows - 1).bit_length()
+    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
+
+
 def available_host_memory() -> int:
     """Bytes the host can still hand out without swapping (Linux MemAvailable; free pages elsewhere)."""
     try:
@@ -214,7 +226,7 @@ class ModelRunner:
             blocks = -(-length // self.block_size)
             seqs.append(PrefillSeq([0] * length, 0, list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
-        input_ids, positions, meta, _ = self.prepare(StepMessage(prefill=seqs, decode=[]))
+        input_ids, positions, meta, _, _ = self.prepare(StepMessage(prefill=seqs, decode=[]))
         self._allocate_kv_cache(num_blocks)
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         hidden_states = self.model(input_ids, positions, meta)
@@ -244,17 +256,24 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def prepare(self, step: StepMessage):
-        """The forward's inputs: input ids, positions, attention metadata, and in a step with prompt
-        chunks the rows whose logits are wanted (every decode row, each chunk's last token; None: all
-        rows). Rows: decode tokens first, then the chunks."""
+        """The forward's inputs: input ids, positions, attention metadata, the rows whose logits are wanted
+        (every decode row, each chunk's last token; None: the first num_logits rows), and num_logits.
+        Rows: decode tokens first, then the chunks. On the CPU, padding rows follow the decode rows (a
+        decode row with nothing to attend to and no cache slot) up to cpu_row_bucket, and the LM head's
+        rows are padded the same way; only the first num_logits rows of its logits are real."""
         block_size = self.block_size
-        input_ids = [seq.last_token for seq in step.decode]
-        positions = [seq.context_len - 1 for seq in step.decode]
-        slot_mapping = [seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size for seq in step.decode]
-        decode = self._decode_metadata(step, slot_mapping) if step.decode else None
+        num_real_rows = len(step.decode) + sum(len(seq.token_ids) for seq in step.prefill)
+        num_padding = cpu_row_bucket(num_real_rows) - num_real_rows if self.device.type == "cpu" else 0
+        input_ids = [seq.last_token for seq in step.decode] + [0] * num_padding
+        positions = [seq.context_len - 1 for seq in step.decode] + [0] * num_padding
+        slot_mapping = [seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size
+                        for seq in step.decode] + [-1] * num_padding
+        context_lens = [seq.context_len for seq in step.decode] + [0] * num_padding
+        block_tables = [seq.block_table for seq in step.decode] + [[0]] * num_padding
+        decode = self._decode_metadata(slot_mapping, context_lens, block_tables) if context_lens else None
         if not step.prefill:
-            return self._tensor(input_ids), self._tensor(positions), decode, None
-        num_decode = len(step.decode)
+            return self._tensor(input_ids), self._tensor(positions), decode, None, len(step.decode)
+        num_decode = len(input_ids)  # padding rows included
         seqlens_q, seqlens_k = [], []
         for seq in step.prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + len(seq.token_ids)
@@ -279,15 +298,17 @@ class ModelRunner:
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             num_decode_tokens=num_decode, decode=decode)
-        logits_rows = list(range(num_decode)) + [num_decode + end - 1 for end in cu_q[1:]]
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows)
+        logits_rows = list(range(len(step.decode))) + [num_decode + end - 1 for end in cu_q[1:]]
+        num_logits = len(logits_rows)
+        if self.device.type == "cpu":
+            logits_rows += logits_rows[-1:] * (cpu_row_bucket(num_logits) - num_logits)
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), num_logits
 
-    def _decode_metadata(self, step: StepMessage, slot_mapping: list[int]) -> AttentionMetadata:
-        """The decode rows' metadata: one query per sequence over its context."""
-        context_lens = [seq.context_len for seq in step.decode]
-        block_tables = [seq.block_table for seq in step.decode]
+    def _decode_metadata(self, slot_mapping: list[int], context_lens: list[int],
+                         block_tables: list[list[int]]) -> AttentionMetadata:
+        """The decode rows' metadata: one query per sequence over its context (0 for a padding row)."""
         return AttentionMetadata(
-            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(step.decode)]),
+            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(context_lens)]),
             block_tables=self._block_tables(block_tables), block_tables_list=block_tables, seqlens_k=context_lens,
             context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
 
@@ -307,7 +328,7 @@ class ModelRunner:
         prefill chunk's last token), or with step.temperatures set their sampled tokens; other ranks None."""
         if step.block_copies:
             self.copy_blocks(step)
-        input_ids, positions, meta, logits_rows = self.prepare(step)
+        input_ids, positions, meta, logits_rows, num_logits = self.prepare(step)
         graphs = self.cuda_graphs
         if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
             hidden_states = self.model(input_ids, positions, meta)[logits_rows]
@@ -318,6 +339,7 @@ class ModelRunner:
         # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0,
         # unless every rank samples its own slice
         if step.temperatures:
-            return sample_vocab_parallel(self.model.compute_logits(hidden_states, gather=False), step.temperatures,
-                                         step.uniforms, self.group, self.model.lm_head.vocab_start_idx)
-        return self.model.compute_logits(hidden_states)
+            return sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
+                                         step.temperatures, step.uniforms, self.group,
+                                         self.model.lm_head.vocab_start_idx)
+        return self.model.compute_logits(hidden_states, num_rows=num_logits)
