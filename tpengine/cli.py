@@ -71,6 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
                             "else no key)")
     serve.add_argument("--chat-template", help="Jinja chat template file (or the template itself) for models "
                                                "whose tokenizer has none, or to override it")
+    serve.add_argument("--body-timeout", type=float, default=60.0,
+                       help="seconds a client has to send a whole request body before it gets a 408 (default 60)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     _add_engine_args(serve)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -229,12 +231,15 @@ def _generate(args) -> int:
 def _serve(args) -> int:
     from tpengine.entrypoints.server import run_server
 
+    if not args.body_timeout > 0:
+        raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
     return run_server(model=args.model or _default_model(),
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
-                      engine_kwargs=_engine_kwargs(args))
+                      engine_kwargs=_engine_kwargs(args), body_timeout_s=args.body_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,11 +52,12 @@ def segments_of(pid: int) -> set[str]:
 class Server:
     model_name = "tiny"
 
-    def __init__(self, *args: str, launcher: tuple[str, ...] = (sys.executable, "-m", "tpengine.cli", "serve")):
+    def __init__(self, *args: str, launcher: tuple[str, ...] = (sys.executable, "-m", "tpengine.cli", "serve"),
+                 stderr=None):
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [*launcher, "--port", str(self.port), "--quiet", "--served-model-name", self.model_name, *args]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.process.poll() is not None:
@@ -92,6 +93,11 @@ class Server:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
 
     def stop(self, sig=signal.SIGTERM) -> int:
         """Signal the server and wait for it; returns its exit status."""

@@ -121,3 +121,11 @@ def test_chat_without_any_template_gets_400_naming_the_flag(secured_server):
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
         assert "--chat-template" in error.value.message
         assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(scheme, secured_server):
+    status, _ = secured_server.request("GET", "/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+    assert status == 200
+    status, _ = secured_server.request("GET", "/v1/models", headers={"Authorization": f"{scheme} wrong"})
+    assert status == 401

@@ -1,11 +1,14 @@
 """The FastAPI app: routes, the API key, the body-size cap, and errors in OpenAI's shape."""
+import asyncio
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -13,48 +16,73 @@ from tpengine.entrypoints.async_engine import AsyncEngine
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
-from tpengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from tpengine.entrypoints.protocol import FIELD_KINDS, ChatCompletionRequest, CompletionRequest
+from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.serving import ApiError
 
 logger = logging.getLogger("tpengine")
 
 # Far above any prompt max_model_len allows, far below what could hurt the server.
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# A client has this long to send a whole request body: a slow one cannot hold a connection forever.
+BODY_TIMEOUT_S = 60.0
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: ApiError, close: bool = False) -> JSONResponse:
+    # close: answered before the body was read to its end, so the connection cannot carry another request
+    return JSONResponse(error.body(), status_code=error.status, headers={"Connection": "close"} if close else None)
+
+
+class Draining:
+    """Set when the server stops accepting: a request still sending its body is answered 503 at once
+    (instead of being cut off by uvicorn's deadline with a plain-text 500)."""
+
+    def __init__(self):
+        self._future: asyncio.Future | None = None
+        self.is_set = False
+
+    def future(self) -> asyncio.Future:
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            if self.is_set:
+                self._future.set_result(None)
+        return self._future
+
+    def set(self) -> None:
+        self.is_set = True
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+
+def _bearer_token(authorization: bytes) -> bytes | None:
+    """The token of an 'Authorization: Bearer TOKEN' header; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 class RequestGate:
-    """ASGI middleware in front of every route: the API key on /v1, and the body-size cap (a body
-    over it gets a 413 whether or not it says its length). Pure ASGI, so streams pass untouched."""
+    """ASGI middleware in front of every route: the API key on /v1, the body-size cap (a body over it
+    gets a 413 whether or not it says its length), the body deadline (408), and the drain at shutdown
+    (503 for a body still arriving). Pure ASGI, so streams pass untouched."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self.authorization = None if api_key is None else f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout_s: float, draining: Draining):
+        self.app, self.max_body_bytes, self.body_timeout_s, self.draining = app, max_body_bytes, body_timeout_s, draining
+        self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.authorization is not None and scope["path"].startswith("/v1"):
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self.authorization):
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            token = _bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+            if token is None or not secrets.compare_digest(token, self.api_key):
                 error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                                  "authentication_error", code="invalid_api_key")
-                return await error_response(error)(scope, receive, send)
-        # Read the whole body here (it is small by this cap), then hand it on.
-        body, more_body = bytearray(), True
-        while more_body:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            more_body = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
-                error = ApiError(413, f"request body is larger than the server's limit of {self.max_body_bytes} "
-                                      "bytes", code="request_too_large")
-                return await error_response(error)(scope, receive, send)
+                return await error_response(error, close=True)(scope, receive, send)
+        body = await self._read_body(receive)
+        if isinstance(body, ApiError):
+            return await error_response(body, close=True)(scope, receive, send)
+        if body is None:
+            return  # the client went away
         replayed = False
 
         async def replay_body():
@@ -62,31 +90,90 @@ class RequestGate:
             if replayed:
                 return await receive()
             replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay_body, send)
 
+    async def _read_body(self, receive) -> bytes | ApiError | None:
+        """The whole body (it is small by the cap); an ApiError when it cannot be had; None if the client left."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        draining = self.draining.future()
+        body, more_body = bytearray(), True
+        while more_body:
+            receiving = asyncio.ensure_future(receive())
+            await asyncio.wait((receiving, draining), timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not receiving.done():
+                receiving.cancel()
+                if draining.done():
+                    return ApiError(503, "the server is shutting down; send the request again elsewhere or later",
+                                    "service_unavailable", code="shutting_down")
+                return ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                code="request_timeout")
+            message = receiving.result()
+            if message["type"] != "http.request":
+                return None
+            body += message.get("body", b"")
+            more_body = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
+                return ApiError(413, f"request body is larger than the server's limit of {self.max_body_bytes} "
+                                     "bytes", code="request_too_large")
+        return bytes(body)
+
+
+def parse_request(model: type[BaseModel], body: bytes, max_request_len: int) -> BaseModel:
+    """A request body as `model`, or an ApiError naming what is wrong. msgspec decodes the JSON (several
+    times faster than json.loads on long token lists, and this runs on the event loop); the model's checks
+    know the server's token limit, so a prompt that cannot fit is refused before its tokens are checked."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data, context={"max_request_len": max_request_len})
+    except ValidationError as e:
+        raise validation_error(e.errors(include_input=False)) from None
+
 
 def validation_error(problems: list[dict]) -> ApiError:
-    """pydantic's complaints as one 400 naming each field."""
-    messages = []
+    """pydantic's complaints as one 400 naming each field; a union's failed alternatives read as one problem
+    (a length limit, if one of them met it, else what the field takes)."""
+    by_field: dict[str, list[dict]] = {}
     for problem in problems:
-        field = ".".join(str(part) for part in problem["loc"][1:])  # loc starts with "body"
+        loc = problem["loc"][1:] if problem["loc"][:1] == ("body",) else problem["loc"]  # FastAPI's start with it
+        union_at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), len(loc))
+        by_field.setdefault(".".join(map(str, loc[:union_at])), []).append(problem)
+    messages = []
+    for field, group in by_field.items():
+        problem = next((p for p in group if p["type"] == "too_long"), group[0])
         if problem["type"] == "json_invalid":
-            messages.append(f"the body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}")
+            message = f"the body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}"
+        elif problem["type"] == "extra_forbidden":
+            message = "unknown field: this server takes OpenAI's fields and vLLM's sampling extensions (see its README)"
+        elif problem["type"] != "too_long" and len(group) > 1 and field.rsplit(".", 1)[-1] in FIELD_KINDS:
+            message = f"must be {FIELD_KINDS[field.rsplit('.', 1)[-1]]}"
         else:
             message = problem["msg"].removeprefix("Value error, ")
-            messages.append(f"{field}: {message}" if field else message)
-    first = problems[0] if problems else None
-    param = None if first is None or first["type"] == "json_invalid" else ".".join(map(str, first["loc"][1:]))
-    return ApiError(400, "; ".join(messages) or "invalid request", param=param or None)
+        messages.append(f"{field}: {message}" if field and problem["type"] != "json_invalid" else message)
+    first_field = next(iter(by_field), "")
+    return ApiError(400, "; ".join(messages) or "invalid request", param=first_field or None)
 
 
-def build_app(engine: AsyncEngine, *, tokenizer, model_name: str, model_path: str, max_model_len: int,
-              max_request_len: int, metrics: Metrics, api_key: str | None = None, chat_template: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    completions = OpenAIServingCompletion(engine, tokenizer, model_name, max_request_len)
-    chat = OpenAIServingChat(engine, tokenizer, model_name, max_request_len, chat_template=chat_template)
+def _is_union_tag(part) -> bool:
+    # pydantic names a union's alternatives in loc by their type ("str", "list[str]", "constrained-int", ...)
+    return isinstance(part, str) and any(c in part for c in "[]-") or part in ("str", "int", "float", "bool", "none")
+
+
+def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model_name: str, model_path: str,
+              max_model_len: int, max_request_len: int, metrics: Metrics, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
+              draining: Draining | None = None) -> FastAPI:
+    """The app; `draining`, once set (by the server's shutdown), answers bodies still arriving with a 503."""
+    completions = OpenAIServingCompletion(engine, renderer, tokenizer, model_name, max_request_len)
+    chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len)
     created = int(time.time())
 
     @asynccontextmanager
@@ -94,9 +181,11 @@ def build_app(engine: AsyncEngine, *, tokenizer, model_name: str, model_path: st
         engine.start()
         yield
         engine.stop()
+        renderer.close()
 
     app = FastAPI(title="tpengine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                       draining=draining or Draining())
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
@@ -128,11 +217,13 @@ def build_app(engine: AsyncEngine, *, tokenizer, model_name: str, model_path: st
                                             "max_model_len": max_model_len}]}
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request):
+    async def create_completion(raw_request: Request):
+        request = parse_request(CompletionRequest, await raw_request.body(), max_request_len)
         return await completions.create(request, raw_request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+    async def create_chat_completion(raw_request: Request):
+        request = parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len)
         return await chat.create(request, raw_request)
 
     @app.get("/metrics")

@@ -2,8 +2,10 @@
 
 Commands (add, abort, stop) cross to the engine thread through a thread-safe queue that the
 thread drains before every step, and blocks on while idle (an idle server sleeps). Each step's
-outputs go back to the loop in one call, into the asyncio queue of the HTTP request they belong
-to. A step runs off the event loop, so the server answers during a long prefill.
+outputs go back to the loop in one call, to the HTTP request they belong to, which keeps only the
+newest output of each prompt (they are cumulative): a client that reads slowly holds one output
+per prompt, never one per step. A step runs off the event loop, so the server answers during a
+long prefill.
 """
 import asyncio
 import itertools
@@ -15,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.entrypoints.metrics import Metrics, RequestTimes
+from tpengine.errors import InvalidRequestError
 from tpengine.outputs import RequestOutput
 from tpengine.sampling_params import SamplingParams
 
@@ -34,25 +37,32 @@ class Submission:
     def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int):
         self._engine = engine
         self.key = key
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.num_unfinished = num_prompts
+        self._latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output not yet taken
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
+    def deliver(self, index: int, output: RequestOutput) -> None:
+        """(event loop) A newer output of prompt `index`: it holds everything an untaken older one did."""
+        self._latest[index] = output
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """(event loop) The engine failed or stopped: the consumer raises error."""
+        self._error = error
+        self._ready.set()
+
     async def __aiter__(self) -> AsyncIterator[dict[int, RequestOutput]]:
         while self.num_unfinished:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            # Outputs are cumulative: a consumer that fell behind needs only the latest of each prompt.
-            latest: dict[int, RequestOutput] = {}
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-                index, output = item
-                latest[index] = output
+            await self._ready.wait()
+            self._ready.clear()
+            if self._error is not None:
+                raise self._error
+            latest, self._latest = self._latest, {}
             self.num_unfinished -= sum(output.finished for output in latest.values())
             yield latest
 
@@ -176,7 +186,7 @@ class AsyncEngine:
             for request_id in request_ids:
                 self.engine.abort(request_id)
             if len(prompts) > 1:
-                e = ValueError(f"prompt {len(request_ids)}: {e}")
+                e = InvalidRequestError(f"prompt {len(request_ids)}: {e}", getattr(e, "param", None))
             self._loop.call_soon_threadsafe(_resolve, accepted, e)
             return
         for index, request_id in enumerate(request_ids):
@@ -211,7 +221,7 @@ class AsyncEngine:
                 ids.remove(output.request_id)
                 if not ids:
                     del self._request_ids[submission.key]
-            deliveries.append((submission.queue, (index, output)))
+            deliveries.append((submission, index, output))
         return deliveries
 
     def _fail_all(self, error: BaseException) -> None:
@@ -219,7 +229,7 @@ class AsyncEngine:
         self._requests.clear()
         self._request_ids.clear()
         if submissions:
-            self._loop.call_soon_threadsafe(_deliver, [(s.queue, error) for s in submissions])
+            self._loop.call_soon_threadsafe(_fail, submissions, error)
 
     def _reject_until_stopped(self) -> None:
         while (command := self._commands.get())[0] != "stop":
@@ -237,9 +247,14 @@ class AsyncEngine:
         if command[0] == "add":  # nothing will run it
             self._loop.call_soon_threadsafe(_resolve, command[5], EngineDeadError("the engine is not running"))
 
-def _deliver(deliveries) -> None:
-    for target, item in deliveries:
-        target.put_nowait(item)
+def _deliver(deliveries: list[tuple[Submission, int, RequestOutput]]) -> None:
+    for submission, index, output in deliveries:
+        submission.deliver(index, output)
+
+
+def _fail(submissions, error: BaseException) -> None:
+    for submission in submissions:
+        submission.fail(error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

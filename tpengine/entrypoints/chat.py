@@ -5,9 +5,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from tpengine.entrypoints.async_engine import Submission
-from tpengine.entrypoints.chat_template import render_chat
 from tpengine.entrypoints.protocol import ChatCompletionRequest
-from tpengine.entrypoints.serving import (ApiError, ChoiceDelta, OpenAIServing, cancel_on_disconnect, clamp_logprob,
+from tpengine.entrypoints.serving import (ChoiceDelta, OpenAIServing, cancel_on_disconnect, clamp_logprob,
                                           final_outputs, new_response_fields, sse_stream, token_id_fields,
                                           usage)
 from tpengine.outputs import CompletionOutput
@@ -16,20 +15,25 @@ ROLE = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, chat_template: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.chat_template = chat_template  # --chat-template; None: the tokenizer's own
+    def request_field(self, param: str | None, request: ChatCompletionRequest) -> str | None:
+        if param == "prompt":
+            return "messages"
+        if param == "max_tokens":
+            return "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+        if param == "logprobs":
+            return "top_logprobs"
+        return param
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
         self.check_model(request.model)
         try:
-            prompt = render_chat(self.tokenizer, self.chat_template, [m.template_dict() for m in request.messages],
-                                 request.add_generation_prompt, request.chat_template_kwargs)
+            prompt = await self.renderer.render_chat([m.template_dict() for m in request.messages],
+                                                     request.add_generation_prompt, request.chat_template_kwargs)
         except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt])
+            raise self.invalid(e, request) from None
+        max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt], request)
         params = self.sampling_params(request, max_tokens, request.num_logprobs)
-        submission = await self.submit([prompt], params, request.stream)
+        submission = await self.submit([prompt], params, request)
         if request.stream:
             fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}
             return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")

@@ -2,6 +2,8 @@
 import os
 from typing import Any
 
+from tpengine.errors import InvalidRequestError
+
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file holding a Jinja template, or the template itself."""
     if value is None:
@@ -16,20 +18,31 @@ def load_chat_template(value: str | None) -> str | None:
 
 def render_chat(tokenizer, chat_template: str | None, messages: list[dict[str, Any]],
                 add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids for messages. ValueError when there is no template or it rejects the messages."""
+    """Prompt token ids for messages. InvalidRequestError when there is no template or it rejects them."""
+    return encode_chat_text(tokenizer, render_chat_text(tokenizer, chat_template, messages, add_generation_prompt,
+                                                        template_kwargs))
+
+
+def encode_chat_text(tokenizer, text: str) -> list[int]:
+    # The template writes any BOS itself: adding special tokens again would double it.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(tokenizer, chat_template: str | None, messages: list[dict[str, Any]],
+                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> str:
+    """The prompt text for messages. InvalidRequestError when there is no template or it rejects them."""
     if tokenizer is None:
-        raise ValueError("this model folder has no tokenizer, so chat is unavailable: use /v1/completions "
-                         "with token ids")
+        raise InvalidRequestError("this model folder has no tokenizer, so chat is unavailable: use "
+                                  "/v1/completions with token ids", "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: start the server with --chat-template FILE")
+        raise InvalidRequestError("this model has no chat template: start the server with --chat-template FILE",
+                                  "messages")
     from jinja2 import TemplateError
     try:
-        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **(template_kwargs or {}))
     except TemplateError as e:
-        raise ValueError(f"the chat template rejected the messages: {e}") from None
+        raise InvalidRequestError(f"the chat template rejected the messages: {e}", "messages") from None
     except TypeError as e:  # a chat_template_kwargs key that apply_chat_template itself takes
-        raise ValueError(f"chat_template_kwargs: {e}") from None
-    # The template writes any BOS itself: adding special tokens again would double it.
-    return tokenizer.encode(text, add_special_tokens=False)
+        raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None

@@ -18,23 +18,30 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
                            param="echo")
-        prompts = [self._encode(prompt) for prompt in request.prompts]
-        max_tokens = self.max_tokens(request.max_tokens, prompts)
+        prompts = await self._encode(request)
+        max_tokens = self.max_tokens(request.max_tokens, prompts, request)
         params = self.sampling_params(request, max_tokens, request.logprobs)
-        submission = await self.submit(prompts, params, request.stream)
+        submission = await self.submit(prompts, params, request)
         fields = {**new_response_fields("cmpl", self.model_name), "object": "text_completion"}
         if request.stream:
             return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
+    async def _encode(self, request: CompletionRequest) -> list[list[int]]:
+        """Every prompt's token ids; text prompts are tokenized together, off the event loop."""
+        prompts = request.prompts
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        if not texts:
+            return prompts
         if self.tokenizer is None:
             raise ApiError(400, "this model folder has no tokenizer: send prompts as token ids", param="prompt")
-        if not prompt:
+        if not all(texts):
             raise ApiError(400, "prompt is empty: it needs at least one token", param="prompt")
-        return self.tokenizer.encode(prompt)  # as LLM.generate encodes a text prompt
+        try:
+            encoded = iter(await self.renderer.encode(texts))
+        except ValueError as e:
+            raise self.invalid(e, request) from None
+        return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
 
     def _prompt_text(self, request: CompletionRequest, index: int, output: RequestOutput) -> str:
         """What echo puts first: the prompt as sent, or its token ids decoded."""

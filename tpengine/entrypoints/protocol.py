@@ -1,26 +1,84 @@
-"""Request bodies of the OpenAI API (with vLLM's sampling extensions) as pydantic v2 models."""
+"""Request bodies of the OpenAI API (with vLLM's sampling extensions) as pydantic v2 models.
+
+Every field a model declares is honoured; an unknown field is a 400 naming it. OpenAI fields this
+server cannot honour are declared too, so that a value asking for them is a 400 naming the field
+(their neutral values, which ask for nothing, are accepted). Types are strict, as OpenAI's own
+checks are: a bool is not an integer, a string is not a number, 1.0 is not a token id.
+"""
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from tpengine.sampling_params import SamplingParams
+from tpengine.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                      SamplingParams)
 
 # One request may ask for at most this many completions per prompt (n): each is a sequence in the batch.
 MAX_N = 128
-# top logprobs per token, as OpenAI allows (the engine computes at most 20)
-MAX_LOGPROBS = 20
+# and give at most this many prompts (each one a request in the engine)
+MAX_PROMPTS = 1024
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
+# What a union-typed field takes, for the one error message its failed alternatives become.
+FIELD_KINDS = {
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0), or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string, a list of text parts, or null",
+}
 
-class StreamOptions(BaseModel):
+
+def _no_structured_outputs(value) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+# OpenAI fields this server does not implement: field -> (the values that ask for nothing, why not).
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "suffix": (lambda v: v is None or v == "", "suffix (text after the completion) is not supported"),
+    "response_format": (_no_structured_outputs, "structured outputs (json_object, json_schema) are not "
+                                                "supported yet; only {\"type\": \"text\"}"),
+    "tools": (lambda v: not v, "tool calling is not supported yet"),
+    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported yet"),
+    "parallel_tool_calls": (lambda v: v is None, "tool calling is not supported yet"),
+    "functions": (lambda v: not v, "function calling is not supported"),
+    "function_call": (lambda v: v is None or v == "none", "function calling is not supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v: v is None, "reasoning effort is not supported"),
+    "verbosity": (lambda v: v is None, "verbosity is not supported"),
+    "web_search_options": (lambda v: v is None, "web search is not supported"),
+    "store": (lambda v: v is None or v is False, "this server does not store completions"),
+    "metadata": (lambda v: v is None, "metadata belongs to stored completions, which this server does not keep"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "this server has one service tier: 'auto'"),
+}
+
+
+class OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _refuse_unsupported(value, info: ValidationInfo):
+    accepts, why = UNSUPPORTED[info.field_name]
+    if not accepts(value):
+        raise ValueError(f"{why} (got {value!r:.80})")
+    return value
+
+
+class StreamOptions(OpenAIBody):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value):
+        if value:
+            raise ValueError("stream obfuscation is not supported: send false or leave it out")
+        return value
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(OpenAIBody):
     """The fields /v1/completions and /v1/chat/completions share."""
-    # Unknown fields (user, metadata, ...) are accepted and ignored, as OpenAI's clients send some.
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -28,12 +86,14 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -41,12 +101,20 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and token_ids in each choice
+    # identifiers of the end user and of a shared prompt: they change no answer, so they are accepted
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None   # the prefix cache finds shared prefixes by their tokens anyway
+    service_tier: Any = None
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    _service_tier = field_validator("service_tier")(_refuse_unsupported)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, stream_options, info: ValidationInfo):
+        if stream_options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return stream_options
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad value."""
@@ -60,25 +128,71 @@ class SamplingRequest(BaseModel):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, logprobs=logprobs,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
 
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def max_request_len(info: ValidationInfo) -> int | None:
+    """The server's limit on one request's tokens, which the validation context carries."""
+    return (info.context or {}).get("max_request_len")
+
+
+def _is_token_ids(value) -> bool:
+    # at C speed where it can: a hostile body may hold millions of them, and this runs on the event loop
+    return type(value) is list and all(type(t) is int for t in value) and (not value or min(value) >= 0)
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    # a string, a list of strings, token ids, or a list of token-id lists: checked by _prompt_shape, not a
+    # pydantic union (whose validation of a long token list took seconds of the event loop)
+    prompt: Any
     # OpenAI's default; null means "as many as the context allows"
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: Any = None
 
-    @model_validator(mode="after")
-    def _prompt_not_empty(self):
-        if isinstance(self.prompt, list) and not self.prompt:
+    _suffix = field_validator("suffix")(_refuse_unsupported)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of, info: ValidationInfo):
+        # best_of = n asks for nothing more than n; more would need ranking completions, which is not done
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of must equal n={n} (or be left out): choosing the best of more completions "
+                             f"than are returned is not supported, got {best_of}")
+        return best_of
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt, info: ValidationInfo):
+        if type(prompt) is str:
+            return prompt
+        if type(prompt) is not list:
+            raise ValueError(f"must be {FIELD_KINDS['prompt']}")
+        if not prompt:
             raise ValueError("prompt is an empty list: give a string, token ids, or a list of either")
-        return self
+        limit = max_request_len(info)
+        if type(prompt[0]) is int:
+            prompts = [prompt]
+        elif len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"has {len(prompt)} prompts, more than the limit of {MAX_PROMPTS} per request")
+        elif all(type(p) is str for p in prompt):
+            return prompt
+        else:
+            prompts = prompt
+        for ids in prompts:
+            if not _is_token_ids(ids):
+                raise ValueError(f"must be {FIELD_KINDS['prompt']}")
+            if limit is not None and len(ids) > limit:
+                raise ValueError(f"a prompt has {len(ids)} tokens, more than the server's limit of {limit} tokens "
+                                 "per request (max_model_len, or the KV cache if smaller)")
+        return prompt
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -88,14 +202,14 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
+class TextPart(OpenAIBody):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (name, tool_calls, ...) pass through to the chat template.
-    model_config = ConfigDict(extra="allow")
+    # Extra keys (name, tool_calls, tool_call_id, ...) pass through to the chat template, which renders them.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextPart] | None = None
@@ -109,18 +223,48 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_can_fit(cls, messages, info: ValidationInfo):
+        # every message the template renders takes a token at least: more than the limit cannot fit
+        limit = max_request_len(info)
+        if type(messages) is list and limit is not None and len(messages) > limit:
+            raise ValueError(f"has {len(messages)} messages, more than could fit in the server's limit of {limit} "
+                             "tokens per request")
+        return messages
+
     max_tokens: int | None = Field(None, ge=1)              # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    _unsupported = field_validator("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                                   "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                                   "verbosity", "web_search_options", "store", "metadata")(_refuse_unsupported)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs, info: ValidationInfo):
+        if top_logprobs and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs set to true")
-        return self
+        return top_logprobs
 
     @property
     def num_logprobs(self) -> int | None:

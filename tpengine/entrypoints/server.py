@@ -6,10 +6,11 @@ import socket
 
 import uvicorn
 
-from tpengine.entrypoints.api_server import build_app
+from tpengine.entrypoints.api_server import BODY_TIMEOUT_S, Draining, build_app
 from tpengine.entrypoints.async_engine import AsyncEngine
 from tpengine.entrypoints.chat_template import load_chat_template
 from tpengine.entrypoints.metrics import Metrics
+from tpengine.entrypoints.renderer import PromptRenderer
 
 logger = logging.getLogger("tpengine")
 
@@ -35,17 +36,20 @@ class _Server(uvicorn.Server):
     """uvicorn, plus: once it stops accepting, running requests get GRACEFUL_SHUTDOWN_S to finish, then
     are aborted, so every client gets a proper end (finish_reason "abort") instead of a cut connection."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, draining: Draining):
         super().__init__(config)
         self.engine = engine
+        self.draining = draining
 
     async def shutdown(self, sockets=None) -> None:
+        self.draining.set()  # bodies still arriving get a 503 now: they would not run anyway
         asyncio.get_running_loop().call_later(GRACEFUL_SHUTDOWN_S, self.engine.abort_all)
         await super().shutdown(sockets)
 
 
 def run_server(*, model: str, model_name: str, host: str, port: int, api_key: str | None,
-               chat_template: str | None, access_log: bool, log_level: str, engine_kwargs: dict) -> int:
+               chat_template: str | None, access_log: bool, log_level: str, engine_kwargs: dict,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> int:
     from transformers import AutoTokenizer
 
     from tpengine import LLM
@@ -58,18 +62,21 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
     llm = server = None
     try:
         llm = LLM(model, **engine_kwargs)
-        # The server's own tokenizer: the engine thread uses the engine's, and a Rust tokenizer
-        # must not be used from two threads at once.
+        # One tokenizer per thread that uses it (a Rust tokenizer must not be used from two at once): the
+        # engine thread has the engine's, the renderer's thread and the event loop one each.
         tokenizer = AutoTokenizer.from_pretrained(model) if llm.tokenizer is not None else None
+        renderer = PromptRenderer(AutoTokenizer.from_pretrained(model) if tokenizer is not None else None,
+                                  chat_template, llm.max_request_len)
         metrics = Metrics(model_name)
         engine = AsyncEngine(llm, metrics)
-        app = build_app(engine, tokenizer=tokenizer, model_name=model_name, model_path=model,
+        draining = Draining()
+        app = build_app(engine, renderer=renderer, tokenizer=tokenizer, model_name=model_name, model_path=model,
                         max_model_len=llm.max_model_len, max_request_len=llm.max_request_len, metrics=metrics,
-                        api_key=api_key, chat_template=chat_template)
+                        api_key=api_key, body_timeout_s=body_timeout_s, draining=draining)
         # uvicorn's own limit is a backstop: by then abort_all has ended every request
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5)
-        server = _Server(config, engine)
+        server = _Server(config, engine, draining)
         # uvicorn re-raises the signal that stopped it once it is done; ours then only returns, so the
         # process exits 0 after a clean shutdown.
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -12,6 +12,8 @@ from starlette.responses import Response
 
 from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError, Submission
 from tpengine.entrypoints.protocol import SamplingRequest
+from tpengine.entrypoints.renderer import PromptRenderer
+from tpengine.errors import InvalidRequestError
 from tpengine.outputs import CompletionOutput, RequestOutput
 from tpengine.sampling_params import SamplingParams
 
@@ -45,9 +47,11 @@ def clamp_logprob(logprob: float) -> float:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_request_len: int):
+    def __init__(self, engine: AsyncEngine, renderer: PromptRenderer, tokenizer, model_name: str,
+                 max_request_len: int):
         self.engine = engine
-        self.tokenizer = tokenizer  # the server's own instance: the engine thread uses the engine's
+        self.renderer = renderer    # prompts to token ids, off the event loop
+        self.tokenizer = tokenizer  # the event loop's own instance (token texts); the engine thread has its own
         self.model_name = model_name
         self.max_request_len = max_request_len  # prompt + output: max_model_len, or less if the cache is smaller
         self._token_texts: dict[int, str] = {}
@@ -57,27 +61,36 @@ class OpenAIServing:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def max_tokens(self, requested: int | None, prompts: list[list[int]]) -> int:
+    def request_field(self, param: str | None, request: SamplingRequest) -> str | None:
+        """The request's field for an input the engine names (SamplingParams' and the prompt's names)."""
+        return param
+
+    def invalid(self, error: ValueError, request: SamplingRequest) -> ApiError:
+        """A 400 for what the engine, SamplingParams or the renderer refused, naming the request's field."""
+        return ApiError(400, str(error), param=self.request_field(getattr(error, "param", None), request))
+
+    def max_tokens(self, requested: int | None, prompts: list[list[int]], request: SamplingRequest) -> int:
         """requested, or what the longest prompt leaves of the context when the client set no limit."""
         if requested is not None:
             return requested
         longest = max(len(prompt) for prompt in prompts)
         if longest >= self.max_request_len:
-            raise ApiError(400, f"prompt has {longest} tokens, which leaves no room to generate within the "
-                                f"server's limit of {self.max_request_len} tokens per request")
+            raise self.invalid(InvalidRequestError(
+                f"prompt has {longest} tokens, which leaves no room to generate within the server's limit of "
+                f"{self.max_request_len} tokens per request", "prompt"), request)
         return self.max_request_len - longest
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
             return request.sampling_params(max_tokens, logprobs)
         except ValueError as e:  # SamplingParams names the bad value and its limit
-            raise ApiError(400, str(e)) from None
+            raise self.invalid(e, request) from None
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> Submission:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest) -> Submission:
         try:
-            return await self.engine.submit(prompts, params, stream)
+            return await self.engine.submit(prompts, params, request.stream)
         except ValueError as e:
-            raise ApiError(400, str(e), param="prompt") from None
+            raise self.invalid(e, request) from None
         except EngineDeadError as e:
             raise engine_down(e) from None
 

@@ -1,0 +1,62 @@
+"""Prompts to token ids off the event loop: encoding and chat templates run on one thread of their own.
+
+A request's text is checked against what could possibly fit before anything tokenizes it: no token
+covers more characters than the vocabulary's longest token, so a text longer than max_request_len
+times that cannot fit and is refused at once (vLLM bounds prompts the same way). What may fit is
+tokenized on the renderer's thread, with its own tokenizer instance (a Rust tokenizer must not be
+used from two threads at once), so the event loop keeps answering (/health, streams) meanwhile.
+"""
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tpengine.entrypoints.chat_template import encode_chat_text, render_chat_text
+from tpengine.errors import InvalidRequestError
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters of text one token can stand for: its longest vocabulary entry (byte-level
+    vocabularies write a byte as one character, so a multi-byte character reads as longer, never shorter)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer, chat_template: str | None, max_request_len: int):
+        self.tokenizer = tokenizer    # used by the renderer's thread only
+        self.chat_template = chat_template
+        self.max_request_len = max_request_len
+        self.max_chars = None if tokenizer is None else max_request_len * max_chars_per_token(tokenizer)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tpengine-renderer")
+
+    def check_length(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the request limit in any tokenization."""
+        if self.max_chars is not None and num_chars > self.max_chars:
+            raise InvalidRequestError(
+                f"{param} has {num_chars} characters, more than could fit in the server's limit of "
+                f"{self.max_request_len} tokens per request (no token of this model covers more than "
+                f"{self.max_chars // self.max_request_len} characters)", param)
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text prompt, as LLM.generate encodes them."""
+        for text in texts:
+            self.check_length(len(text), "prompt")
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._encode_all, texts)
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        from tpengine.engine.inputs import encode_text
+        return [encode_text(self.tokenizer, text) for text in texts]
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          template_kwargs: dict[str, Any] | None) -> list[int]:
+        """Prompt token ids for chat messages through the chat template."""
+        self.check_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self._render, messages, add_generation_prompt, template_kwargs)
+
+    def _render(self, messages, add_generation_prompt, template_kwargs) -> list[int]:
+        text = render_chat_text(self.tokenizer, self.chat_template, messages, add_generation_prompt, template_kwargs)
+        self.check_length(len(text), "messages")  # the template and chat_template_kwargs add text of their own
+        return encode_chat_text(self.tokenizer, text)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
