@@ -54,6 +54,7 @@ from tpengine.distributed.messages import decode_control, encode, slim_step
 from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step_plan import StepPlan
+from tpengine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 256
 VOCAB_SIZE = 151_936        # Qwen-sized vocabulary: token ids take 3-5 bytes on the wire
@@ -80,15 +81,14 @@ class Case:
         return pickle.dumps(["run", self.simple, self.is_prefill])  # nano-vllm's write_shm
 
 
-def scheduled_like(cls, token_ids: list[int], block_table: list[int], is_prefill: bool):
-    """A sequence in the state the scheduler hands to the model runner."""
+def scheduled_like(new_seq: Callable[[list[int]], object], token_ids: list[int], block_table: list[int],
+                   is_prefill: bool):
+    """A sequence made by new_seq(prompt) in the state the scheduler hands to the model runner."""
     if is_prefill:  # a fresh prompt, prefilled whole
-        seq = cls(token_ids)
+        seq = new_seq(token_ids)
         seq.num_scheduled_tokens = len(token_ids)
     else:           # decoding: every token but the last one sampled is in the cache
-        seq = cls(token_ids[:-1])
-        if cls is NanoSequence:
-            seq.is_prefill = False
+        seq = new_seq(token_ids[:-1])
         seq.num_cached_tokens = len(token_ids) - 1
         seq.append_token(token_ids[-1])
         seq.num_scheduled_tokens = 1
@@ -98,14 +98,16 @@ def scheduled_like(cls, token_ids: list[int], block_table: list[int], is_prefill
 
 def make_case(name: str, lengths: list[int], is_prefill: bool, rng: random.Random) -> Case:
     free_blocks = rng.sample(range(NUM_KV_BLOCKS), NUM_KV_BLOCKS)
+    params = SamplingParams()
     ours, simple = [], []
     for length in lengths:
         token_ids = [rng.randrange(VOCAB_SIZE) for _ in range(length)]
         block_table = [free_blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
-        ours.append(scheduled_like(Sequence, token_ids, block_table, is_prefill))
-        simple.append(scheduled_like(NanoSequence, token_ids, block_table, is_prefill))
-    for seq in ours:
-        seq.block_size = BLOCK_SIZE
+        ours.append(scheduled_like(lambda prompt: Sequence(prompt, params, BLOCK_SIZE), token_ids, block_table,
+                                   is_prefill))
+        nano = scheduled_like(NanoSequence, token_ids, block_table, is_prefill)
+        nano.is_prefill = is_prefill  # its __getstate__ pickles the whole token list only while prefilling
+        simple.append(nano)
     return Case(name, is_prefill, ours, simple)
 
 
