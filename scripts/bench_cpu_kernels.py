@@ -29,6 +29,7 @@ from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
+from tpengine.models.config import RopeParameters
 from tpengine.runner.sampler import filtered_probs
 
 
@@ -107,12 +108,13 @@ def bf16_linears(args) -> None:
     shapes = [(1024, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate), (vocab, hidden)]
     weights = [torch.randn(out, inp) * 0.02 for _ in range(8) for out, inp in shapes[:4]] + [torch.randn(vocab, hidden)]
     halves = [w.bfloat16() for w in weights]
-    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
-             "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
-             "bfloat16 tpengine": (halves, [prepack_weight_for_cpu(w) for w in halves])}
-    if not isinstance(forms["bfloat16 tpengine"][1][0], Bf16Blocks):
+    ours = [prepack_weight_for_cpu(w) for w in halves]
+    if not isinstance(ours[0], Bf16Blocks):  # checked first: oneDNN's bfloat16 packing needs AVX512 too
         print("this CPU has no AVX512-BF16 (or no compiler): nothing to compare")
         return
+    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
+             "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
+             "bfloat16 tpengine": (halves, ours)}
     print("| rows | " + " | ".join(f"{name} ms" for name in forms) + " | tpengine vs oneDNN bfloat16 |\n"
           "|---:|" + "---:|" * (len(forms) + 1))
     for rows in args.rows:
@@ -154,7 +156,7 @@ def sampling(args) -> None:
 def rotary(args) -> None:
     print("\n## Rotary on q and k, eager: in-place halves (CPU) vs the form CUDA compiles\n")
     print("| tokens | in-place ms | CUDA form ms | CUDA form / in-place |\n|---:|---:|---:|---:|")
-    cache = RotaryEmbedding(64, 4096, 1_000_000.0).cos_sin_cache
+    cache = RotaryEmbedding(64, 4096, RopeParameters(theta=1_000_000.0)).cos_sin_cache
     cuda_form = apply_rotary_traceable.__wrapped__
     for rows in args.rows:
         positions = torch.randint(0, 4096, (rows,))
