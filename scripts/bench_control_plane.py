@@ -32,6 +32,8 @@ with more readers than spare CPUs nothing is pinned and the processes share the 
     .venv/bin/python scripts/bench_control_plane.py [--quick] [--steps 300] [--warmup 50]
         [--readers 1 3] [--gap-us 0] [--no-pin]
 
+``--quick`` (20 steps after 5, 3 timeit runs, 1 reader) is a smoke run in seconds: what tests/scripts runs.
+
 ``--gap-us`` makes rank 0 sleep that long between steps (standing in for the forward pass,
 sampling and scheduling), so readers sit idle waiting for the next message as workers do in
 an engine; with the default 0, steps run back to back and readers are still busy-polling.
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
 from nano_baseline import NanoSequence
+from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine.distributed.messages import decode_control, encode, slim_step
 from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.sequence import Sequence
@@ -376,9 +379,8 @@ def pair(a: float, b: float, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(a)} / {fmt.format(b)}"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=200, help="timeit runs per microbenchmark")
@@ -386,9 +388,7 @@ def main() -> None:
     parser.add_argument("--gap-us", type=float, default=0.0,
                         help="rank 0 sleeps this long between steps (a stand-in forward pass)")
     parser.add_argument("--no-pin", dest="pin", action="store_false")
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.repeats = 60, 10, 20
+    args = parse_with_quick(parser, argv, dict(steps=20, warmup=5, repeats=3, readers=[1]))
 
     ncpu = len(os.sched_getaffinity(0))
     mp.get_context("forkserver").set_forkserver_preload(
