@@ -48,6 +48,10 @@ transformers tries batches of 64 and 256; one that runs out of memory is reporte
     .venv/bin/python scripts/bench.py --repeat 2               # noisy machine: best of 2 each
     .venv/bin/python scripts/bench.py --skip-hf --num-seqs 128
     .venv/bin/python scripts/bench.py --model /path/to/Qwen3-0.6B --device cuda --tp 2
+    .venv/bin/python scripts/bench.py --quick              # seconds: QUICK_MODEL, 6 seqs, both engines
+
+--quick (every script here has it, see scripts/quick.py) runs the same code at small sizes, --help lists
+them, in seconds on 2 CPU cores: what tests/scripts runs. Flags given alongside it still win.
 """
 import argparse
 import gc
@@ -60,6 +64,8 @@ import tempfile
 import time
 
 import torch
+
+from quick import QUICK_MODEL, parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 
 CPU_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
@@ -103,7 +109,9 @@ def parse_args(argv=None):
                    help="tpengine's policy; several are each timed every round, alternating (default mixed)")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each side this many times, alternating, and keep the fastest (for noisy machines)")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, dict(num_seqs=6, min_input_len=4, max_input_len=24, min_output_len=2,
+                                          max_output_len=8, max_num_seqs=4, hf_batch_size=[2]),
+                            "bench.py's QUICK_MODEL (hidden 64, 2 layers)")
     for key, value in DEFAULTS[args.device].items():
         if key == "hf_batch_sizes":
             if args.hf_batch_size is None:
@@ -317,7 +325,8 @@ def main(argv=None) -> None:
     load_before = load_average()
     num_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
-        model_path = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"))
+        model_path = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"),
+                                               QUICK_MODEL if args.quick else None)
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model_path)
         prompts, output_lens = make_workload(args, config.vocab_size)

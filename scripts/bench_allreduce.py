@@ -14,6 +14,7 @@ rate over tp=1's in the same round (on a noisy machine the pairing cancels what 
 
     .venv/bin/python scripts/bench_allreduce.py                       # latency, 128 KB and 19 MB
     .venv/bin/python scripts/bench_allreduce.py --end-to-end --repeat 3
+    .venv/bin/python scripts/bench_allreduce.py --quick --end-to-end  # seconds: small sizes, bench.py --quick's run
 """
 import argparse
 import os
@@ -29,6 +30,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
 import bench  # noqa: E402  scripts/bench.py: the end-to-end workload and its report helpers
 
+from quick import QUICK_MODEL, parse_with_quick  # noqa: E402
 from tpengine.distributed.parallel_state import find_free_port  # noqa: E402
 from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect  # noqa: E402
 
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--slot-bytes", type=int, default=DEFAULT_SLOT_BYTES)
     p.add_argument("--end-to-end", action="store_true", help="also time scripts/bench.py's run at tp=1 and tp=2")
     p.add_argument("--repeat", type=int, default=2, help="end-to-end runs of each tp, alternating")
-    return p.parse_args(argv)
+    return parse_with_quick(p, argv, dict(sizes=[4 << 10, 64 << 10], gather_bytes=16 << 10, iters=5, rounds=1,
+                                          repeat=1), "--end-to-end times bench.py --quick's workload and model")
 
 
 def time_calls(all_reduce, tensor: torch.Tensor, iters: int) -> list[float]:
@@ -89,12 +92,12 @@ def measure_latency(args) -> list[tuple[int, float, float]]:
         return list(results)
 
 
-def measure_end_to_end(repeat: int) -> tuple[dict[int, list[float]], int]:
+def measure_end_to_end(repeat: int, quick: bool) -> tuple[dict[int, list[float]], int]:
     """Output tok/s of every run, by tp (round order), and the useful output tokens of one run."""
     import tempfile
-    options = bench.parse_args(["--skip-hf"])
+    options = bench.parse_args(["--skip-hf"] + (["--quick"] if quick else []))
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
-        model = bench.write_model("cpu", os.path.join(tmp, "model"))
+        model = bench.write_model("cpu", os.path.join(tmp, "model"), QUICK_MODEL if quick else None)
         from transformers import AutoConfig
         prompts, output_lens = bench.make_workload(options, AutoConfig.from_pretrained(model).vocab_size)
         useful = sum(output_lens)
@@ -123,8 +126,9 @@ def main(argv=None) -> None:
         label = f"{size >> 20} MB" if size >= 1 << 20 else f"{size >> 10} KB" if size >= 1 << 10 else f"{size} B"
         print(f"| {what} | {label} | {shm * 1e6:,.1f} | {gloo * 1e6:,.1f} | {gloo / shm:.1f}x |")
     if args.end_to_end:
-        rates, useful = measure_end_to_end(args.repeat)
-        print(f"\nend to end, scripts/bench.py --skip-hf workload ({useful} output tokens), {args.repeat} rounds:\n")
+        rates, useful = measure_end_to_end(args.repeat, args.quick)
+        print(f"\nend to end, scripts/bench.py --skip-hf{' --quick' if args.quick else ''} workload ({useful} output "
+              f"tokens), {args.repeat} rounds:\n")
         print("| tp | best tok/s | median tok/s | slowest tok/s |")
         print("|---:|---:|---:|---:|")
         for tp, runs in rates.items():

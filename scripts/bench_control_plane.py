@@ -32,6 +32,8 @@ with more readers than spare CPUs nothing is pinned and the processes share the 
     .venv/bin/python scripts/bench_control_plane.py [--quick] [--steps 300] [--warmup 50]
         [--readers 1 3] [--gap-us 0] [--no-pin]
 
+``--quick`` (20 steps after 5, 3 timeit runs, 1 reader) is a smoke run in seconds: what tests/scripts runs.
+
 ``--gap-us`` makes rank 0 sleep that long between steps (standing in for the forward pass,
 sampling and scheduling), so readers sit idle waiting for the next message as workers do in
 an engine; with the default 0, steps run back to back and readers are still busy-polling.
@@ -50,10 +52,12 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
 from nano_baseline import NanoSequence
+from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine.distributed.messages import decode_control, encode, slim_step
 from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step_plan import StepPlan
+from tpengine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 256
 VOCAB_SIZE = 151_936        # Qwen-sized vocabulary: token ids take 3-5 bytes on the wire
@@ -80,15 +84,14 @@ class Case:
         return pickle.dumps(["run", self.simple, self.is_prefill])  # nano-vllm's write_shm
 
 
-def scheduled_like(cls, token_ids: list[int], block_table: list[int], is_prefill: bool):
-    """A sequence in the state the scheduler hands to the model runner."""
+def scheduled_like(new_seq: Callable[[list[int]], object], token_ids: list[int], block_table: list[int],
+                   is_prefill: bool):
+    """A sequence made by new_seq(prompt) in the state the scheduler hands to the model runner."""
     if is_prefill:  # a fresh prompt, prefilled whole
-        seq = cls(token_ids)
+        seq = new_seq(token_ids)
         seq.num_scheduled_tokens = len(token_ids)
     else:           # decoding: every token but the last one sampled is in the cache
-        seq = cls(token_ids[:-1])
-        if cls is NanoSequence:
-            seq.is_prefill = False
+        seq = new_seq(token_ids[:-1])
         seq.num_cached_tokens = len(token_ids) - 1
         seq.append_token(token_ids[-1])
         seq.num_scheduled_tokens = 1
@@ -98,14 +101,16 @@ def scheduled_like(cls, token_ids: list[int], block_table: list[int], is_prefill
 
 def make_case(name: str, lengths: list[int], is_prefill: bool, rng: random.Random) -> Case:
     free_blocks = rng.sample(range(NUM_KV_BLOCKS), NUM_KV_BLOCKS)
+    params = SamplingParams()
     ours, simple = [], []
     for length in lengths:
         token_ids = [rng.randrange(VOCAB_SIZE) for _ in range(length)]
         block_table = [free_blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
-        ours.append(scheduled_like(Sequence, token_ids, block_table, is_prefill))
-        simple.append(scheduled_like(NanoSequence, token_ids, block_table, is_prefill))
-    for seq in ours:
-        seq.block_size = BLOCK_SIZE
+        ours.append(scheduled_like(lambda prompt: Sequence(prompt, params, BLOCK_SIZE), token_ids, block_table,
+                                   is_prefill))
+        nano = scheduled_like(NanoSequence, token_ids, block_table, is_prefill)
+        nano.is_prefill = is_prefill  # its __getstate__ pickles the whole token list only while prefilling
+        simple.append(nano)
     return Case(name, is_prefill, ours, simple)
 
 
@@ -374,9 +379,8 @@ def pair(a: float, b: float, fmt: str = "{:.1f}") -> str:
     return f"{fmt.format(a)} / {fmt.format(b)}"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke run")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=200, help="timeit runs per microbenchmark")
@@ -384,9 +388,7 @@ def main() -> None:
     parser.add_argument("--gap-us", type=float, default=0.0,
                         help="rank 0 sleeps this long between steps (a stand-in forward pass)")
     parser.add_argument("--no-pin", dest="pin", action="store_false")
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.repeats = 60, 10, 20
+    args = parse_with_quick(parser, argv, dict(steps=20, warmup=5, repeats=3, readers=[1]))
 
     ncpu = len(os.sched_getaffinity(0))
     mp.get_context("forkserver").set_forkserver_preload(

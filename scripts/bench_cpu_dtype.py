@@ -10,6 +10,7 @@ actually runs in: a half dtype this CPU cannot compute fast runs as float32 (one
     python scripts/bench_cpu_dtype.py --model PATH --batch-sizes 1 --rounds 5
     python scripts/bench_cpu_dtype.py --dtypes float32 --batch-sizes 1 16 --float16-forms
     python scripts/bench_cpu_dtype.py --batch-sizes 1 --agreement 32   # bfloat16 greedy tokens vs transformers'
+    python scripts/bench_cpu_dtype.py --quick                          # seconds: bench.py's QUICK_MODEL, batches 1 2
 """
 import argparse
 import logging
@@ -23,6 +24,7 @@ import time
 import torch
 
 from bench import load_average  # scripts/ is this script's folder, so it is on sys.path
+from quick import QUICK_MODEL, parse_with_quick
 
 # llama.cpp's anchor model in docs/benchmarks.md: a random Qwen3 with an untied 8192-token head
 ANCHOR_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt for --agreement")
     p.add_argument("--float16-forms", action="store_true",
                    help="also time the forms a float16 linear could take on this CPU (what the fallback chose)")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, dict(batch_sizes=[1, 2], context_len=8, steps=2, rounds=1, agreement_tokens=4),
+                            "bench.py's QUICK_MODEL")
     if min(*args.batch_sizes, args.context_len, args.steps, args.rounds) < 1:
         p.error("sizes and counts must be >= 1")
     return args
@@ -178,7 +181,8 @@ def main(argv=None) -> None:
         model = args.model
         if model is None:
             from tpengine.tiny_model import write_tiny_model
-            model = write_tiny_model(os.path.join(tmp, "model"), seed=0, with_tokenizer=False, **ANCHOR_MODEL)
+            model = write_tiny_model(os.path.join(tmp, "model"), seed=0, with_tokenizer=False,
+                                     **(QUICK_MODEL if args.quick else ANCHOR_MODEL))
         lines = run(args, model)
         if args.agreement:
             lines += ["", *agreement(model, args.agreement, args.agreement_tokens, args.context_len)]

@@ -3,8 +3,9 @@
 1. Paged decode attention: the C++ kernel (the `cpu` backend) against the `torch` backend's
    loop over sequences, on a decode batch with contexts drawn from --min-context..--max-context.
 2. Linear layers: matmuls on oneDNN-packed weights against F.linear, for the projections of the
-   bench.py CPU model (hidden 512, 8 layers, intermediate 1536, vocab 16384). All 8 layers' weights
-   are cycled, as in a forward pass, so they come from memory rather than a warm cache.
+   bench.py CPU model (hidden 512, 8 layers, intermediate 1536, vocab 16384; --quick: bench.py's
+   QUICK_MODEL). All layers' weights are cycled, as in a forward pass, so they come from memory
+   rather than a warm cache.
    The same in bfloat16: oneDNN-packed against tpengine's AVX512-BF16 kernel (kernels/cpu/bf16_linear.cpp).
 3. Sampling one token per row from the logits: the inverse-CDF draw in torch (the sampler's torch
    path) and in C++ (kernels/cpu/sampling.cpp, the CPU's path for rows a temperature alone shapes),
@@ -15,6 +16,7 @@
 
     .venv/bin/python scripts/bench_cpu_kernels.py
     .venv/bin/python scripts/bench_cpu_kernels.py --sections bf16-linears --rows 1 4 16 2048
+    .venv/bin/python scripts/bench_cpu_kernels.py --quick      # seconds: small batch, rows 1 4, QUICK_MODEL's linears
 """
 import argparse
 import random
@@ -23,20 +25,23 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench import CPU_MODEL  # scripts/ is this script's folder, so it is on sys.path
+from quick import QUICK_MODEL, parse_with_quick
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
+from tpengine.models.config import RopeParameters
 from tpengine.runner.sampler import filtered_probs
 
 
-def best_ms(fn, repeat: int) -> float:
-    """Fastest of five rounds of `repeat` calls, in ms per call."""
+def best_ms(fn, repeat: int, rounds: int) -> float:
+    """Fastest of `rounds` rounds of `repeat` calls, in ms per call."""
     fn()
     times = []
-    for _ in range(5):
+    for _ in range(rounds):
         started = time.perf_counter()
         for _ in range(repeat):
             fn()
@@ -64,38 +69,48 @@ def decode_attention(args) -> None:
             is_prefill=False, slot_mapping=torch.zeros(args.batch, dtype=torch.long),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             block_tables_list=tables, seqlens_k=lens, context_lens=torch.tensor(lens, dtype=torch.int32))
-        torch_ms = best_ms(lambda: TorchAttentionBackend().decode(q, k_cache, v_cache, meta, head_dim**-0.5), 10)
+        torch_ms = best_ms(lambda: TorchAttentionBackend().decode(q, k_cache, v_cache, meta, head_dim**-0.5), 10,
+                           args.rounds)
         kernel_ms = best_ms(lambda: paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                                           meta.context_lens, head_dim**-0.5), 10)
+                                                           meta.context_lens, head_dim**-0.5), 10, args.rounds)
         print(f"| {block_size} | {torch_ms:.2f} | {kernel_ms:.2f} | {torch_ms / kernel_ms:.1f}x |")
 
 
+def layer_weights(model: dict) -> list[torch.Tensor]:
+    """Every decoder layer's q/k/v, o, gate/up and down projection weights, in a forward's order."""
+    hidden, intermediate = model["hidden_size"], model["intermediate_size"]
+    q, kv = model["num_attention_heads"] * model["head_dim"], model["num_key_value_heads"] * model["head_dim"]
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * intermediate, hidden), (hidden, intermediate)]
+    return [torch.randn(out, inp) * 0.02 for _ in range(model["num_hidden_layers"]) for out, inp in shapes]
+
+
 def linears(args) -> None:
-    print("\n## Linear layers: 8 layers of qkv, o, gate_up, down, then the LM head; ms per forward\n")
+    model = args.model_shape
+    print(f"\n## Linear layers: {model['num_hidden_layers']} layers of qkv, o, gate_up, down, then the LM head; "
+          "ms per forward\n")
     print("| rows | F.linear ms | packed ms | speed-up | LM head F.linear ms | LM head packed ms |\n"
           "|---:|---:|---:|---:|---:|---:|")
-    hidden, intermediate, vocab = 512, 1536, 16384
-    shapes = [(1024, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
-    weights = [torch.randn(out, inp) * 0.02 for _ in range(8) for out, inp in shapes]
+    hidden = model["hidden_size"]
+    weights = layer_weights(model)
     packed = [prepack_weight_for_cpu(w) for w in weights]
-    head = torch.randn(vocab, hidden) * 0.02
+    head = torch.randn(model["vocab_size"], hidden) * 0.02
     head_packed = prepack_weight_for_cpu(head)
     if head_packed is None:
         print("this torch has no oneDNN weight packing: nothing to compare")
         return
     for rows in args.rows:
-        inputs = {hidden: torch.randn(rows, hidden), intermediate: torch.randn(rows, intermediate)}
+        inputs = {k: torch.randn(rows, k) for k in {w.size(1) for w in weights}}
 
         def layers(use_packed: bool):
             for w, p in zip(weights, packed):
                 linear(inputs[w.size(1)], w, None, p if use_packed else None)
 
         repeat = max(1, 200 // rows)
-        plain_ms = best_ms(lambda: layers(False), repeat)
-        packed_ms = best_ms(lambda: layers(True), repeat)
+        plain_ms = best_ms(lambda: layers(False), repeat, args.rounds)
+        packed_ms = best_ms(lambda: layers(True), repeat, args.rounds)
         x = inputs[hidden]
-        head_plain = best_ms(lambda: F.linear(x, head), repeat)
-        head_fast = best_ms(lambda: linear(x, head, None, head_packed), repeat)
+        head_plain = best_ms(lambda: F.linear(x, head), repeat, args.rounds)
+        head_fast = best_ms(lambda: linear(x, head, None, head_packed), repeat, args.rounds)
         print(f"| {rows} | {plain_ms:.2f} | {packed_ms:.2f} | {plain_ms / packed_ms:.2f}x | "
               f"{head_plain:.2f} | {head_fast:.2f} |")
 
@@ -103,27 +118,27 @@ def linears(args) -> None:
 def bf16_linears(args) -> None:
     print("\n## bfloat16 linears: the same layers and LM head, float32 packed (oneDNN), bfloat16 packed by "
           "oneDNN, bfloat16 on tpengine's AVX512-BF16 kernel; ms per forward\n")
-    hidden, intermediate, vocab = 512, 1536, 16384
-    shapes = [(1024, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate), (vocab, hidden)]
-    weights = [torch.randn(out, inp) * 0.02 for _ in range(8) for out, inp in shapes[:4]] + [torch.randn(vocab, hidden)]
+    model = args.model_shape
+    weights = layer_weights(model) + [torch.randn(model["vocab_size"], model["hidden_size"])]
     halves = [w.bfloat16() for w in weights]
-    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
-             "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
-             "bfloat16 tpengine": (halves, [prepack_weight_for_cpu(w) for w in halves])}
-    if not isinstance(forms["bfloat16 tpengine"][1][0], Bf16Blocks):
+    ours = [prepack_weight_for_cpu(w) for w in halves]
+    if not isinstance(ours[0], Bf16Blocks):  # checked first: oneDNN's bfloat16 packing needs AVX512 too
         print("this CPU has no AVX512-BF16 (or no compiler): nothing to compare")
         return
+    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
+             "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
+             "bfloat16 tpengine": (halves, ours)}
     print("| rows | " + " | ".join(f"{name} ms" for name in forms) + " | tpengine vs oneDNN bfloat16 |\n"
           "|---:|" + "---:|" * (len(forms) + 1))
     for rows in args.rows:
         inputs = {(dtype, k): torch.randn(rows, k, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
-                  for k in (hidden, intermediate)}
+                  for k in {w.size(1) for w in weights}}
 
         def forward(ws, ps):
             for w, p in zip(ws, ps):
                 linear(inputs[w.dtype, w.size(1)], w, None, p)
 
-        times = [best_ms(lambda: forward(*form), max(1, 200 // rows)) for form in forms.values()]
+        times = [best_ms(lambda: forward(*form), max(1, 200 // rows), args.rounds) for form in forms.values()]
         print(f"| {rows} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {times[1] / times[2]:.2f}x |")
 
 
@@ -145,8 +160,8 @@ def sampling(args) -> None:
     def kernel():  # the same draw in C++ (kernels/cpu/sampling.cpp), no cumulative sum written out
         return cpu_sampling.sample_rows(logits, temperatures, torch.rand(args.batch, dtype=torch.float64))
 
-    race_ms, cdf_ms = best_ms(exponential_race, 20), best_ms(inverse_cdf, 20)
-    kernel_ms = best_ms(kernel, 20) if cpu_sampling.available() else float("nan")
+    race_ms, cdf_ms = best_ms(exponential_race, 20, args.rounds), best_ms(inverse_cdf, 20, args.rounds)
+    kernel_ms = best_ms(kernel, 20, args.rounds) if cpu_sampling.available() else float("nan")
     print("| exponential race ms | inverse CDF in torch ms | inverse CDF in C++ ms | C++ vs torch |\n|---:|---:|---:|---:|")
     print(f"| {race_ms:.2f} | {cdf_ms:.2f} | {kernel_ms:.2f} | {cdf_ms / kernel_ms:.1f}x |")
 
@@ -154,15 +169,15 @@ def sampling(args) -> None:
 def rotary(args) -> None:
     print("\n## Rotary on q and k, eager: in-place halves (CPU) vs the form CUDA compiles\n")
     print("| tokens | in-place ms | CUDA form ms | CUDA form / in-place |\n|---:|---:|---:|---:|")
-    cache = RotaryEmbedding(64, 4096, 1_000_000.0).cos_sin_cache
+    cache = RotaryEmbedding(64, 4096, RopeParameters(theta=1_000_000.0)).cos_sin_cache
     cuda_form = apply_rotary_traceable.__wrapped__
     for rows in args.rows:
         positions = torch.randint(0, 4096, (rows,))
         qkv = torch.randn(rows, (8 + 2 * 4) * 64)
         q, k = qkv[:, :512].view(rows, 8, 64), qkv[:, 512:768].view(rows, 4, 64)  # strided, as the model's
         repeat = max(1, 2000 // rows)
-        in_place_ms = best_ms(lambda: apply_rotary(positions, q, k, cache), repeat)
-        cuda_ms = best_ms(lambda: cuda_form(positions, q, k, cache), repeat)
+        in_place_ms = best_ms(lambda: apply_rotary(positions, q, k, cache), repeat, args.rounds)
+        cuda_ms = best_ms(lambda: cuda_form(positions, q, k, cache), repeat, args.rounds)
         print(f"| {rows} | {in_place_ms:.3f} | {cuda_ms:.3f} | {cuda_ms / in_place_ms:.2f}x |")
 
 
@@ -170,7 +185,7 @@ SECTIONS = {"attention": decode_attention, "linears": linears, "bf16-linears": b
             "rotary": rotary}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--min-context", type=int, default=16)
@@ -178,7 +193,10 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 2048])
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    args = p.parse_args()
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement, the fastest kept (default 5)")
+    args = parse_with_quick(p, argv, dict(batch=4, min_context=8, max_context=64, rows=[1, 4], vocab=2048, rounds=1),
+                            "the linears of bench.py's QUICK_MODEL")
+    args.model_shape = QUICK_MODEL if args.quick else CPU_MODEL
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.sections:
         SECTIONS[name](args)

@@ -25,6 +25,7 @@ In one process, one engine (prefix caching off, so repeats compute everything):
     .venv/bin/python scripts/bench_low_batch.py --repeat 3 --breakdown
     .venv/bin/python scripts/bench_low_batch.py --batched-bench 1 16 48 --repeat 2
     .venv/bin/python scripts/bench_low_batch.py --ops --batch-sizes 1 --steps 5
+    .venv/bin/python scripts/bench_low_batch.py --quick --breakdown --ops   # seconds: bench.py's QUICK_MODEL
 """
 import argparse
 import collections
@@ -39,6 +40,7 @@ import time
 import torch
 
 from bench import git_revision, load_average, machine_line, num_params, write_model  # scripts/ is on sys.path
+from quick import QUICK_MODEL, parse_with_quick
 
 LOW_BATCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
@@ -60,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true", help="also break one batch-1 decode step down by op kind")
     p.add_argument("--ops", action="store_true", help="also time each fused CPU op against its torch code")
     p.add_argument("--repeat", type=int, default=1, help="measure everything this many times, keep the best")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, dict(batch_sizes=[1, 3], context_len=20, steps=3, warm_up_steps=1),
+                            "bench.py's QUICK_MODEL")
     if min(args.batch_sizes + args.batched_bench + [args.context_len, args.steps, args.repeat]) < 1:
         p.error("sizes and counts must be >= 1")
     return args
@@ -306,7 +309,8 @@ def main(argv=None) -> None:
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + list(argv or sys.argv[1:]))
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="tpengine-low-batch-") as tmp:
-        model_path = args.model or write_model("cpu", args.model_dir or os.path.join(tmp, "model"), LOW_BATCH_MODEL)
+        model_path = args.model or write_model("cpu", args.model_dir or os.path.join(tmp, "model"),
+                                               QUICK_MODEL if args.quick else LOW_BATCH_MODEL)
         config = AutoConfig.from_pretrained(model_path)
         dtype = getattr(torch, args.dtype)
         weights = step_weights(model_path, dtype)

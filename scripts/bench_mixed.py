@@ -14,6 +14,7 @@ table shows the median of the rounds for each. The model is bench.py's CPU shape
 
     .venv/bin/python scripts/bench_mixed.py
     .venv/bin/python scripts/bench_mixed.py --rate 4 --num-requests 48 --repeat 3
+    .venv/bin/python scripts/bench_mixed.py --quick     # seconds: 6 requests on bench.py's QUICK_MODEL
 """
 import argparse
 import os
@@ -25,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import git_revision, load_average, machine_line, write_model  # noqa: E402
+from quick import QUICK_MODEL, parse_with_quick  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -42,7 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="(default: the device's)")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    # long prompts 3x the step's token budget, so mixed steps chunk them and prefill-first steps stall decodes
+    return parse_with_quick(p, argv, dict(num_requests=6, rate=20.0, short_input_len=[4, 16], long_input_len=[48, 96],
+                                          long_every=3, output_len=[2, 6], max_num_batched_tokens=32, repeat=1),
+                            "bench.py's QUICK_MODEL")
 
 
 def make_workload(args):
@@ -107,7 +112,7 @@ def main(argv=None):
     policies = ["mixed", "prefill_first"]
     results = {policy: [] for policy in policies}
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
-        model = args.model or write_model(args.device, os.path.join(tmp, "model"))
+        model = args.model or write_model(args.device, os.path.join(tmp, "model"), QUICK_MODEL if args.quick else None)
         for round_ in range(args.repeat):
             for policy in policies[::1 if round_ % 2 == 0 else -1]:
                 r = run(args, model, policy, arrivals, requests)

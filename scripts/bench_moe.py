@@ -8,12 +8,14 @@ intermediate 768, float32, one rank): routing from random router logits, then
 Both give the same sum (checked here). Prints a markdown table for docs/benchmarks.md.
 
     .venv/bin/python scripts/bench_moe.py [--experts 128 --top-k 8 --hidden 2048 --intermediate 768]
+    .venv/bin/python scripts/bench_moe.py --quick      # seconds: 8 experts, top-2, hidden 64
 """
 import argparse
 import time
 
 import torch
 
+from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine.layers.fused_moe import grouped_experts, per_token_experts, select_experts
 
 
@@ -27,7 +29,7 @@ def best_ms(fn, rounds: int) -> float:
     return min(times) * 1e3
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
@@ -36,7 +38,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    args = p.parse_args()
+    args = parse_with_quick(p, argv, dict(experts=8, top_k=2, hidden=64, intermediate=32, tokens=[1, 8], rounds=1))
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

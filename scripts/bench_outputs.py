@@ -8,6 +8,7 @@ text, replayed from that text, so texts, merges and partial stop-string matches 
 Baseline: the same step with neither streaming nor stop strings (what generate() pays), same run.
 
     .venv/bin/python scripts/bench_outputs.py [--seqs 256] [--steps 200] [--warmup 50]
+    .venv/bin/python scripts/bench_outputs.py --quick    # seconds: 6 sequences, 4 steps
 """
 import argparse
 import gc
@@ -21,6 +22,7 @@ import time
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine import LLM, SamplingParams
 from tpengine.runner.sampler import SamplerOutput
 from tpengine.tiny_model import write_tiny_model
@@ -89,12 +91,12 @@ def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | N
     return statistics.median(times) / 1000
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, argv, dict(seqs=6, steps=4, warmup=2))
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core: no migration noise
 

@@ -15,6 +15,7 @@ Wall time is llm.generate alone (loading and a warm-up excluded). The greedy tok
 are compared: they must be equal.
 
     .venv/bin/python scripts/bench_prefix_cache.py [--repeat 2] [--num-seqs 256] [--device cpu]
+    .venv/bin/python scripts/bench_prefix_cache.py --quick   # seconds: 4 requests sharing 300 tokens
 """
 import argparse
 import random
@@ -24,6 +25,7 @@ import time
 import torch
 
 from bench import git_revision, load_average, machine_line
+from quick import parse_with_quick
 from tpengine import LLM, SamplingParams
 from tpengine.tiny_model import write_tiny_model
 
@@ -65,7 +67,7 @@ def run(args, model: str, prompts, exact: bool):
     return elapsed, queries - hits, hits, [o.token_ids for o in outputs]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--system-len", type=int, default=1000)
@@ -74,7 +76,8 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, argv, dict(num_seqs=4, system_len=300, max_tokens=2, repeat=1,
+                                               num_kvcache_blocks=16))
 
     prompts = workload(args)
     total = sum(map(len, prompts))

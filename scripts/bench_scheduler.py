@@ -10,6 +10,7 @@ Also measures taking freed blocks back on a prefix hit: a 1024-token prompt whos
 sit at the tail of a 65,536-block free queue (16-token blocks).
 
     .venv/bin/python scripts/bench_scheduler.py [--steps 200] [--warmup 50] [--sizes 64 256 512]
+    .venv/bin/python scripts/bench_scheduler.py --quick     # seconds: 8 and 32 sequences, 10 steps
 """
 import argparse
 import gc
@@ -19,6 +20,7 @@ import statistics
 import time
 
 from nano_baseline import NanoBlockManager, NanoScheduler, NanoSequence
+from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
@@ -139,13 +141,13 @@ def bench_take_back(repeats: int) -> tuple[float, float]:
     return ours, nano
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--take-back-repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = parse_with_quick(parser, argv, dict(sizes=[8, 32], warmup=2, steps=10, take_back_repeats=2))
 
     pinned = "no"
     if hasattr(os, "sched_setaffinity"):

@@ -7,7 +7,7 @@ a rate. Per request the client records the time to the first token (TTFT), the g
 streamed chunks (inter-token latency, ITL) and the end-to-end latency; output tok/s is all output
 tokens over the time from the first request sent to the last token received. Meanwhile a poller
 times GET /health (it must never wait for a step), and after the load the server's CPU use
-while idle is read from /proc.
+while idle is read from /proc (over --idle-seconds).
 
 The baseline is the same workload through `LLM.generate` in this process (all requests at once,
 with the same engine settings), timed before the server starts, so the two never share the cores.
@@ -24,6 +24,7 @@ token ids and tokens are counted from the stream's token_ids (vLLM's return_toke
     .venv/bin/python scripts/bench_serve.py                          # saturation, 64 requests
     .venv/bin/python scripts/bench_serve.py --request-rate 4         # Poisson arrivals, 4 req/s
     .venv/bin/python scripts/bench_serve.py --model /path/to/Qwen3-0.6B --device cuda --num-prompts 256
+    .venv/bin/python scripts/bench_serve.py --quick                  # seconds: 4 requests, bench.py's QUICK_MODEL
 """
 import argparse
 import asyncio
@@ -42,6 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import write_model  # noqa: E402  (the same random-weight model bench.py measures)
+from quick import QUICK_MODEL, parse_with_quick  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -61,7 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--repeat", type=int, default=1,
                    help="alternate offline and server runs this many times and keep each side's fastest (noisy machines)")
-    return p.parse_args(argv)
+    p.add_argument("--idle-seconds", type=float, default=5.0, help="how long the server's idle CPU is read (default 5)")
+    return parse_with_quick(p, argv, dict(num_prompts=4, min_input_len=4, max_input_len=24, min_output_len=2,
+                                          max_output_len=8, idle_seconds=1.0), "bench.py's QUICK_MODEL")
 
 
 def make_workload(args) -> tuple[list[list[int]], list[int]]:
@@ -200,8 +204,8 @@ def run_server(args, model: str, prompts, output_lens):
         results, elapsed, health = asyncio.run(run_load(args, port, prompts, output_lens))
         time.sleep(1.0)
         idle_start = cpu_seconds(server.pid)
-        time.sleep(5.0)
-        idle_cpu = (cpu_seconds(server.pid) - idle_start) / 5.0
+        time.sleep(args.idle_seconds)
+        idle_cpu = (cpu_seconds(server.pid) - idle_start) / args.idle_seconds
     finally:
         server.send_signal(signal.SIGTERM)
         exit_status = server.wait(timeout=60)
@@ -219,7 +223,7 @@ def main(argv=None) -> None:
           f"{num_output} output tokens, request rate {args.request_rate}, tp={args.tp}")
     offline_runs, server_runs = [], []
     with tempfile.TemporaryDirectory() as folder:
-        model = args.model or write_model(args.device, folder)
+        model = args.model or write_model(args.device, folder, QUICK_MODEL if args.quick else None)
         for _ in range(args.repeat):
             if not args.skip_offline:
                 offline_runs.append(time_offline(args, model, prompts, output_lens))
@@ -240,7 +244,7 @@ def main(argv=None) -> None:
         print(f"| {name} p50 / p99 | {percentile(values, 50):,.1f} / {percentile(values, 99):,.1f} ms | |")
     print(f"| GET /health under load p50 / p99 / max | {percentile(health, 50) * 1e3:.1f} / "
           f"{percentile(health, 99) * 1e3:.1f} / {max(health) * 1e3:.1f} ms ({len(health)} polls) | |")
-    print(f"| server CPU while idle (5 s) | {idle_cpu * 100:.1f}% of a core | |")
+    print(f"| server CPU while idle ({args.idle_seconds:g} s) | {idle_cpu * 100:.1f}% of a core | |")
     if offline_s:
         print(f"\nserver / offline throughput: {offline_s / elapsed:.3f} (the server loses "
               f"{(1 - offline_s / elapsed) * 100:.1f}%)")

@@ -20,6 +20,7 @@ and for a rough CPU picture.
     python scripts/profile_decode.py --device cuda                     # Qwen3-0.6B shape, bf16, 64 x 1024
     python scripts/profile_decode.py --device cuda --model-dir /tmp/m  # reuse bench.py's --model-dir model
     python scripts/profile_decode.py --device cpu --model PATH --batch-size 4 --context-len 40 --steps 4
+    python scripts/profile_decode.py --device cpu --quick              # seconds: bench.py's QUICK_MODEL, 3 x 20
 """
 import argparse
 import os
@@ -32,6 +33,7 @@ import time
 import torch
 
 from bench import num_params, write_model  # scripts/ is this script's folder, so it is on sys.path
+from quick import QUICK_MODEL, parse_with_quick
 
 
 def parse_args(argv=None):
@@ -50,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    args = p.parse_args(argv)
+    args = parse_with_quick(p, argv, dict(batch_size=3, context_len=20, steps=3, warm_up_steps=1, attention_repeats=2,
+                                          copy_mib=4), "bench.py's QUICK_MODEL")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.copy_mib = args.copy_mib or (1024 if args.device == "cuda" else 64)
     if min(args.batch_size, args.context_len, args.steps, args.attention_repeats, args.copy_mib) < 1:
@@ -174,7 +177,8 @@ def run(args) -> list[str]:
     device = torch.device(args.device)
     clock = Clock(device)
     with tempfile.TemporaryDirectory(prefix="tpengine-profile-") as tmp:
-        model = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"))
+        model = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"),
+                                          QUICK_MODEL if args.quick else None)
         max_tokens = args.warm_up_steps + args.steps + 1  # the first token comes from the prefill
         llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch_size,
                   max_model_len=args.context_len + max_tokens, attention_backend=args.attention_backend,

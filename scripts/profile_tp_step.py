@@ -1,6 +1,6 @@
 """Where a CPU tensor-parallel step's time goes: scripts/bench.py's workload (64 sequences of the CPU
-bench model by default) timed once at tp=1 and once at --tp, with every rank recording when it enters
-and leaves each collective and each step phase.
+bench model by default, or --model) timed once at tp=1 and once at --tp, with every rank recording
+when it enters and leaves each collective and each step phase.
 
 The ranks' clocks are one (CLOCK_MONOTONIC), so the n-th collective of every rank can be lined up:
 the earlier rank's wait is the later rank's arrival minus its own, and what follows until the first
@@ -11,6 +11,7 @@ The recording wraps methods in every rank process (rank 0 here; the workers thro
 module on PYTHONPATH, which they inherit): the engine itself is unchanged.
 
     .venv/bin/python scripts/profile_tp_step.py --tp 2
+    .venv/bin/python scripts/profile_tp_step.py --quick      # seconds: bench.py --quick's workload and model
 """
 import argparse
 import json
@@ -73,8 +74,8 @@ sys.path.insert(0, {scripts!r})
 import bench
 from tpengine import LLM, SamplingParams
 from tpengine.distributed import parallel_state
-options = bench.parse_args(["--skip-hf"])
-model = bench.write_model("cpu", {model!r})
+options = bench.parse_args({bench_args!r})
+model = {model!r}
 from transformers import AutoConfig
 prompts, output_lens = bench.make_workload(options, AutoConfig.from_pretrained(model).vocab_size)
 llm = LLM(model, tensor_parallel_size={tp}, max_model_len=options.max_input_len + options.max_output_len,
@@ -93,7 +94,7 @@ llm.shutdown()
 '''
 
 
-def run(tp: int, model: str, folder: str) -> tuple[dict, dict[int, dict]]:
+def run(tp: int, model: str, folder: str, quick: bool) -> tuple[dict, dict[int, dict]]:
     """One timed generate at tp in a fresh interpreter whose ranks all record; (window, events per rank)."""
     site = os.path.join(folder, "site")
     os.makedirs(site, exist_ok=True)
@@ -103,7 +104,9 @@ def run(tp: int, model: str, folder: str) -> tuple[dict, dict[int, dict]]:
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, TPENGINE_PROFILE_DIR=out,
                PYTHONPATH=os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    subprocess.run([sys.executable, "-c", RUN_ONE.format(scripts=SCRIPTS, model=model, tp=tp)], env=env, check=True)
+    bench_args = ["--skip-hf"] + (["--quick"] if quick else [])
+    subprocess.run([sys.executable, "-c", RUN_ONE.format(scripts=SCRIPTS, model=model, tp=tp, bench_args=bench_args)],
+                   env=env, check=True)
     with open(os.path.join(out, "window.json")) as f:
         window = json.load(f)
     ranks = {}
@@ -164,14 +167,17 @@ def report(tp: int, window: dict, ranks: dict[int, dict]) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2)
-    args = p.parse_args(argv)
+    p.add_argument("--model", help="checkpoint folder (default: bench.py's random-weight CPU model)")
     sys.path.insert(0, SCRIPTS)
     import bench
+    from quick import QUICK_MODEL, parse_with_quick
+    args = parse_with_quick(p, argv, {}, "bench.py --quick's workload and model")
     print(f"load average before {bench.load_average()}")
     with tempfile.TemporaryDirectory(prefix="tpengine-profile-") as folder:
-        model = bench.write_model("cpu", os.path.join(folder, "model"))
+        model = args.model or bench.write_model("cpu", os.path.join(folder, "model"),
+                                                QUICK_MODEL if args.quick else None)
         for tp in (1, args.tp):
-            report(tp, *run(tp, model, folder))
+            report(tp, *run(tp, model, folder, args.quick))
     print(f"\nload average after {bench.load_average()}")
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.scripts.test_profile_decode import SCRIPTS
+from tests.scripts import SCRIPTS
 
 GPU_CHECK = os.path.join(SCRIPTS, "gpu_check.sh")
 

@@ -1,0 +1,17 @@
+"""scripts/bench_serve.py --quick: `tpengine serve` under streamed load against offline LLM.generate."""
+import re
+
+import pytest
+
+from tests.scripts import run_script
+
+pytest.importorskip("fastapi", reason="the server needs the serve extra")
+pytest.importorskip("uvicorn", reason="the server needs the serve extra")
+
+
+def test_bench_serve_quick_reports_the_server_against_offline_and_stops_cleanly(quick_model):
+    out = run_script("bench_serve.py", "--quick", "--model", quick_model).stdout
+    assert re.search(r"^\| output tok/s \| [\d,.]+ \| [\d,.]+ \|$", out, re.MULTILINE), out  # server, offline
+    for measure in ("TTFT", "inter-token latency", "end-to-end latency"):
+        assert re.search(rf"^\| {measure} p50 / p99 \| [\d,.]+ / [\d,.]+ ms \|", out, re.MULTILINE), out
+    assert "server exit status after SIGTERM: 0" in out
