@@ -3,8 +3,10 @@
 Measures, for one engine step, what it costs to get the scheduler's output (a list of
 ``Sequence`` objects) to every worker process as decoded objects, for two designs:
 
-* ours: ``slim_step`` + msgspec ``encode`` on rank 0, ``ShmRingWriter.write`` into the
-  shared-memory ring, ``ShmRingReader.read`` + ``decode_control`` on each worker;
+* ours: the scheduler's step message (``Scheduler._plan``: per decode row only its token and context
+  length, the block tables staying on the workers between steps) + msgspec ``encode`` on rank 0,
+  ``ShmRingWriter.write`` into the shared-memory ring, ``ShmRingReader.read`` + ``decode_control`` +
+  ``BlockTables.update`` (the step's table changes) on each worker;
 * simple (nano-vllm, seed section 3.1/3.6): ``pickle.dumps(["run", seqs, is_prefill])`` of
   whole Sequence objects slimmed by their ``__getstate__``, copied behind a 4-byte length
   prefix into one ``multiprocessing.shared_memory`` buffer, each worker woken by its own
@@ -53,10 +55,11 @@ from multiprocessing.shared_memory import SharedMemory
 
 from nano_baseline import NanoSequence
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
-from tpengine.distributed.messages import decode_control, encode, slim_step
+from tpengine.distributed.messages import decode_control, encode
 from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
+from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
-from tpengine.engine.step_plan import StepPlan
+from tpengine.runner.block_tables import BlockTables
 from tpengine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 256
@@ -73,12 +76,18 @@ STOP = b""                  # an empty message tells a reader to exit
 class Case:
     name: str
     is_prefill: bool
-    ours: list          # tpengine Sequences, as the scheduler returns them
+    ours: list          # tpengine Sequences, as the scheduler schedules them
     simple: list        # NanoSequences in the same state
+    scheduler: Scheduler
 
     def encode_ours(self) -> bytes:
-        plan = StepPlan(prefill=self.ours) if self.is_prefill else StepPlan(decode=self.ours)
-        return encode(slim_step(plan))
+        if self.is_prefill:
+            for seq in self.ours:
+                seq.on_workers = False  # admitted this step: its whole table goes with it
+            plan = self.scheduler._plan([], self.ours)
+        else:  # running: the workers hold its table from earlier steps
+            plan = self.scheduler._plan(self.ours, [])
+        return encode(plan.message)
 
     def encode_simple(self) -> bytes:
         return pickle.dumps(["run", self.simple, self.is_prefill])  # nano-vllm's write_shm
@@ -102,16 +111,25 @@ def scheduled_like(new_seq: Callable[[list[int]], object], token_ids: list[int],
 def make_case(name: str, lengths: list[int], is_prefill: bool, rng: random.Random) -> Case:
     free_blocks = rng.sample(range(NUM_KV_BLOCKS), NUM_KV_BLOCKS)
     params = SamplingParams()
+    scheduler = Scheduler(num_kvcache_blocks=NUM_KV_BLOCKS, kvcache_block_size=BLOCK_SIZE, max_num_seqs=1024,
+                          max_num_batched_tokens=16_384, max_model_len=16_384, eos_token_ids=frozenset())
     ours, simple = [], []
     for length in lengths:
         token_ids = [rng.randrange(VOCAB_SIZE) for _ in range(length)]
         block_table = [free_blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
-        ours.append(scheduled_like(lambda prompt: Sequence(prompt, params, BLOCK_SIZE), token_ids, block_table,
-                                   is_prefill))
+
+        def new_seq(prompt):
+            seq = Sequence(prompt, params, BLOCK_SIZE)
+            scheduler.add(seq)  # its sampling record, as the engine queues it
+            scheduler.waiting.clear()
+            return seq
+        seq = scheduled_like(new_seq, token_ids, block_table, is_prefill)
+        seq.on_workers = not is_prefill
+        ours.append(seq)
         nano = scheduled_like(NanoSequence, token_ids, block_table, is_prefill)
         nano.is_prefill = is_prefill  # its __getstate__ pickles the whole token list only while prefilling
         simple.append(nano)
-    return Case(name, is_prefill, ours, simple)
+    return Case(name, is_prefill, ours, simple, scheduler)
 
 
 def make_cases(seed: int = 0) -> list[Case]:
@@ -123,19 +141,30 @@ def make_cases(seed: int = 0) -> list[Case]:
 
 
 def check_round_trip(case: Case) -> None:
-    """Both designs deliver what a worker needs of every sequence."""
+    """Both designs deliver what a worker needs of every sequence (ours: with the tables it holds)."""
     ours = decode_control(case.encode_ours())
     _, simple, is_prefill = pickle.loads(case.encode_simple())
     assert is_prefill == case.is_prefill and bool(ours.prefill) == case.is_prefill
-    got = ours.prefill if case.is_prefill else ours.decode
-    assert len(got) == len(simple) == len(case.ours)
-    for seq, msg, nano in zip(case.ours, got, simple):
-        assert msg.block_table == nano.block_table == seq.block_table
+    tables = BlockTables()
+    if not case.is_prefill:  # the running sequences' tables arrived when they were prefilled
+        tables.tables = {seq.seq_id: list(seq.block_table) for seq in case.ours}
+    tables.update(ours)
+    assert len(simple) == len(case.ours)
+    for i, (seq, nano) in enumerate(zip(case.ours, simple)):
+        assert tables.tables[seq.seq_id] == nano.block_table == seq.block_table
         if case.is_prefill:
-            assert msg.token_ids == nano.token_ids == seq.token_ids
+            assert ours.prefill[i].token_ids == nano.token_ids == seq.token_ids
         else:
-            assert msg.last_token == nano.last_token == seq.last_token
-            assert msg.context_len == nano.num_tokens == seq.num_tokens
+            assert ours.decode_tokens[i] == nano.last_token == seq.last_token
+            assert ours.decode_context_lens[i] == nano.num_tokens == seq.num_tokens
+
+
+def decode_and_apply(data) -> None:
+    """Ours on a worker: decode the message and apply its table changes."""
+    READER_TABLES.update(decode_control(data))
+
+
+READER_TABLES = BlockTables()  # a reader process's tables (the decode cases change none of them)
 
 
 # --- in-process microbenchmarks ---------------------------------------------------------------
@@ -175,7 +204,7 @@ class Codec:
 
 
 DECODERS = {
-    "msgspec": decode_control,
+    "msgspec": decode_and_apply,
     "pickle": pickle.loads,
     "none": len,        # the wake-up floor: nothing to decode
 }
@@ -392,7 +421,7 @@ def main(argv=None) -> None:
 
     ncpu = len(os.sched_getaffinity(0))
     mp.get_context("forkserver").set_forkserver_preload(
-        ["tpengine.distributed.messages", "tpengine.distributed.shm_ring", "tpengine.engine.sequence"])
+        ["tpengine.distributed.messages", "tpengine.distributed.shm_ring", "tpengine.runner.block_tables"])
     cases = make_cases()
     for case in cases:
         check_round_trip(case)

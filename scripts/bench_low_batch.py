@@ -177,7 +177,6 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     from tpengine.layers.layernorm import RMSNorm
     from tpengine.layers.linear import LinearBase
     from tpengine.layers.rotary_embedding import RotaryEmbedding
-    import tpengine.runner.executor as executor_module
 
     executor, runner = llm.executor, llm.executor.runner
     model = runner.model
@@ -195,9 +194,9 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     timer.wrap(backend, "decode", "decode attention")
     timer.wrap(model, "forward", "forward")
     timer.wrap(model, "compute_logits", "compute_logits")
-    timer.wrap(runner, "prepare", "input preparation (runner.prepare)")
-    timer.wrap(executor_module, "slim_step", "step message (slim_step)")
-    timer.wrap(executor, "sampler", "sampler")
+    timer.wrap(runner.inputs, "prepare", "input preparation (runner.inputs.prepare)")
+    timer.wrap(Scheduler, "_plan", "step message (Scheduler._plan)")
+    timer.wrap(runner, "sampler", "sampler")
     timer.wrap(executor, "execute", "execute")
     timer.wrap(Scheduler, "schedule", "scheduler: schedule")
     timer.wrap(Scheduler, "postprocess", "scheduler: postprocess")
@@ -213,11 +212,11 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
                  ms["forward"] - sum(ms.get(label, 0.0) for label in forward_parts)))
     rows.append(("LM head (linear)", ms.get("LM head (linear)", 0.0)))
     rows.append(("sampler", ms["sampler"]))
-    rows.append(("input preparation (runner.prepare)", ms["input preparation (runner.prepare)"]))
-    rows.append(("step message (slim_step)", ms["step message (slim_step)"]))
-    inside = ["forward", "compute_logits", "sampler", "input preparation (runner.prepare)", "step message (slim_step)"]
+    rows.append(("input preparation (runner.inputs.prepare)", ms["input preparation (runner.inputs.prepare)"]))
+    rows.append(("step message (Scheduler._plan)", ms["step message (Scheduler._plan)"]))
+    inside = ["forward", "compute_logits", "sampler", "input preparation (runner.inputs.prepare)"]
     rows.append(("rest of execute (runner glue, inference mode)", ms["execute"] - sum(ms[label] for label in inside)))
-    rows.append(("scheduler: schedule", ms["scheduler: schedule"]))
+    rows.append(("scheduler: schedule (its message included)", ms["scheduler: schedule"]))
     rows.append(("scheduler: postprocess", ms["scheduler: postprocess"]))
     rows.append(("rest of llm.step() (outputs, bookkeeping)",
                  total_ms - ms["execute"] - ms["scheduler: schedule"] - ms["scheduler: postprocess"]))

@@ -65,7 +65,7 @@ class ReplayExecutor:
     def execute(self, plan):
         tokens = self.replay[self.step % len(self.replay)]
         self.step += 1
-        num_rows = len(plan.seqs)
+        num_rows = len(plan.sampling)
         return SamplerOutput(tokens[:num_rows], [None] * num_rows)
 
 

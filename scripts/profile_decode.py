@@ -112,18 +112,18 @@ class DecodeRecorder:
         execute = executor.execute
 
         def recorded_execute(plan):
-            self.steps.append((bool(plan.prefill), len(plan.seqs)))
+            self.steps.append((bool(plan.message.prefill), plan.num_decode + len(plan.message.prefill)))
             return execute(plan)
         executor.execute = recorded_execute
 
-        prepare = runner.prepare
+        prepare = runner.inputs.prepare
 
         def recorded_prepare(step):
             inputs = prepare(step)
             if not step.prefill:
-                self.last_decode = inputs[:3]
+                self.last_decode = inputs.input_ids, inputs.positions, inputs.meta
             return inputs
-        runner.prepare = recorded_prepare
+        runner.inputs.prepare = recorded_prepare
 
         if runner.cuda_graphs is not None:
             graphs_run = runner.cuda_graphs.run

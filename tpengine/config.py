@@ -4,12 +4,12 @@ import os
 import msgspec
 from transformers import AutoConfig, PretrainedConfig
 
-from tpengine.engine.scheduler import SCHEDULING_POLICIES
 from tpengine.models.config import tensor_parallel_sizes
 from tpengine.models.registry import check_model_config
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -3,6 +3,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass
+from enum import Enum
 
 from tpengine.errors import InvalidRequestError
 
@@ -16,6 +17,14 @@ MAX_LOGIT_BIAS = 100.0   # OpenAI's range for a logit_bias value: -100 bans a to
 # Token-id lists a request may carry: the sampler applies them to every step's logits.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 1024
+
+
+class RequestOutputKind(Enum):
+    """What a streamed request's outputs hold (vLLM's names): everything so far, only what is new since the
+    last one, or nothing until the end."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _float32(x: float) -> float:
@@ -113,6 +122,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> bias in [-100, 100] added to its logit before penalties and sampling (greedy included)
     logit_bias: dict[int, float] | None = None
+    # a streamed request's outputs: everything so far, only what is new, or only the last
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         def set_(name, value):
@@ -155,6 +166,8 @@ class SamplingParams:
         if not 0.0 < repetition_penalty < math.inf:
             raise _invalid("repetition_penalty",
                            f"repetition_penalty must be a finite value > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise _invalid("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r:.60}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, f"{name} must be True or False, got {getattr(self, name)!r:.60}")
@@ -173,3 +186,34 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def has_filter(self) -> bool:
+        """top-k, top-p or min-p cuts the distribution."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class SamplingRecord:
+    """How one sequence samples, made once by the ledger when the sequence is queued: its request's
+    settings (with this completion's seed), the token ids that stop it (EOS folded in unless ignored),
+    and its token list, which the ledger only appends to: penalties read it, min_tokens counts it, and
+    its length is the position a seeded draw depends on. The sampler reads this, never a Sequence."""
+
+    __slots__ = ("params", "stop_token_ids", "token_ids", "num_prompt_tokens", "plain")
+
+    def __init__(self, params: SamplingParams, stop_token_ids: frozenset[int], token_ids: list[int],
+                 num_prompt_tokens: int):
+        self.params = params
+        self.stop_token_ids = stop_token_ids
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        # shaped by its temperature alone (greedy included): every rank can sample it over its own slice
+        # of the vocabulary, while min_tokens does not mask its stop tokens (min_tokens_pending)
+        self.plain = not (params.has_penalties or params.has_filter or params.logprobs is not None
+                          or params.logit_bias is not None)
+
+    @property
+    def min_tokens_pending(self) -> bool:
+        """Whether the completion is still shorter than its min_tokens (its stop tokens are masked)."""
+        min_tokens = self.params.min_tokens
+        return bool(min_tokens) and len(self.token_ids) - self.num_prompt_tokens < min_tokens

@@ -100,8 +100,7 @@ def test_vocabulary_padding_is_never_sampled_at_tp_4(tiny_model, path):
             widths.append(logits.size(1))
             return sampler(logits, *args)
 
-        llm.executor.sampler = recording_sampler
-        recording_sampler.vocab_parallel_rows = sampler.vocab_parallel_rows
+        llm.executor.runner.sampler = recording_sampler  # rank 0's runner samples gathered logits
         outputs = llm.generate(random_prompts(5, [3] * 8, vocab), params, use_tqdm=False)
     if vocab_parallel:
         assert not widths  # no step gathered the logits

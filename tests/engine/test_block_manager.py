@@ -469,16 +469,6 @@ def test_prefix_cache_counters_count_prompt_tokens_and_hits():
     assert bm.usage == 4 / 8  # a's 3 (its block 1 also pinned as the source) and seq's fresh block 1
 
 
-def test_the_seeds_whole_block_cache_stays_reachable(monkeypatch):
-    monkeypatch.setitem(globals(), "SEQ_BLOCK_SIZE", 256)
-    shared = list(range(1000, 1600))
-    bm = BlockManager(16, 256, exact_prefix_caching=False)
-    prefill(bm, shared + [1] * 40)
-    seq = new_seq(shared + [2] * 40)
-    bm.allocate(seq, bm.can_allocate(seq))
-    assert seq.num_cached_tokens == 512 and bm.block_copies == [] and len(bm.heads) == 0
-
-
 def test_a_fork_shares_whole_prompt_blocks_and_copies_the_head_of_the_last():
     bm = BlockManager(8, BS)
     parent = prefill(bm, list(range(10)))  # blocks 0, 1 full; block 2 holds tokens 8, 9

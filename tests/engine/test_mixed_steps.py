@@ -19,8 +19,9 @@ class StepLog:
         def logged_schedule():
             before = scheduler.num_preemptions
             plan = schedule()
-            partial = sum(1 for seq in plan.prefill if seq.num_cached_tokens + seq.num_scheduled_tokens < seq.num_tokens)
-            self.steps.append((len(plan.decode), len(plan.prefill), partial, scheduler.num_preemptions - before))
+            chunks = plan.message.prefill
+            partial = sum(1 for chunk in chunks if not chunk.sampled)
+            self.steps.append((plan.num_decode, len(chunks), partial, scheduler.num_preemptions - before))
             return plan
         scheduler.schedule = logged_schedule
 
@@ -129,7 +130,8 @@ def test_a_plan_keeps_its_token_counts_after_the_step_ran(tiny_model):
 
         def recording_schedule():
             plan = schedule()
-            plans.append((plan, len(plan.decode), sum(seq.num_scheduled_tokens for seq in plan.prefill)))
+            rows = llm.scheduler.scheduled
+            plans.append((plan, plan.num_decode, sum(seq.num_scheduled_tokens for seq in rows[plan.num_decode:])))
             return plan
         llm.scheduler.schedule = recording_schedule
         llm.generate(random_prompts(31, [30, 7], VOCAB), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

@@ -7,6 +7,7 @@ import pytest
 from tpengine.engine.scheduler import MAX_WAIT_STEPS, Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
+from tpengine.runner.block_tables import BlockTables
 from tpengine.sampling_params import SamplingParams
 
 BS = 4
@@ -38,14 +39,28 @@ def add(scheduler: Scheduler, prompt_len: int, first_token: int = 1, **params) -
 
 
 def schedule(scheduler: Scheduler) -> tuple[list[Sequence], bool, StepPlan]:
-    """The next plan's rows and whether it prefills anything, and the plan."""
+    """The next plan's rows (the scheduler's sequences for it) and whether it prefills anything, and the plan."""
     plan = scheduler.schedule()
-    return plan.seqs, bool(plan.prefill), plan
+    return scheduler.scheduled, bool(plan.message.prefill), plan
+
+
+def is_sampled(seq: Sequence) -> bool:
+    """Whether a scheduled row is sampled: a decode row, or a chunk that reaches its prompt's end."""
+    return seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens
+
+
+def post(scheduler: Scheduler, plan: StepPlan, row_tokens: list[int]) -> list[Sequence]:
+    """postprocess with one token per row of the plan (a row that is not sampled drops its own); returns
+    the sequences that finished."""
+    rows = scheduler.scheduled
+    assert len(rows) == len(row_tokens)
+    _, finished = scheduler.postprocess(plan, [t for seq, t in zip(rows, row_tokens) if is_sampled(seq)])
+    return finished
 
 
 def step(scheduler: Scheduler, token_id: int = TOKEN) -> tuple[list[Sequence], bool, list[Sequence]]:
     seqs, is_prefill, plan = schedule(scheduler)
-    finished = scheduler.postprocess(plan, [token_id] * len(seqs))
+    finished = post(scheduler, plan, [token_id] * len(seqs))
     return seqs, is_prefill, finished
 
 
@@ -53,7 +68,7 @@ def run_to_completion(scheduler: Scheduler, next_token=lambda seq: TOKEN, max_st
     steps = 0
     while not scheduler.is_finished():
         plan = scheduler.schedule()
-        scheduler.postprocess(plan, [next_token(seq) for seq in plan.seqs])
+        post(scheduler, plan, [next_token(seq) for seq in scheduler.scheduled])
         steps += 1
         assert steps < max_steps
     return steps
@@ -82,10 +97,10 @@ def test_a_decode_step_computes_one_token_of_every_running_sequence():
     seqs = [add(scheduler, n, first_token=10 * n) for n in (3, 4, 5)]
     step(scheduler)
     batch, is_prefill, plan = schedule(scheduler)
-    assert not is_prefill and batch == seqs == plan.decode
+    assert not is_prefill and batch == seqs == scheduler.scheduled
     assert all(seq.num_scheduled_tokens == 1 for seq in batch)
     assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in batch)  # the sampled token
-    scheduler.postprocess(plan, [TOKEN] * 3)
+    post(scheduler, plan, [TOKEN] * 3)
     assert [seq.num_completion_tokens for seq in seqs] == [2, 2, 2]
     assert all(seq.num_cached_tokens == seq.num_tokens - 1 for seq in seqs)
 
@@ -175,10 +190,10 @@ def test_a_full_cache_preempts_the_latest_sequence_by_recompute_and_it_still_fin
     b = add(scheduler, 7, first_token=50, max_tokens=6)
     next_token = lambda seq: 100 + seq.num_completion_tokens  # noqa: E731 - position-tagged fake tokens
     seqs, _, plan = schedule(scheduler)
-    scheduler.postprocess(plan, [next_token(s) for s in seqs])  # both prefilled: 8 tokens, 2 blocks each
+    post(scheduler, plan, [next_token(s) for s in seqs])  # both prefilled: 8 tokens, 2 blocks each
     assert scheduler.block_manager.num_free_blocks == 0
     seqs, _, plan = schedule(scheduler)
-    scheduler.postprocess(plan, [next_token(s) for s in seqs])  # 8 % 4 != 1: no new block yet
+    post(scheduler, plan, [next_token(s) for s in seqs])  # 8 % 4 != 1: no new block yet
     seqs, is_prefill, plan = schedule(scheduler)  # both now need a 3rd block; only b's 2 can be freed
     assert not is_prefill and seqs == [a]
     assert scheduler.num_preemptions == 1
@@ -186,7 +201,7 @@ def test_a_full_cache_preempts_the_latest_sequence_by_recompute_and_it_still_fin
     assert b.status == SequenceStatus.WAITING
     assert not b.block_table and b.num_cached_tokens == 0
     assert scheduler.block_manager.num_free_blocks == 1  # b's 2 blocks freed, 1 taken by a
-    scheduler.postprocess(plan, [next_token(s) for s in seqs])
+    post(scheduler, plan, [next_token(s) for s in seqs])
     run_to_completion(scheduler, next_token)
     for seq in (a, b):
         assert seq.finish_reason == "length"
@@ -326,21 +341,29 @@ def test_abort_of_an_unknown_id_returns_none():
 
 # --- randomized simulation ------------------------------------------------------------------
 
-def _check_step(scheduler: Scheduler, plan: StepPlan, kv: list[list]) -> None:
-    """Limits hold, and a fake KV cache shows every token a sequence attends to is its own."""
+def _check_step(scheduler: Scheduler, plan: StepPlan, kv: list[list], tables: BlockTables) -> None:
+    """Limits hold, a rank's copy of the block tables (kept from the messages' changes alone) is every
+    scheduled sequence's own, and a fake KV cache shows every token a sequence attends to is its own."""
     bm = scheduler.block_manager
     block_size = bm.block_size
-    batch = plan.seqs
+    batch = scheduler.scheduled
+    decode, prefill = batch[:plan.num_decode], batch[plan.num_decode:]
     assert batch and len(set(map(id, batch))) == len(batch)
     assert len(batch) <= scheduler.max_num_seqs
     assert plan.num_tokens == sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
-    assert plan.block_copies == scheduler.block_copies
-    assert all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == seq.num_tokens - 1 for seq in plan.decode)
+    assert [(c.src, c.dst, c.num_tokens) for c in plan.message.block_copies] == scheduler.block_copies
+    assert plan.message.decode_seq_ids == [seq.seq_id for seq in decode]
+    assert [chunk.seq_id for chunk in plan.message.prefill] == [seq.seq_id for seq in prefill]
+    assert plan.sampling == [seq.sampling for seq in batch if is_sampled(seq)]
+    assert all(tables.tables[seq.seq_id] == seq.block_table for seq in batch)
+    held = {seq.seq_id for seq in (*scheduler.waiting, *scheduler.running) if seq.on_workers}
+    assert held == set(tables.tables), "the ranks hold tables the ledger does not (a leak), or lack one"
+    assert all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == seq.num_tokens - 1 for seq in decode)
     if scheduler.scheduling_policy == "prefill_first":
-        assert not (plan.prefill and plan.decode)
-    elif plan.prefill:  # mixed: a prompt chunk only after every running sequence has its token
-        assert plan.decode == list(scheduler.running)[:len(plan.decode)] and len(plan.decode) == len(
-            [s for s in scheduler.running if s not in plan.prefill])
+        assert not (prefill and decode)
+    elif prefill:  # mixed: a prompt chunk only after every running sequence has its token
+        assert decode == list(scheduler.running)[:len(decode)] and len(decode) == len(
+            [s for s in scheduler.running if s not in prefill])
     # block-head copies first, as every rank does before the forward; a source is pinned until they ran
     pins, copied_rows = Counter(), Counter()
     for src, dst, num_tokens in scheduler.block_copies:
@@ -408,14 +431,20 @@ def test_a_random_workload_terminates_without_leaking_blocks_or_exceeding_limits
         scheduler.add(seq)
         seqs.append(seq)
     kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
+    tables = BlockTables()  # a rank's copy, kept from the messages alone
     steps = 0
     while not scheduler.is_finished():
         steps += 1
         assert steps < 5_000, "the scheduler stopped making progress"
         batch, _, plan = schedule(scheduler)
-        _check_step(scheduler, plan, kv)
+        if rng.random() < 0.02:  # interrupted (Ctrl-C in generate): the ranks may or may not have run it
+            if rng.random() < 0.5:
+                tables.update(plan.message)
+            continue
+        tables.update(plan.message)
+        _check_step(scheduler, plan, kv, tables)
         token_ids = [EOS if rng.random() < 0.03 else rng.randrange(1, 50) for _ in batch]
-        for seq in scheduler.postprocess(plan, token_ids):
+        for seq in post(scheduler, plan, token_ids):
             assert seq.status == SequenceStatus.FINISHED and not seq.block_table
         queued = [*scheduler.waiting, *scheduler.running]
         if queued and rng.random() < 0.02:
@@ -457,6 +486,7 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
     stems = [[rng.randrange(1, 4) for _ in range(5 * block_size)] for _ in range(3)]
     edges = [k * block_size + d for k in range(1, 4) for d in (-1, 0, 1, block_size // 2)]
     kv = [[None] * block_size for _ in range(scheduler.block_manager.num_blocks)]
+    tables = BlockTables()
     num_arrivals, steps, num_copies = 60, 0, 0
     while num_arrivals or not scheduler.is_finished():
         if num_arrivals and rng.random() < 0.5:
@@ -469,8 +499,9 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
         if not batch:
             continue
         num_copies += len(scheduler.block_copies)
-        _check_step(scheduler, plan, kv)
-        scheduler.postprocess(plan, [rng.randrange(1, 4) for _ in batch])
+        tables.update(plan.message)
+        _check_step(scheduler, plan, kv, tables)
+        post(scheduler, plan, [rng.randrange(1, 4) for _ in batch])
         queued = [*scheduler.waiting, *scheduler.running]
         if queued and rng.random() < 0.03:
             scheduler.abort(rng.choice(queued).seq_id)
@@ -483,17 +514,13 @@ def _run_shared_prefixes_over_time(monkeypatch, seed: int, policy: str) -> int:
 
 # --- prefix sharing within a step, cache-aware admission ------------------------------------
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_a_request_sharing_what_the_batch_computes_waits_one_step_then_reuses_it(exact):
-    scheduler = make_scheduler(exact_prefix_caching=exact)
+def test_a_request_sharing_what_the_batch_computes_waits_one_step_then_reuses_it():
+    scheduler = make_scheduler()
     shared = list(range(100, 110))  # two whole blocks of 4 and half a block
     a, b, c = new_seq(shared + [1, 2]), new_seq(shared + [3, 4]), new_seq([50, 51, 52])
     for seq in (a, b, c):
         scheduler.add(seq)
     batch, _, _ = step(scheduler)
-    if not exact:  # the seed's cache: arrival order, each computes its own prefix
-        assert batch == [a, b, c] and b.num_prompt_cached_tokens == 0
-        return
     assert batch == [a, c]  # b would compute a's prefix a second time
     batch, is_prefill, _ = schedule(scheduler)
     assert batch == [b] and is_prefill
@@ -518,8 +545,8 @@ def test_a_request_with_no_hit_is_overtaken_only_until_it_has_waited_max_wait_st
     assert all(seq.num_prompt_cached_tokens == 20 for seq in admitted[:MAX_WAIT_STEPS - 1])
 
 
-def test_without_exact_prefix_caching_admission_is_first_come_first_served():
-    scheduler = make_scheduler(max_num_seqs=1, exact_prefix_caching=False)
+def test_without_prefix_caching_admission_is_first_come_first_served():
+    scheduler = make_scheduler(max_num_seqs=1, enable_prefix_caching=False)
     add(scheduler, 20, first_token=100, max_tokens=1)
     step(scheduler)
     cold = add(scheduler, 3, first_token=500, max_tokens=1)
@@ -541,8 +568,8 @@ def test_prefix_cache_counters_and_kv_usage_are_read_from_the_scheduler():
 
 def test_a_row_the_sampler_could_not_sample_ends_that_sequence_only_as_abort():
     scheduler = make_scheduler()
-    bad, good = add(scheduler, 5), add(scheduler, 6, max_tokens=3)
-    finished = scheduler.postprocess(scheduler.schedule(), [-1, TOKEN])
+    bad, good = add(scheduler, 5), add(scheduler, 6, first_token=50, max_tokens=3)  # one batch: no shared prefix
+    finished = post(scheduler, scheduler.schedule(), [-1, TOKEN])
     assert finished == [bad] and bad.finish_reason == "abort" and bad.completion_token_ids == []
     run_to_completion(scheduler)
     assert good.finish_reason == "length" and scheduler.block_manager.num_free_blocks == 64
@@ -571,7 +598,7 @@ def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(pro
     scheduler.add(child)
     seqs, is_prefill, plan = schedule(scheduler)
     assert seqs == [parent] and is_prefill  # the child waits for the prompt instead of computing it too
-    scheduler.postprocess(plan, [TOKEN])
+    post(scheduler, plan, [TOKEN])
     seqs, is_prefill, plan = schedule(scheduler)
     assert seqs == [child] and is_prefill and child.num_scheduled_tokens == 1
     last = (prompt_len - 1) // BS
@@ -581,7 +608,7 @@ def test_a_child_forks_its_parents_prompt_blocks_once_the_prompt_is_computed(pro
     assert scheduler.block_copies == ([(parent.block_table[last], child.block_table[last], num_copied)]
                                       if num_copied else [])
     assert all(scheduler.block_manager.blocks[b].ref_count == 2 for b in parent.block_table[:last])
-    scheduler.postprocess(plan, [TOKEN])
+    post(scheduler, plan, [TOKEN])
     run_to_completion(scheduler)
     assert scheduler.block_manager.num_free_blocks == 64
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from tpengine import SamplingParams
-from tpengine.engine.sequence import Sequence
+from tpengine.sampling_params import SamplingRecord
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.runner.sampler import Sampler
 
@@ -19,10 +19,14 @@ def sampling_path(request, monkeypatch):
         pytest.skip("the CPU sampling kernel does not build here")
 
 
+def record(token_ids: list[int], params: SamplingParams, stop_token_ids=()) -> SamplingRecord:
+    """A sampled row's record, its whole token list a prompt."""
+    return SamplingRecord(params, frozenset(stop_token_ids), token_ids, len(token_ids))
+
+
 def sampler(logits, params, positions):
     """Token ids for rows with these params, each row keyed by its position."""
-    seqs = [Sequence([1] * (n + 1), p, block_size=16) for p, n in zip(params, positions)]  # no cache: any size
-    return _sampler(logits, seqs).token_ids
+    return _sampler(logits, [record([1] * (n + 1), p) for p, n in zip(params, positions)]).token_ids
 
 
 def random_logits(batch, vocab=50, seed=0):
@@ -128,8 +132,7 @@ def test_seeded_draws_are_a_pure_function_of_seed_and_position():
 
 def test_logprobs_only_for_rows_that_asked_with_the_sampled_token_included():
     logits = random_logits(2, seed=6)
-    seqs = [Sequence([1, 2], SamplingParams(temperature=0.0, logprobs=2), 16), Sequence([1, 2], SamplingParams(), 16)]
-    out = _sampler(logits, seqs)
+    out = _sampler(logits, [record([1, 2], SamplingParams(temperature=0.0, logprobs=2)), record([1, 2], SamplingParams())])
     reference = logits[0].float().log_softmax(-1)
     assert out.logprobs[1] is None
     top = reference.topk(2)
@@ -145,9 +148,7 @@ def test_a_cuda_step_waits_on_the_device_only_for_its_tokens():
               SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05),
               SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2),
               SamplingParams(temperature=0.7, min_tokens=4, stop_token_ids=[5]), SamplingParams(temperature=1.2)]
-    seqs = [Sequence([1, 2, 3, 4, 5], p, 16) for p in params]
-    for seq in seqs:
-        seq.eos_and_stop_token_ids = frozenset([0, *seq.sampling_params.stop_token_ids])
+    seqs = [record([1, 2, 3, 4, 5], p, [0, *p.stop_token_ids]) for p in params]
     _sampler(logits, seqs)  # compiles the filters first
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:

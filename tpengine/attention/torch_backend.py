@@ -4,12 +4,13 @@ import torch.nn.functional as F
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
+from tpengine.paging import blocks_for
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first num_tokens cached rows of one sequence: [num_tokens, num_kv_heads, head_dim]."""
     block_size = cache.size(1)
-    num_blocks = (num_tokens + block_size - 1) // block_size
+    num_blocks = blocks_for(num_tokens, block_size)
     return cache[block_table[:num_blocks]].flatten(0, 1)[:num_tokens]
 
 

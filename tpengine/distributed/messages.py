@@ -5,16 +5,17 @@ import msgspec.msgpack
 from tpengine.config import EngineConfig
 
 
-class PrefillSeq(msgspec.Struct, array_like=True, gc=False):
+class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
+    seq_id: int
     token_ids: list[int]        # only the tokens scheduled this step (a chunk, after any cached prefix)
     num_cached_tokens: int      # tokens before the chunk whose K/V is already in the cache
-    block_table: list[int]
+    sampled: bool               # the chunk reaches the sequence's last token: its last row is sampled
 
 
-class DecodeSeq(msgspec.Struct, array_like=True, gc=False):
-    last_token: int
-    context_len: int            # tokens to attend to, the last one included
-    block_table: list[int]
+class BlockTable(msgspec.Struct, array_like=True, gc=False):
+    """A sequence's whole block table: logical block i -> physical block id."""
+    seq_id: int
+    block_ids: list[int]
 
 
 class BlockCopy(msgspec.Struct, array_like=True, gc=False):
@@ -25,15 +26,32 @@ class BlockCopy(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
-    """One forward: its rows are the decode tokens first, then the prefill chunks (either list may be empty)."""
-    prefill: list[PrefillSeq]
-    decode: list[DecodeSeq]
+    """One forward: its rows are the decode tokens first, then the prefill chunks (either may be empty).
+
+    Every rank keeps the block table of each running sequence between steps (runner/block_tables.py),
+    so a step carries only what changed: the tables of sequences that left (finished, aborted or
+    preempted) to drop, whole tables of sequences (re)scheduled, and the block a running sequence's
+    next token opens. Applied in that order.
+    """
+    decode_seq_ids: list[int]
+    decode_tokens: list[int]            # each decode row's token: its sequence's last
+    decode_context_lens: list[int]      # tokens each decode row attends to, its own included
+    prefill: list[PrefillChunk]
+    reset_tables: bool = False          # drop every table first (the last step was interrupted)
+    released: list[int] = []            # sequences whose tables every rank drops, before the rest
+    new_tables: list[BlockTable] = []
+    appended_seq_ids: list[int] = []    # appended_block_ids[i] becomes the last block of appended_seq_ids[i]
+    appended_block_ids: list[int] = []
     # prefix-cache hits that end inside a block: done on every rank before the step's forward
     block_copies: list[BlockCopy] = []
     # when set, every rank samples the rows over its own slice of the vocabulary and rank 0 gets the
     # tokens (no gather of the logits): each row's temperature (0: greedy) and uniform draw
     temperatures: list[float] = []
     uniforms: list[float] = []
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.decode_seq_ids) + sum(len(chunk.token_ids) for chunk in self.prefill)
 
 
 class InitMessage(msgspec.Struct, array_like=True, tag="init"):
@@ -51,16 +69,6 @@ class WorkerError(msgspec.Struct, array_like=True, tag="error"):
 
 
 ControlMessage = StepMessage | InitMessage | ShutdownMessage
-
-
-def slim_step(plan) -> StepMessage:
-    """What workers need of a StepPlan: prompt chunks in full, decode rows only their last token and
-    context length (never the whole token history)."""
-    return StepMessage(
-        prefill=[PrefillSeq(seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens],
-                            seq.num_cached_tokens, seq.block_table) for seq in plan.prefill],
-        decode=[DecodeSeq(seq.last_token, seq.num_tokens, seq.block_table) for seq in plan.decode],
-        block_copies=[BlockCopy(*copy) for copy in plan.block_copies])
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -17,6 +17,7 @@ import xxhash
 
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence
+from tpengine.paging import opens_block
 
 
 class Block:
@@ -63,13 +64,11 @@ class PrefixMatch:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 exact_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # False: the seed's cache alone, reuse rounded down to whole blocks (kept for comparison)
-        self.exact_prefix_caching = enable_prefix_caching and exact_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.heads = HeadIndex()  # every block with written K/V, under the chain hash before it
@@ -174,11 +173,10 @@ class BlockManager:
                     break  # hits must be contiguous: later K/V depends on this block's
                 block_ids.append(block_id)
                 parent = h
-            if self.exact_prefix_caching:
-                start = len(block_ids) * block_size
-                head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
-                if head:
-                    copy_src, num_copied = self.heads.longest_match(parent, head)
+            start = len(block_ids) * block_size
+            head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
+            if head:
+                copy_src, num_copied = self.heads.longest_match(parent, head)
         used = self.used_block_ids
         num_new_blocks = seq.num_blocks - sum(1 for b in block_ids if b in used)
         if copy_src != -1 and copy_src not in used:
@@ -250,12 +248,20 @@ class BlockManager:
         child.num_cached_tokens = num_cached_tokens
 
     def can_append(self, seq: Sequence) -> bool:
-        # A new block is needed only when the token to compute is the first of a block.
-        return len(self.free_block_ids) >= (seq.num_tokens % self.block_size == 1)
+        # A new block is needed only when the token to compute opens one (True counts as 1 free block).
+        return len(self.free_block_ids) >= opens_block(seq.num_tokens, self.block_size)
 
-    def may_append(self, seq: Sequence) -> None:
-        if seq.num_tokens % self.block_size == 1:
-            seq.block_table.append(self._allocate_block())
+    def may_append(self, seq: Sequence) -> int:
+        """Give seq the block its next token opens, if it opens one; returns the block's id, or -1."""
+        if not opens_block(seq.num_tokens, self.block_size):
+            return -1
+        block_id = self._allocate_block()
+        seq.block_table.append(block_id)
+        return block_id
+
+    def release_last_block(self, seq: Sequence) -> None:
+        """Take back the block may_append gave seq (its step never ran)."""
+        self._release(seq.block_table.pop())
 
     # --- registration ---------------------------------------------------------------------------
 
@@ -279,8 +285,7 @@ class BlockManager:
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             token_ids = seq.block(i)
-            if self.exact_prefix_caching:
-                self._index_head(block, h, token_ids)
+            self._index_head(block, h, token_ids)
             h = hashes[i]
             block.update(h, token_ids)
             self.hash_to_block_id[h] = block.block_id  # the newest block with this content wins
@@ -289,7 +294,7 @@ class BlockManager:
         """Index the written head of seq's partly filled last block, so a request sharing only part
         of a block can copy it (rows only ever get appended to it while seq holds it)."""
         num_written = seq.num_cached_tokens % self.block_size
-        if not self.exact_prefix_caching or num_written == 0:
+        if not self.enable_prefix_caching or num_written == 0:
             return
         i = seq.num_cached_tokens // self.block_size
         block = self.blocks[seq.block_table[i]]

@@ -16,7 +16,7 @@ from tpengine.engine.sequence import Sequence
 from tpengine.engine.step_plan import StepPlan
 from tpengine.errors import InvalidRequestError
 from tpengine.models.config import max_model_len_of
-from tpengine.outputs import RequestOutput
+from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tpengine")
@@ -179,12 +179,14 @@ class LLMEngine:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now; returns its final output (the next step() reports it too), or None if it is not live."""
-        output = self._abort(request_id)
-        if output is not None:
-            self._pending[request_id] = output
+        aborted = self._abort(request_id)
+        if aborted is None:
+            return None
+        request, output = aborted
+        self._report_later(request, output)
         return output
 
-    def _abort(self, request_id: int) -> RequestOutput | None:
+    def _abort(self, request_id: int) -> tuple[Request, RequestOutput] | None:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
@@ -192,7 +194,7 @@ class LLMEngine:
             if not seq.is_finished and self.scheduler.abort(seq.seq_id) is not None:
                 request.on_finish(seq)
         self._num_per_step_requests -= request.per_step
-        return request.output()
+        return request, request.output()
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or bool(self._pending)
@@ -200,18 +202,26 @@ class LLMEngine:
     # --- steps ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step. Returns one cumulative RequestOutput for every request that got a token,
-        finished or was aborted since the last step() (finished=True on its last one)."""
-        outputs, _ = self._step()
-        if self._pending:
-            pending, self._pending = self._pending, {}
-            for output in outputs:
-                pending[output.request_id] = output  # newer: it holds everything the older one did
-            outputs = list(pending.values())
-        return outputs
+        """Run one scheduled step. Returns a RequestOutput for every request that got a token, finished or
+        was aborted since the last step() (finished=True on its last one): everything so far, or only what
+        is new for a request whose output_kind is DELTA."""
+        reports, _ = self._step()
+        if not self._pending:
+            return [output for _, output in reports]
+        for request, output in reports:
+            self._report_later(request, output)
+        pending, self._pending = self._pending, {}
+        return list(pending.values())
 
-    def _step(self) -> tuple[list[RequestOutput], StepPlan | None]:
-        """One step; its outputs and its plan (None when nothing was queued)."""
+    def _report_later(self, request: Request, output: RequestOutput) -> None:
+        """Hold an output for the next step() (generate's for others' requests, abort's): a newer cumulative
+        output holds everything an older one did; delta outputs are joined."""
+        older = self._pending.get(request.request_id)
+        self._pending[request.request_id] = output if older is None or not request.delta else \
+            merge_deltas(older, output)
+
+    def _step(self) -> tuple[list[tuple[Request, RequestOutput]], StepPlan | None]:
+        """One step; its outputs (with their requests) and its plan (None when nothing was queued)."""
         plan = self.scheduler.schedule()
         if not plan:
             # only requests that fit the cache alone are added (check_fits), so with work queued something runs
@@ -219,21 +229,19 @@ class LLMEngine:
             return [], None
         sampled = self.executor.execute(plan)
         self.prompt_tokens_total += plan.num_prefill_tokens
-        num_prefill_done = sum(1 for seq in plan.prefill if seq.num_cached_tokens + seq.num_scheduled_tokens
-                               == seq.num_tokens)
-        finished = self.scheduler.postprocess(plan, sampled.token_ids)
-        self.generation_tokens_total += len(plan.decode) + num_prefill_done
-        seqs = plan.seqs
+        seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids)
+        self.generation_tokens_total += len(seqs)
         touched: dict[int, Request] = {}
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched)
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)
-        return [request.output() for request in touched.values() if request.stream or request.finished], plan
+        return [(request, request.output()) for request in touched.values() if request.stream or request.finished], plan
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
-        # once per scheduled sequence per step: attribute tests only for a request that needs nothing
+        """seqs: those that got a token this step, logprobs their rows'."""
+        # once per sampled sequence per step: attribute tests only for a request that needs nothing
         requests = self._requests
         for i, seq in enumerate(seqs):
             request = requests[seq.request_id]
@@ -243,7 +251,7 @@ class LLMEngine:
                     if stop is not None:  # its last token (max_tokens) completed a stop string
                         seq.finish_reason, seq.stop_reason = "stop", stop
                 self._process_finished(seq, touched)
-            elif request.per_step and seq.num_cached_tokens == seq.num_tokens - 1:  # it got a token
+            elif request.per_step:
                 stop = request.on_token(seq, logprobs[i])
                 if stop is None:
                     touched[request.request_id] = request
@@ -291,20 +299,20 @@ class LLMEngine:
         try:
             while len(outputs) < len(requests):
                 started = time.perf_counter()
-                step_outputs, plan = self._step()
+                reports, plan = self._step()
                 elapsed = time.perf_counter() - started
-                if plan is not None and plan.prefill:
+                if plan is not None and plan.num_prefill_tokens:
                     prefill_rate = plan.num_prefill_tokens / elapsed
-                if plan is not None and plan.decode:
-                    decode_rate = len(plan.decode) / elapsed
+                if plan is not None and plan.num_decode:
+                    decode_rate = plan.num_decode / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
-                for output in step_outputs:
+                for request, output in reports:
                     if output.request_id in own:
                         outputs[output.request_id] = output
                         progress.update(1)
                     else:  # someone else's request: step() hands it out
-                        self._pending[output.request_id] = output
+                        self._report_later(request, output)
         except BaseException:
             for request in requests:  # leave the engine clean for the next call
                 self._abort(request.request_id)

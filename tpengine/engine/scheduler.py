@@ -1,4 +1,5 @@
-"""Decides each step's batch as a StepPlan; preempts by recompute.
+"""Decides each step's batch as a StepPlan (a value: the message every rank runs and the sampled rows'
+records); preempts by recompute.
 
 Two policies: "mixed" (vLLM's) gives every running sequence its next token first and fills the rest of
 the token budget with prompt chunks, so decodes never stall behind a long prompt; "prefill_first"
@@ -6,12 +7,14 @@ the token budget with prompt chunks, so decodes never stall behind a long prompt
 from collections import deque
 from itertools import islice
 
+from tpengine.config import SCHEDULING_POLICIES
+from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
-
-SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's; here so the ledger imports no torch
+from tpengine.paging import blocks_for
+from tpengine.sampling_params import SamplingRecord
 
 # Cache-aware admission orders only this many requests from the head of the waiting queue, so its
 # cost per step stays bounded; the rest keep arrival order.
@@ -27,8 +30,7 @@ MIN_SHARED_TOKENS_TO_WAIT = 32
 class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 enable_prefix_caching: bool = True, exact_prefix_caching: bool = True,
-                 scheduling_policy: str = "mixed"):
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "mixed"):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -36,13 +38,20 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        # exact_prefix_caching=False keeps the seed's whole-block cache and plain arrival order
-        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching,
-                                          exact_prefix_caching)
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_steps = 0
+        # the step in flight (scheduled, not yet postprocessed): its decode and prefill sequences, its message
+        self._in_flight: tuple[list[Sequence], list[Sequence], StepMessage] | None = None
+        # block-table changes the next message carries: sequences that left since the last one, and
+        # blocks appended to running sequences in this schedule
+        self._released: list[int] = []
+        self._appended_seq_ids: list[int] = []
+        self._appended_block_ids: list[int] = []
+        self._reset_tables = False
+        self._resend_decode_tables = False  # after a reset, until every running sequence has its table again
 
     # --- read-only counters, for metrics ----------------------------------------------------------
 
@@ -66,6 +75,15 @@ class Scheduler:
         """(src, dst, num_tokens) block-head copies the scheduled step needs before its forward."""
         return self.block_manager.block_copies
 
+    @property
+    def scheduled(self) -> list[Sequence]:
+        """The sequences of the step in flight (scheduled, not yet postprocessed), in row order: decode rows,
+        then prompt chunks. The ledger's side of the plan; the ranks see only its message."""
+        if self._in_flight is None:
+            return []
+        decode, prefill, _ = self._in_flight
+        return decode + prefill
+
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
@@ -76,7 +94,7 @@ class Scheduler:
         # Generation stops at max_model_len, so that bounds the blocks one sequence can need.
         max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
         block_size = self.block_manager.block_size
-        blocks_needed = (max_len + block_size - 1) // block_size
+        blocks_needed = blocks_for(max_len, block_size)
         if blocks_needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"request needs up to {max_len} tokens = {blocks_needed} KV-cache blocks of {block_size} "
@@ -91,6 +109,8 @@ class Scheduler:
         if not seq.ignore_eos:
             seq.eos_and_stop_token_ids = seq.eos_and_stop_token_ids | self.eos_token_ids
         seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+        seq.sampling = SamplingRecord(seq.sampling_params, seq.eos_and_stop_token_ids, seq.token_ids,
+                                      seq.num_prompt_tokens)
         seq.arrival_step = self.num_steps
         self.waiting.append(seq)
 
@@ -98,8 +118,8 @@ class Scheduler:
         """The next step's plan; empty only when nothing is queued."""
         self.num_steps += 1
         block_manager = self.block_manager
-        if block_manager.block_copies:
-            block_manager.release_copy_sources()  # the last step never reached postprocess
+        if self._in_flight is not None:
+            self._forget_step_in_flight()
         if self.scheduling_policy == "prefill_first":
             prefill = self._schedule_prefill(self.max_num_batched_tokens) if self.waiting else []
             decode = [] if prefill else self._schedule_decode()
@@ -108,7 +128,81 @@ class Scheduler:
             decode = self._schedule_decode() if self.running else []
             token_budget = self.max_num_batched_tokens - len(decode)
             prefill = self._schedule_prefill(token_budget) if self.waiting and token_budget > 0 else []
-        return StepPlan(decode, prefill, list(block_manager.block_copies))
+        if not (decode or prefill):  # nothing queued: the pending table changes wait for a step that runs
+            return StepPlan(StepMessage([], [], [], []), [], 0)
+        plan = self._plan(decode, prefill)
+        self._in_flight = decode, prefill, plan.message
+        return plan
+
+    def _plan(self, decode: list[Sequence], prefill: list[Sequence]) -> StepPlan:
+        """The step as a value: every rank's message, and the sampled rows' records (in row order)."""
+        chunks, new_tables, sampling = [], [], [seq.sampling for seq in decode]
+        num_prefill_tokens = 0
+        for seq in prefill:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            sampled = end == seq.num_tokens
+            chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled))
+            num_prefill_tokens += end - start
+            if sampled:
+                sampling.append(seq.sampling)
+            if not seq.on_workers:  # admitted, re-admitted after a preemption, or forked: its whole table
+                new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
+                seq.on_workers = True
+        # a decode row's table is on the workers (sent when the sequence was prefilled), unless they dropped
+        # them all (an interrupted step): then each takes its whole table when it next runs
+        if self._resend_decode_tables:
+            self._resend_tables_of(decode, new_tables)
+        message = StepMessage(
+            [seq.seq_id for seq in decode], [seq.last_token for seq in decode], [seq.num_tokens for seq in decode],
+            chunks, released=self._released, new_tables=new_tables, appended_seq_ids=self._appended_seq_ids,
+            appended_block_ids=self._appended_block_ids,
+            block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
+            reset_tables=self._reset_tables)
+        self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
+        self._reset_tables = False
+        return StepPlan(message, sampling, num_prefill_tokens)
+
+    def _resend_tables_of(self, decode: list[Sequence], new_tables: list[BlockTable]) -> None:
+        """After the ranks dropped every table: whole tables for the decode rows that lack theirs (the block
+        their token opens included, so it is not appended again)."""
+        resent = {seq.seq_id for seq in decode if not seq.on_workers}
+        for seq in decode:
+            if seq.seq_id in resent:
+                new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
+                seq.on_workers = True
+        if resent:
+            kept = [(i, b) for i, b in zip(self._appended_seq_ids, self._appended_block_ids) if i not in resent]
+            self._appended_seq_ids, self._appended_block_ids = [i for i, _ in kept], [b for _, b in kept]
+        self._resend_decode_tables = any(not seq.on_workers for seq in self.running)
+
+    def _forget_step_in_flight(self) -> None:
+        """The last step never reached postprocess (interrupted, say by Ctrl-C in generate): undo it. Its
+        prompts give their blocks back and wait again (prefix hits recover what the cache holds; a copy it
+        planned may never have run), its decode rows give back the block they opened; and since no one
+        knows which of its block-table changes the ranks applied, every rank drops every table and takes
+        each sequence's whole table when it next runs."""
+        decode, prefill, message = self._in_flight
+        self._in_flight = None
+        opened = set(message.appended_seq_ids)
+        for seq in decode:
+            seq.num_scheduled_tokens = 0
+            if seq.seq_id in opened:
+                self.block_manager.release_last_block(seq)
+        for seq in reversed(prefill):
+            seq.num_scheduled_tokens = 0
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+            else:
+                self.waiting.remove(seq)  # a chunk short of its prompt's end
+            self.block_manager.deallocate(seq)  # while its copies are listed: their heads count as unwritten
+            self.waiting.appendleft(seq)
+        if self.block_manager.block_copies:
+            self.block_manager.release_copy_sources()
+        for seq in (*self.running, *self.waiting):
+            seq.on_workers = False
+        self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
+        self._reset_tables = self._resend_decode_tables = True
 
     def _schedule_prefill(self, token_budget: int) -> list[Sequence]:
         block_manager = self.block_manager
@@ -123,7 +217,7 @@ class Scheduler:
         # the requests this step may admit (read in place: a step that admits none changes nothing)
         head = list(islice(waiting, ADMISSION_WINDOW + room))
         # what this batch computes, block by block: a request sharing it waits a step to reuse it
-        computing = HeadIndex() if block_manager.exact_prefix_caching else None
+        computing = HeadIndex() if block_manager.enable_prefix_caching else None
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
         chunked = None
         for seq in self._admission_order(head):
@@ -180,7 +274,7 @@ class Scheduler:
         ADMISSION_WINDOW, requests that waited MAX_WAIT_STEPS in arrival order and the rest by cached
         prefix, longest first (arrival order among equals); then the others in arrival order."""
         block_manager = self.block_manager
-        if len(head) < 2 or not block_manager.exact_prefix_caching:
+        if len(head) < 2 or not block_manager.enable_prefix_caching:
             return head
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
         num_cached_blocks = block_manager.num_cached_blocks
@@ -235,8 +329,7 @@ class Scheduler:
             if not running:
                 break  # preemptions emptied the queue
             seq = running.popleft()
-            # BlockManager.can_append's test, checked here first: only a sequence whose next
-            # token opens a new block can need a free one.
+            # opens_block, inlined: only a sequence whose next token opens a new block can need a free one
             if seq.num_tokens % block_size == 1 and not self._append_block(seq):
                 break  # seq preempted itself: nothing else was running
             seq.num_scheduled_tokens = 1
@@ -253,35 +346,56 @@ class Scheduler:
                 self._preempt(seq)
                 return False
             self._preempt(self.running.pop())  # the latest to run loses the least work
-        block_manager.may_append(seq)
+        self._appended_seq_ids.append(seq.seq_id)
+        self._appended_block_ids.append(block_manager.may_append(seq))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute: drop its blocks; its re-prefill can still hit them while they stay unwritten.
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
+        self._release(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> list[Sequence]:
-        """Account for the step just run and append sampled tokens (one per row of plan.seqs); returns
-        the sequences that finished."""
+    def _release(self, seq: Sequence) -> None:
+        """Free seq's blocks; every rank drops its table with the next step."""
+        self.block_manager.deallocate(seq)
+        if seq.on_workers:
+            seq.on_workers = False
+            self._released.append(seq.seq_id)
+
+    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> tuple[list[Sequence], list[Sequence]]:
+        """Account for the step `plan` just ran and append its sampled tokens (one per sampled row, in
+        plan.sampling's order); returns the sequences that got a token, in that order, and those that
+        finished."""
+        decode, prefill, _ = self._in_flight
+        self._in_flight = None
         block_manager = self.block_manager
         if block_manager.block_copies:
             block_manager.release_copy_sources()  # the step ran: its copies are done
         hash_blocks = block_manager.hash_blocks
         block_size = block_manager.block_size
-        finished = []
-        for seq, token_id in zip(plan.seqs, token_ids):
+        completed = []  # prompts whose last chunk ran: their rows were sampled
+        for seq in prefill:
             num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
-            # Only a step that filled a block has anything to register (in decode, one step in
-            # block_size): skip the call otherwise. hash_blocks reads the counters before the update.
             if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
                 hash_blocks(seq)
             seq.num_cached_tokens = num_cached_tokens
             seq.num_scheduled_tokens = 0
-            if num_cached_tokens < seq.num_tokens:
-                continue  # a chunk of prefill that did not reach the last token: nothing sampled
+            if num_cached_tokens == seq.num_tokens:
+                completed.append(seq)
+        sampled = decode + completed if completed else decode
+        assert len(sampled) == len(token_ids) == len(plan.sampling), "tokens and sampled rows disagree"
+        finished = []
+        for seq, token_id in zip(sampled, token_ids):
+            if seq.num_scheduled_tokens:  # a decode row (a chunk's counters moved above): its K/V is cached
+                num_cached_tokens = seq.num_cached_tokens + 1
+                # Only a step that filled a block has anything to register (one decode step in
+                # block_size): skip the call otherwise. hash_blocks reads the counters before the update.
+                if num_cached_tokens % block_size == 0:
+                    hash_blocks(seq)
+                seq.num_cached_tokens = num_cached_tokens
+                seq.num_scheduled_tokens = 0
             if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
                 self.finish(seq, "abort")
                 finished.append(seq)
@@ -299,18 +413,17 @@ class Scheduler:
             else:
                 continue
             finished.append(seq)
-        if plan.prefill:
-            for seq in plan.prefill:
-                if seq.block_table:  # not finished: its partly written last block can serve others
-                    block_manager.index_written_tail(seq)
-        return finished
+        for seq in prefill:
+            if seq.block_table:  # not finished: its partly written last block can serve others
+                block_manager.index_written_tail(seq)
+        return sampled, finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a running sequence now and free its blocks (also for a stop string the engine matched)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        self.block_manager.deallocate(seq)
+        self._release(seq)
         self.running.remove(seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
@@ -320,7 +433,7 @@ class Scheduler:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
                     if seq.block_table:
-                        self.block_manager.deallocate(seq)
+                        self._release(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = "abort"
                     return seq

@@ -3,7 +3,8 @@ from copy import copy
 from enum import Enum, auto
 from itertools import count
 
-from tpengine.sampling_params import SamplingParams
+from tpengine.paging import blocks_for
+from tpengine.sampling_params import SamplingParams, SamplingRecord
 
 
 class SequenceStatus(Enum):
@@ -20,7 +21,7 @@ class Sequence:
         "num_cached_tokens", "num_scheduled_tokens", "block_table",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
-        "request_id", "block_hashes", "arrival_step",
+        "request_id", "block_hashes", "arrival_step", "sampling", "on_workers",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
@@ -55,6 +56,8 @@ class Sequence:
         self.request_id = request_id
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
         self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
+        self.sampling: SamplingRecord | None = None  # how the sampler treats it; made by Scheduler.add
+        self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -77,11 +80,7 @@ class Sequence:
 
     @property
     def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+        return blocks_for(self.num_tokens, self.block_size)
 
     def block(self, i: int) -> list[int]:
         assert 0 <= i < self.num_blocks

@@ -1,32 +1,27 @@
-"""One scheduled step as a value: what the executor sends to every rank and what postprocess consumes."""
-from dataclasses import dataclass, field
+"""One scheduled step as a value, made once by the ledger: what every rank runs, and how rank 0 samples."""
+from dataclasses import dataclass
 
-from tpengine.engine.sequence import Sequence
+from tpengine.distributed.messages import StepMessage
+from tpengine.sampling_params import SamplingRecord
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """decode: running sequences, one token each (their last sampled one), every row sampled.
-    prefill: prompt chunks, seq.num_scheduled_tokens tokens after its num_cached_tokens each; a row is
-    sampled only where the chunk reaches the sequence's last token.
-    The forward's rows are decode first, then prefill: the order of `seqs` and of the sampled tokens."""
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (src, dst, num_tokens), before the forward
-    # counted when the plan is made: postprocess resets the sequences' num_scheduled_tokens
-    num_prefill_tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.num_prefill_tokens = sum(seq.num_scheduled_tokens for seq in self.prefill)
+    """message: the forward every rank runs (decode rows first, then prompt chunks; the block-table
+    changes since the last step). sampling: one record per sampled row, in row order: every decode row,
+    then each chunk that reaches its sequence's last token. The sampled tokens come back in that order."""
+    message: StepMessage
+    sampling: list[SamplingRecord]
+    num_prefill_tokens: int
 
     @property
-    def seqs(self) -> list[Sequence]:
-        return self.decode + self.prefill if self.prefill else self.decode
+    def num_decode(self) -> int:
+        return len(self.message.decode_seq_ids)
 
     @property
     def num_tokens(self) -> int:
         """Tokens through the forward: never more than the scheduler's max_num_batched_tokens."""
-        return len(self.decode) + self.num_prefill_tokens
+        return self.num_decode + self.num_prefill_tokens
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+        return bool(self.message.decode_seq_ids or self.message.prefill)

@@ -1,7 +1,6 @@
-"""Rank 0's view of all ranks: run a step everywhere, sample (on rank 0, or on every rank over its slice of
-the vocabulary), hand back token ids."""
+"""Rank 0's view of all ranks: send a step everywhere, run rank 0's part, hand back the sampled token ids."""
 from tpengine.config import EngineConfig
-from tpengine.distributed.messages import StepMessage, slim_step
+from tpengine.distributed.messages import StepMessage
 from tpengine.distributed.parallel_state import SINGLE_RANK, TensorParallelGroup, resolve_device
 from tpengine.runner.model_runner import ModelRunner
 from tpengine.runner.sampler import Sampler, SamplerOutput
@@ -28,16 +27,16 @@ class Executor:
         return self.runner.max_num_batched_tokens
 
     def execute(self, plan) -> SamplerOutput:
-        """Run a StepPlan on every rank; one sampled token per row of plan.seqs."""
-        step = slim_step(plan)
-        rows = self.sampler.vocab_parallel_rows(plan.seqs) if self.runner.samples_vocab_parallel else None
-        if rows is not None:
-            step.temperatures, step.uniforms = rows
+        """Run a StepPlan on every rank; one sampled token per record of plan.sampling."""
+        step, records = plan.message, plan.sampling
+        # The one place the sampling path is chosen: every rank samples its own slice of the vocabulary
+        # when every row is shaped by its temperature alone (and no min_tokens masks its stop tokens);
+        # else rank 0 samples the gathered logits. Either way a row gets the same token.
+        if (records and self.runner.samples_vocab_parallel
+                and all(record.plain and not record.min_tokens_pending for record in records)):
+            step.temperatures, step.uniforms = self.sampler.vocab_parallel_rows(records)
         self.send_to_workers(step)
-        out = self.runner.execute(step)
-        if rows is not None:
-            return SamplerOutput(out, [None] * len(plan.seqs))
-        return self.sampler(out, plan.seqs)
+        return self.runner.execute(step, records)
 
     def check_health(self) -> None:
         """Raise if some rank is gone (rank 0 alone: nothing to check)."""

@@ -7,14 +7,17 @@ import torch
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.config import EngineConfig, load_hf_config
-from tpengine.distributed.messages import PrefillSeq, StepMessage
+from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import load_model
+from tpengine.paging import blocks_for
 from tpengine.models.registry import model_class
 from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
-from tpengine.runner.sampler import Sampler, sample_vocab_parallel
+from tpengine.runner.inputs import InputBuilder
+from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
+from tpengine.sampling_params import SamplingRecord
 
 logger = logging.getLogger("tpengine")
 
@@ -34,18 +37,6 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config, log: bool = True)
             checkpoint_dtype = getattr(torch, checkpoint_dtype)
         return checkpoint_dtype or torch.bfloat16
     return getattr(torch, dtype)
-
-
-def cpu_row_bucket(num_rows: int) -> int:
-    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
-    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
-    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
-    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
-    weights are read once either way)."""
-    if num_rows <= 4:
-        return num_rows
-    power = 1 << (num_rows - 1).bit_length()
-    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
 
 
 def available_host_memory() -> int:
@@ -106,6 +97,7 @@ class ModelRunner:
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.inputs = InputBuilder(self.block_size, self.device)
         # CPU ranks sample a plain step over their own vocabulary slices, with no gather of the logits
         # (rank 0 decides per step: StepMessage.temperatures), when every rank has the kernel
         self.samples_vocab_parallel = (self.device.type == "cpu" and group.size > 1
@@ -129,7 +121,7 @@ class ModelRunner:
         return len(self.attention_layers) * self.block_size * per_token
 
     def _max_num_blocks_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_for(self.max_model_len, self.block_size)
 
     def _num_kvcache_blocks(self) -> int:
         num_blocks, problem = self._kvcache_blocks_that_fit()
@@ -220,16 +212,18 @@ class ModelRunner:
         """
         config = self.config
         num_tokens = min(self.max_num_batched_tokens, config.max_num_seqs * self.max_model_len)
-        seqs, num_blocks = [], 0
+        chunks, tables, num_blocks = [], [], 0
         for start in range(0, num_tokens, self.max_model_len):
             length = min(self.max_model_len, num_tokens - start)
-            blocks = -(-length // self.block_size)
-            seqs.append(PrefillSeq([0] * length, 0, list(range(num_blocks, num_blocks + blocks))))
+            blocks = blocks_for(length, self.block_size)
+            chunks.append(PrefillChunk(len(chunks), [0] * length, 0, True))
+            tables.append(BlockTable(len(tables), list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
-        input_ids, positions, meta, _, _ = self.prepare(StepMessage(prefill=seqs, decode=[]))
+        step = StepMessage([], [], [], chunks, new_tables=tables)
+        inputs = InputBuilder(self.block_size, self.device).prepare(step)  # its own tables: none stay behind
         self._allocate_kv_cache(num_blocks)
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        hidden_states = self.model(input_ids, positions, meta)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.arange(config.max_num_seqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden_states[rows])
         if self.sampler is not None and logits is not None:
@@ -246,72 +240,6 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    # --- inputs ---------------------------------------------------------------------------------
-
-    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-
-    def prepare(self, step: StepMessage):
-        """The forward's inputs: input ids, positions, attention metadata, the rows whose logits are wanted
-        (every decode row, each chunk's last token; None: the first num_logits rows), and num_logits.
-        Rows: decode tokens first, then the chunks. On the CPU, padding rows follow the decode rows (a
-        decode row with nothing to attend to and no cache slot) up to cpu_row_bucket, and the LM head's
-        rows are padded the same way; only the first num_logits rows of its logits are real."""
-        block_size = self.block_size
-        num_real_rows = len(step.decode) + sum(len(seq.token_ids) for seq in step.prefill)
-        num_padding = cpu_row_bucket(num_real_rows) - num_real_rows if self.device.type == "cpu" else 0
-        input_ids = [seq.last_token for seq in step.decode] + [0] * num_padding
-        positions = [seq.context_len - 1 for seq in step.decode] + [0] * num_padding
-        slot_mapping = [seq.block_table[-1] * block_size + (seq.context_len - 1) % block_size
-                        for seq in step.decode] + [-1] * num_padding
-        context_lens = [seq.context_len for seq in step.decode] + [0] * num_padding
-        block_tables = [seq.block_table for seq in step.decode] + [[0]] * num_padding
-        decode = self._decode_metadata(slot_mapping, context_lens, block_tables) if context_lens else None
-        if not step.prefill:
-            return self._tensor(input_ids), self._tensor(positions), decode, None, len(step.decode)
-        num_decode = len(input_ids)  # padding rows included
-        seqlens_q, seqlens_k = [], []
-        for seq in step.prefill:
-            start, end = seq.num_cached_tokens, seq.num_cached_tokens + len(seq.token_ids)
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(start, end))
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            for i in range(start // block_size, -(-end // block_size)):
-                base = seq.block_table[i] * block_size
-                slot_mapping.extend(range(base + max(start - i * block_size, 0),
-                                          base + min(end - i * block_size, block_size)))
-        cu_q = [0]
-        cu_k = [0]
-        for len_q, len_k in zip(seqlens_q, seqlens_k):
-            cu_q.append(cu_q[-1] + len_q)
-            cu_k.append(cu_k[-1] + len_k)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
-            block_tables=self._block_tables([seq.block_table for seq in step.prefill]),
-            has_cached_prefix=any(seq.num_cached_tokens for seq in step.prefill),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-            num_decode_tokens=num_decode, decode=decode)
-        logits_rows = list(range(len(step.decode))) + [num_decode + end - 1 for end in cu_q[1:]]
-        num_logits = len(logits_rows)
-        if self.device.type == "cpu":
-            logits_rows += logits_rows[-1:] * (cpu_row_bucket(num_logits) - num_logits)
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows), num_logits
-
-    def _decode_metadata(self, slot_mapping: list[int], context_lens: list[int],
-                         block_tables: list[list[int]]) -> AttentionMetadata:
-        """The decode rows' metadata: one query per sequence over its context (0 for a padding row)."""
-        return AttentionMetadata(
-            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(context_lens)]),
-            block_tables=self._block_tables(block_tables), block_tables_list=block_tables, seqlens_k=context_lens,
-            context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
-
     def copy_blocks(self, step: StepMessage) -> None:
         """Copy the heads of cached blocks into the blocks that reuse them (prefix hits that end inside a
         block, n > 1 completions forking their prompt): plain rows of the cache tensor, the same on every
@@ -323,23 +251,29 @@ class ModelRunner:
     # --- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: StepMessage) -> torch.Tensor | list[int] | None:
-        """Run one step in one forward; rank 0 gets the logits of each row (decode tokens, then each
-        prefill chunk's last token), or with step.temperatures set their sampled tokens; other ranks None."""
+    def execute(self, step: StepMessage, sampling: list[SamplingRecord] | None = None) -> SamplerOutput | None:
+        """Run one step in one forward. Rank 0 (given the sampled rows' records) gets their tokens: sampled
+        from its gathered logits, or, when the step carries temperatures, by every rank over its own slice
+        of the vocabulary. Other ranks get None."""
         if step.block_copies:
             self.copy_blocks(step)
-        input_ids, positions, meta, logits_rows, num_logits = self.prepare(step)
+        inputs = self.inputs.prepare(step)
+        input_ids, positions, meta, num_logits = inputs.input_ids, inputs.positions, inputs.meta, inputs.num_logits
         graphs = self.cuda_graphs
         if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
-            hidden_states = self.model(input_ids, positions, meta)[logits_rows]
+            hidden_states = self.model(input_ids, positions, meta)[inputs.logits_rows]
         elif graphs is not None and graphs.can_run(input_ids.size(0), meta.block_tables.size(1)):
             hidden_states = graphs.run(input_ids, positions, meta)
         else:
             hidden_states = self.model(input_ids, positions, meta)
+        if not num_logits:  # only chunks that end short of their prompts: nothing to sample
+            return None if sampling is None else SamplerOutput([], [])
         # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0,
         # unless every rank samples its own slice
         if step.temperatures:
-            return sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
-                                         step.temperatures, step.uniforms, self.group,
-                                         self.model.lm_head.vocab_start_idx)
-        return self.model.compute_logits(hidden_states, num_rows=num_logits)
+            token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
+                                              step.temperatures, step.uniforms, self.group,
+                                              self.model.lm_head.vocab_start_idx)
+            return None if token_ids is None else SamplerOutput(token_ids, [None] * num_logits)
+        logits = self.model.compute_logits(hidden_states, num_rows=num_logits)
+        return None if logits is None else self.sampler(logits, sampling)

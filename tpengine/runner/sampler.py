@@ -13,10 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from tpengine.engine.sequence import Sequence
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.layers.compile import compiled_on_cuda
-from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRecord
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
 _MASK64 = (1 << 64) - 1
@@ -65,77 +64,71 @@ class Sampler:
         # so a row gets the token the ranks would sample without gathering (vocab_parallel_rows)
         self.num_vocab_slices = num_vocab_slices
 
-    def vocab_parallel_rows(self, seqs) -> VocabParallelRows | None:
-        """Each row's temperature and uniform when every row of the step is one the ranks can sample over
-        their own vocabulary slices (greedy or temperature alone: no penalty, filter, logprobs or pending
-        min_tokens); None when some row needs the gathered logits. The uniforms are drawn here, as the
-        gathered path draws them, so either path gives a row the same token."""
-        for seq in seqs:
-            p = seq.sampling_params
-            if (p.has_penalties or _has_filter(p) or p.logprobs is not None or p.logit_bias is not None
-                    or _min_tokens_pending(seq)):
-                return None
-        random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
-        uniform = self._uniforms([seqs[i] for i in random_rows]) if random_rows else torch.empty(0)
-        temperatures, uniforms, _ = _kernel_rows(seqs, random_rows, uniform)
+    def vocab_parallel_rows(self, records: list[SamplingRecord]) -> VocabParallelRows:
+        """Each row's temperature and uniform, for every rank to sample its own slice of the vocabulary (the
+        executor takes this path when every record is plain and none has min_tokens pending). The uniforms
+        are drawn here, as the gathered path draws them, so either path gives a row the same token."""
+        random_rows = [i for i, record in enumerate(records) if not record.params.is_greedy]
+        uniform = self._uniforms([records[i] for i in random_rows]) if random_rows else torch.empty(0)
+        temperatures, uniforms, _ = _kernel_rows(records, random_rows, uniform)
         return VocabParallelRows(temperatures, uniforms)
 
-    def __call__(self, logits: torch.Tensor, seqs) -> SamplerOutput:
-        """logits: [batch, vocab] for seqs (rank 0's Sequences: their params, tokens and counts)."""
+    def __call__(self, logits: torch.Tensor, records: list[SamplingRecord]) -> SamplerOutput:
+        """logits: [rows, vocab], one row per record."""
         device = logits.device
-        params = [seq.sampling_params for seq in seqs]
+        params = [record.params for record in records]
         raw = logits.float()
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # float32 log-softmax of the raw logits (vLLM's default), only for rows that asked
         raw_logprobs = raw[_to_device(logprob_rows, torch.int64, device)].log_softmax(-1) if logprob_rows else None
-        logits = self._penalized(raw, seqs, params)
+        logits = self._penalized(raw, records, params)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             token_ids = _greedy(logits)
         else:
-            token_ids = self._sample(logits, seqs, random_rows)
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+            token_ids = self._sample(logits, records, random_rows)
+        logprobs: list[dict[int, float] | None] = [None] * len(records)
         if logprob_rows:
             self._gather_logprobs(raw_logprobs, logprob_rows, params, token_ids, logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    def _sample(self, logits: torch.Tensor, seqs, random_rows: list[int]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, records, random_rows: list[int]) -> list[int]:
         """Greedy rows by argmax, the random rows drawn; -1 where a row has no finite distribution."""
-        uniform = self._uniforms([seqs[i] for i in random_rows])
+        uniform = self._uniforms([records[i] for i in random_rows])
         if logits.device.type == "cpu" and cpu_sampling.available():
-            return self._sample_on_cpu(logits, seqs, random_rows, uniform)
-        if len(random_rows) == len(seqs):  # no greedy row: no max over the vocabulary, no copy of the rows
-            picked, picked_valid = self._draw(logits, seqs, uniform)
+            return self._sample_on_cpu(logits, records, random_rows, uniform)
+        if len(random_rows) == len(records):  # no greedy row: no max over the vocabulary, no copy of the rows
+            picked, picked_valid = self._draw(logits, records, uniform)
             return torch.where(picked_valid, picked, -1).tolist()  # the step's one wait on the device
         values, token_ids = logits.max(dim=-1)  # the first of equal maxima, as argmax
         # NaN anywhere in a row makes the max NaN; an all -inf row's is -inf: neither is a token
         valid = values.isfinite()
         rows = _to_device(random_rows, torch.int64, logits.device)
-        picked, picked_valid = self._draw(logits[rows], [seqs[i] for i in random_rows], uniform)
+        picked, picked_valid = self._draw(logits[rows], [records[i] for i in random_rows], uniform)
         token_ids.index_copy_(0, rows, picked)
         valid.index_copy_(0, rows, picked_valid)
         return torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
 
-    def _sample_on_cpu(self, logits: torch.Tensor, seqs, random_rows: list[int], uniform: torch.Tensor) -> list[int]:
+    def _sample_on_cpu(self, logits: torch.Tensor, records, random_rows: list[int], uniform: torch.Tensor) -> list[int]:
         """The CPU kernel takes every row a temperature alone shapes (greedy ones included); rows with a
         top-k, top-p or min-p filter are drawn by the torch path, with the same uniforms."""
-        temperatures, uniforms, filtered = _kernel_rows(seqs, random_rows, uniform)
+        temperatures, uniforms, filtered = _kernel_rows(records, random_rows, uniform)
         token_ids = cpu_sampling.sample_rows(logits if logits.stride(1) == 1 else logits.contiguous(),
                                              torch.tensor(temperatures, dtype=torch.float32),
                                              torch.tensor(uniforms, dtype=torch.float64), self.num_vocab_slices)
         if filtered:
             rows = torch.tensor([random_rows[j] for j in filtered])
-            picked, valid = self._draw(logits[rows], [seqs[i] for i in rows.tolist()], uniform[filtered])
+            picked, valid = self._draw(logits[rows], [records[i] for i in rows.tolist()], uniform[filtered])
             token_ids[rows] = torch.where(valid, picked, -1)
         return token_ids.tolist()
 
-    def _uniforms(self, seqs) -> torch.Tensor:
+    def _uniforms(self, records) -> torch.Tensor:
         """One float64 draw in [0, 1) per row, on the host: a seeded row's from its (seed, position), the
         others from the engine's generator."""
-        uniform = torch.rand(len(seqs), dtype=torch.float64, generator=self.generator)
-        for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None:
-                uniform[row] = seeded_uniform(seq.sampling_params.seed, seq.num_tokens)
+        uniform = torch.rand(len(records), dtype=torch.float64, generator=self.generator)
+        for row, record in enumerate(records):
+            if record.params.seed is not None:
+                uniform[row] = seeded_uniform(record.params.seed, len(record.token_ids))
         return uniform
 
     def warm_up(self, logits: torch.Tensor) -> SamplerOutput:
@@ -147,7 +140,7 @@ class Sampler:
                                 frequency_penalty=0.1, presence_penalty=0.1, logit_bias={0: 1.0})
         state = self.generator.get_state()
         try:
-            return self(logits, [Sequence([0, 1], params, block_size=16) for _ in range(logits.size(0))])
+            return self(logits, [SamplingRecord(params, frozenset({0}), [0, 1], 2) for _ in range(logits.size(0))])
         finally:
             self.generator.set_state(state)
 
@@ -169,13 +162,13 @@ class Sampler:
             out[i] = entry
 
     @staticmethod
-    def _penalized(logits: torch.Tensor, seqs, params) -> torch.Tensor:
+    def _penalized(logits: torch.Tensor, records, params) -> torch.Tensor:
         """logit_bias (vLLM applies it first), then repetition (prompt + generated, transformers'
         definition), frequency and presence (generated) penalties, then min_tokens: a completion shorter
         than it cannot sample its stop tokens."""
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
         penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        short_rows = [i for i, seq in enumerate(seqs) if _min_tokens_pending(seq)]
+        short_rows = [i for i, record in enumerate(records) if record.min_tokens_pending]
         if not penalty_rows and not short_rows and not bias_rows:
             return logits
         device, vocab = logits.device, logits.size(1)
@@ -189,8 +182,9 @@ class Sampler:
         if penalty_rows:
             rows = _to_device(penalty_rows, torch.int64, device)
             # padded with an extra column `vocab` that is dropped: one scatter for every row
-            padded = _padded([seqs[i].token_ids for i in penalty_rows], vocab, device)
-            generated = _padded([seqs[i].token_ids[seqs[i].num_prompt_tokens:] for i in penalty_rows], vocab, device)
+            padded = _padded([records[i].token_ids for i in penalty_rows], vocab, device)
+            generated = _padded([records[i].token_ids[records[i].num_prompt_tokens:] for i in penalty_rows], vocab,
+                                device)
             counts = torch.zeros(len(penalty_rows), vocab + 1, device=device).scatter_add_(
                 1, generated, torch.ones_like(generated, dtype=torch.float32))[:, :vocab]
             seen = torch.zeros(len(penalty_rows), vocab + 1, dtype=torch.bool, device=device).scatter_(
@@ -204,20 +198,20 @@ class Sampler:
             rows_logits = rows_logits - freq * counts - pres * (counts > 0)
             logits[rows] = rows_logits
         if short_rows:
-            pairs = [(i, t) for i in short_rows for t in seqs[i].eos_and_stop_token_ids if t < vocab]
+            pairs = [(i, t) for i in short_rows for t in records[i].stop_token_ids if t < vocab]
             if pairs:
                 logits[_to_device([r for r, _ in pairs], torch.int64, device),
                        _to_device([t for _, t in pairs], torch.int64, device)] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor, seqs, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, logits: torch.Tensor, records, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row from its filtered distribution, by inverse CDF: the row's uniform draw (host
         float64) picks the token whose slice of the cumulative distribution holds it. float64 keeps the
         slices of unlikely tokens exact over a large vocabulary. (An exponential race needs a draw per
         vocabulary entry: 13x the time on the CPU, docs/benchmarks.md.) Also returns which rows had a
         distribution at all."""
         device = logits.device
-        params = [seq.sampling_params for seq in seqs]
+        params = [record.params for record in records]
         cdf = self._filtered_probs(logits, params).cumsum(dim=-1, dtype=torch.float64)
         if device.type != "cpu":
             uniform = uniform.pin_memory().to(device, non_blocking=True)
@@ -267,26 +261,17 @@ def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], unifo
     return tokens.long().tolist() if group.rank == 0 else None
 
 
-def _kernel_rows(seqs, random_rows: list[int], uniform: torch.Tensor) -> tuple[list[float], list[float], list[int]]:
+def _kernel_rows(records, random_rows: list[int], uniform: torch.Tensor) -> tuple[list[float], list[float], list[int]]:
     """What the CPU kernel takes per row, temperature and uniform (0 and 0.0 for a greedy row), and the
     positions in random_rows of the rows with a top-k, top-p or min-p filter, which the kernel takes as
     greedy and the torch path draws instead."""
-    temperatures, uniforms, filtered = [0.0] * len(seqs), [0.0] * len(seqs), []
+    temperatures, uniforms, filtered = [0.0] * len(records), [0.0] * len(records), []
     for j, (i, drawn) in enumerate(zip(random_rows, uniform.tolist())):
-        if _has_filter(seqs[i].sampling_params):
+        if records[i].params.has_filter:
             filtered.append(j)
         else:
-            temperatures[i], uniforms[i] = seqs[i].sampling_params.temperature, drawn
+            temperatures[i], uniforms[i] = records[i].params.temperature, drawn
     return temperatures, uniforms, filtered
-
-
-def _has_filter(params: SamplingParams) -> bool:
-    return params.top_k != -1 or params.top_p < 1.0 or params.min_p > 0.0
-
-
-def _min_tokens_pending(seq) -> bool:
-    """Whether the completion is still shorter than its min_tokens (its stop tokens are masked)."""
-    return bool(seq.min_tokens) and seq.num_tokens - seq.num_prompt_tokens < seq.min_tokens
 
 
 def _greedy(logits: torch.Tensor) -> list[int]:

@@ -1,0 +1,90 @@
+"""A step message carries only what changed in the block tables; a rank that keeps its tables from those
+changes builds exactly the forward inputs it would from a message carrying every row's whole table,
+through random schedules with preemptions, prefix-cache copies, forks, aborts and interrupted steps."""
+import dataclasses
+import random
+
+import msgspec
+import pytest
+import torch
+
+from tests.engine.test_scheduler import is_sampled, new_seq
+from tpengine.distributed.messages import BlockTable
+from tpengine.engine.scheduler import Scheduler
+from tpengine.runner.inputs import InputBuilder, cpu_row_bucket
+from tpengine.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def whole(message, rows):
+    """The same step with every row's whole table, on ranks that first drop every table they hold."""
+    return msgspec.structs.replace(message, reset_tables=True, released=[], appended_seq_ids=[], appended_block_ids=[],
+                               new_tables=[BlockTable(seq.seq_id, list(seq.block_table)) for seq in rows])
+
+
+def assert_same_inputs(a, b) -> None:
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
+    assert a.num_logits == b.num_logits
+    assert (a.logits_rows is None) == (b.logits_rows is None)
+    if a.logits_rows is not None:
+        assert torch.equal(a.logits_rows, b.logits_rows)
+    metas = [(a.meta, b.meta)]
+    if a.meta.decode is not None or b.meta.decode is not None:
+        metas.append((a.meta.decode, b.meta.decode))
+    for x, y in metas:
+        for field in dataclasses.fields(x):
+            u, v = getattr(x, field.name), getattr(y, field.name)
+            if isinstance(u, torch.Tensor):
+                assert torch.equal(u, v), field.name
+            elif field.name != "decode":
+                assert u == v, field.name
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
+@pytest.mark.parametrize("seed", range(12))
+def test_inputs_from_the_tables_a_rank_keeps_equal_inputs_from_whole_tables(monkeypatch, seed, policy):
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    monkeypatch.setattr("tests.engine.test_scheduler.SEQ_BLOCK_SIZE", block_size)
+    scheduler = Scheduler(
+        num_kvcache_blocks=rng.randint(8, 24), kvcache_block_size=block_size, max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(4, 40), max_model_len=rng.randint(3 * block_size, 64),
+        eos_token_ids=frozenset([EOS]), enable_prefix_caching=rng.random() < 0.8, scheduling_policy=policy)
+    stems = [[rng.randrange(1, 4) for _ in range(40)] for _ in range(3)]  # shared prefixes: copies and hits
+    for _ in range(rng.randint(10, 30)):
+        prompt = rng.choice(stems)[:rng.randint(0, 30)] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
+        n = rng.choice([1, 1, 2])
+        params = SamplingParams(n=n, max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.3)
+        parent = new_seq(prompt, params)
+        seqs = [parent] + [new_seq(prompt, params, index=i, parent=parent) for i in range(1, n)]
+        try:
+            scheduler.check_fits(parent.num_prompt_tokens, params.max_tokens)
+        except ValueError:
+            continue
+        for seq in seqs:
+            scheduler.add(seq)
+    incremental = InputBuilder(block_size, torch.device("cpu"))
+    full = InputBuilder(block_size, torch.device("cpu"))
+    steps = interrupted = 0
+    while not scheduler.is_finished():
+        steps += 1
+        assert steps < 5_000
+        plan = scheduler.schedule()
+        rows = scheduler.scheduled
+        if not rows:
+            continue
+        a = incremental.prepare(plan.message)
+        b = full.prepare(whole(plan.message, rows))
+        assert_same_inputs(a, b)
+        assert a.input_ids.numel() == cpu_row_bucket(plan.num_tokens)
+        if rng.random() < 0.03:  # interrupted after the ranks built their inputs: never postprocessed
+            interrupted += 1
+            continue
+        tokens = [EOS if rng.random() < 0.05 else rng.randrange(1, 50) for seq in rows if is_sampled(seq)]
+        scheduler.postprocess(plan, tokens)
+        queued = [*scheduler.waiting, *scheduler.running]
+        if queued and rng.random() < 0.03:
+            scheduler.abort(rng.choice(queued).seq_id)
+    # the tables a rank keeps hold no sequence that left (the releases of the last steps wait for a next one)
+    assert set(incremental.block_tables.tables) <= set(scheduler._released)

@@ -1,0 +1,114 @@
+"""A step message into a forward's inputs, on every rank: the running sequences' block tables, kept from
+step to step as the messages change them, and the step's rows (decode tokens first, then prompt chunks)
+as tensors and one attention-metadata value."""
+from dataclasses import dataclass
+
+import torch
+
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.distributed.messages import StepMessage
+from tpengine.paging import blocks_for
+from tpengine.runner.block_tables import BlockTables
+
+
+def cpu_row_bucket(num_rows: int) -> int:
+    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
+    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
+    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
+    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
+    weights are read once either way)."""
+    if num_rows <= 4:
+        return num_rows
+    power = 1 << (num_rows - 1).bit_length()
+    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | None    # the rows whose logits are wanted; None: the first num_logits rows
+    num_logits: int                     # rows sampled: every decode row, then each sampled chunk's last row
+
+
+class InputBuilder:
+    """Step messages into forward inputs. On the CPU, padding rows follow the decode rows (a decode row with
+    nothing to attend to and no cache slot) up to cpu_row_bucket, and the LM head's rows are padded the
+    same way; only the first num_logits rows of its logits are real."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.pad_rows = device.type == "cpu"
+        self.block_tables = BlockTables()
+
+    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def prepare(self, step: StepMessage) -> ForwardInputs:
+        """Update the block tables with the step's changes, then build its inputs."""
+        self.block_tables.update(step)
+        tables = self.block_tables.tables
+        block_size = self.block_size
+        num_rows = step.num_rows
+        num_padding = cpu_row_bucket(num_rows) - num_rows if self.pad_rows else 0
+        decode_tables = [tables[seq_id] for seq_id in step.decode_seq_ids]
+        context_lens = step.decode_context_lens
+        input_ids = step.decode_tokens + [0] * num_padding
+        positions = [n - 1 for n in context_lens] + [0] * num_padding
+        slot_mapping = [table[-1] * block_size + (n - 1) % block_size
+                        for table, n in zip(decode_tables, context_lens)] + [-1] * num_padding
+        if num_padding:
+            context_lens = context_lens + [0] * num_padding
+            decode_tables += [[0]] * num_padding
+        decode = self._decode_metadata(slot_mapping, context_lens, decode_tables) if context_lens else None
+        num_decode = len(input_ids)  # padding rows included
+        if not step.prefill:
+            return ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
+                                 len(step.decode_seq_ids))
+        seqlens_q, seqlens_k, prefill_tables = [], [], []
+        for chunk in step.prefill:
+            table = tables[chunk.seq_id]
+            prefill_tables.append(table)
+            start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(start, end))
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            for i in range(start // block_size, blocks_for(end, block_size)):
+                base = table[i] * block_size
+                slot_mapping.extend(range(base + max(start - i * block_size, 0),
+                                          base + min(end - i * block_size, block_size)))
+        cu_q = [0]
+        cu_k = [0]
+        for len_q, len_k in zip(seqlens_q, seqlens_k):
+            cu_q.append(cu_q[-1] + len_q)
+            cu_k.append(cu_k[-1] + len_k)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
+            block_tables=self._block_tables(prefill_tables),
+            has_cached_prefix=any(chunk.num_cached_tokens for chunk in step.prefill),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
+            num_decode_tokens=num_decode, decode=decode)
+        logits_rows = list(range(len(step.decode_seq_ids)))
+        logits_rows += [num_decode + end - 1 for chunk, end in zip(step.prefill, cu_q[1:]) if chunk.sampled]
+        num_logits = len(logits_rows)
+        if self.pad_rows and logits_rows:
+            logits_rows += logits_rows[-1:] * (cpu_row_bucket(num_logits) - num_logits)
+        return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
+                             num_logits)
+
+    def _decode_metadata(self, slot_mapping: list[int], context_lens: list[int],
+                         block_tables: list[list[int]]) -> AttentionMetadata:
+        """The decode rows' metadata: one query per sequence over its context (0 for a padding row)."""
+        return AttentionMetadata(
+            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(context_lens)]),
+            block_tables=self._block_tables(block_tables), block_tables_list=block_tables, seqlens_k=context_lens,
+            context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))
