@@ -1,9 +1,9 @@
 """tpengine: a tensor-parallel LLM inference engine."""
 from tpengine.errors import WorkerFailedError
 from tpengine.outputs import CompletionOutput, RequestOutput
-from tpengine.sampling_params import SamplingParams
+from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "WorkerFailedError"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "WorkerFailedError"]
 
 
 def __getattr__(name: str):

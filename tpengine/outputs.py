@@ -13,7 +13,7 @@ class CompletionOutput:
     is a plain record."""
 
     __slots__ = ("index", "text", "_token_ids", "finish_reason", "stop_reason", "_logprobs", "cumulative_logprob",
-                 "_token_source", "_token_start", "_token_end", "_logprob_source", "_logprob_end")
+                 "_token_source", "_token_start", "_token_end", "_logprob_source", "_logprob_start", "_logprob_end")
 
     def __init__(self, *, index: int, text: str | None, token_ids: list[int], finish_reason: str | None,
                  stop_reason: int | str | None = None, logprobs: list[dict[int, float]] | None = None,
@@ -30,15 +30,16 @@ class CompletionOutput:
     @classmethod
     def _snapshot(cls, index: int, text: str | None, token_source: list[int], token_start: int, token_end: int,
                   finish_reason: str | None, stop_reason: int | str | None,
-                  logprob_source: list | None = None, cumulative_logprob: float | None = None) -> "CompletionOutput":
+                  logprob_source: list | None = None, cumulative_logprob: float | None = None,
+                  logprob_start: int = 0) -> "CompletionOutput":
         """The engine's constructor: token_ids is token_source[token_start:token_end], logprobs (when
-        logprob_source is given) what logprob_source holds now; both lists are only ever appended to,
-        so slicing them later gives what they held now."""
+        logprob_source is given) logprob_source[logprob_start:] as it holds now; both lists are only ever
+        appended to, so slicing them later gives what they held now."""
         self = cls.__new__(cls)
         self.index, self.text, self.finish_reason, self.stop_reason = index, text, finish_reason, stop_reason
         self._token_ids = self._logprobs = None
         self._token_source, self._token_start, self._token_end = token_source, token_start, token_end
-        self._logprob_source = logprob_source
+        self._logprob_source, self._logprob_start = logprob_source, logprob_start
         self._logprob_end = 0 if logprob_source is None else len(logprob_source)
         self.cumulative_logprob = cumulative_logprob
         return self
@@ -57,7 +58,7 @@ class CompletionOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         if self._logprob_source is not None:
-            self._logprobs = self._logprob_source[:self._logprob_end]
+            self._logprobs = self._logprob_source[self._logprob_start:self._logprob_end]
             self._logprob_source = None
         return self._logprobs
 
@@ -134,3 +135,22 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request, the newer after the older, as one: each completion's text, token
+    ids and logprobs joined, the newer's state (finish reasons, cumulative logprob, finished)."""
+    completions = {completion.index: completion for completion in older.outputs}
+    for new in newer.outputs:
+        old = completions.get(new.index)
+        if old is None:
+            completions[new.index] = new
+            continue
+        completions[new.index] = CompletionOutput(
+            index=new.index, text=None if new.text is None else (old.text or "") + new.text,
+            token_ids=old.token_ids + new.token_ids, finish_reason=new.finish_reason, stop_reason=new.stop_reason,
+            logprobs=None if new.logprobs is None else (old.logprobs or []) + new.logprobs,
+            cumulative_logprob=new.cumulative_logprob)
+    return RequestOutput(request_id=newer.request_id, prompt=newer.prompt, prompt_token_ids=newer.prompt_token_ids,
+                         outputs=sorted(completions.values(), key=lambda c: c.index), finished=newer.finished,
+                         num_cached_tokens=newer.num_cached_tokens)

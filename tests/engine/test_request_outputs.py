@@ -153,3 +153,60 @@ def test_a_completion_output_built_by_hand_is_a_plain_record():
     out.token_ids = [5]
     assert out.token_ids == [5] and out == CompletionOutput(index=1, text="ab", token_ids=[5], finish_reason=None)
     assert "token_ids=[5]" in repr(out)
+
+
+def joined_deltas(outputs: list[RequestOutput]) -> dict[tuple[int, int], dict]:
+    """Per (request, completion): its delta outputs joined, and how often it was reported finished."""
+    joined = {}
+    for out in outputs:
+        for c in out.outputs:
+            entry = joined.setdefault((out.request_id, c.index), dict(text="", token_ids=[], logprobs=[], ends=0))
+            entry["text"] += c.text
+            entry["token_ids"] += c.token_ids
+            entry["logprobs"] += c.logprobs or []
+            entry["ends"] += c.finish_reason is not None
+            entry["finish_reason"], entry["stop_reason"] = c.finish_reason, c.stop_reason
+    return joined
+
+
+def test_delta_outputs_joined_equal_the_cumulative_ones(tied_model):
+    from tpengine import RequestOutputKind
+    prompts = ["Once upon a time", "The cat", "Hello there, general"]
+    kinds = dict(greedy=dict(temperature=0.0), seeded=dict(temperature=1.0, seed=3))
+    with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
+        results = {}
+        for output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+            finals, deltas = {}, []
+            ids = []
+            for prompt, (name, sampling) in zip(prompts, [*kinds.items(), ("greedy", kinds["greedy"])]):
+                params = SamplingParams(n=2, max_tokens=12, ignore_eos=True, logprobs=2, stop=["e ", "zz"],
+                                        output_kind=output_kind, **sampling)
+                ids.append(llm.add_request(prompt, params))
+            outputs = []
+            for step in range(40):
+                if step == 3:
+                    assert llm.abort(ids[2]).finished  # the same final output comes from the next step()
+                if step == 5:  # generate() of another request: the streamed ones' outputs wait for step()
+                    llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+                if not llm.has_unfinished_requests():
+                    break
+                outputs += llm.step()
+            if output_kind == RequestOutputKind.CUMULATIVE:
+                for out in outputs:
+                    for c in out.outputs:
+                        finals[out.request_id, c.index] = c
+                results["cumulative"] = (ids, finals)
+            else:
+                results["delta"] = (ids, joined_deltas(outputs))
+    (cumulative_ids, finals), (delta_ids, joined) = results["cumulative"], results["delta"]
+    assert len(finals) == len(joined) == 6
+    for old_id, new_id in zip(cumulative_ids, delta_ids):
+        for index in range(2):
+            final, entry = finals[old_id, index], joined[new_id, index]
+            assert entry["token_ids"] == final.token_ids and entry["text"] == final.text
+            # the second run's batches differ (prefix hits): its float32 logits may round in the last bits
+            assert len(entry["logprobs"]) == len(final.logprobs) == len(entry["token_ids"])
+            for ours, theirs in zip(entry["logprobs"], final.logprobs):
+                assert ours.keys() == theirs.keys() and ours == pytest.approx(theirs, abs=1e-4)
+            assert (entry["finish_reason"], entry["stop_reason"]) == (final.finish_reason, final.stop_reason)
+            assert entry["ends"] == 1  # a completion's end is reported once

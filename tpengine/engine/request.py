@@ -3,12 +3,13 @@ from tpengine.engine.detokenizer import Detokenizer, IncrementalText
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.stop_strings import StopStrings
 from tpengine.outputs import CompletionOutput, RequestOutput
-from tpengine.sampling_params import SamplingParams
+from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Request:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "per_step",
-                 "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "delta", "per_step",
+                 "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished",
+                 "num_reported_tokens", "num_reported_chars", "reported_finished")
 
     def __init__(self, request_id: int, prompt, prompt_token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], detokenizer: Detokenizer | None, stream: bool):
@@ -17,9 +18,13 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.seqs = seqs
-        self.stream = stream                # report every step (cumulative), or only when finished
+        # report every step it gets a token, or only when finished; a reported output holds everything so
+        # far, or (delta) only what is new since the last one
+        self.stream = stream and params.output_kind != RequestOutputKind.FINAL_ONLY
+        self.delta = self.stream and params.output_kind == RequestOutputKind.DELTA
         self.detokenizer = detokenizer
         # Text is grown every step only where someone reads it before the end: a stream or stop strings.
+        stream = self.stream
         self.per_step = stream or bool(params.stop) or params.logprobs is not None
         track_text = detokenizer is not None and (stream or bool(params.stop))
         stops = StopStrings(params.stop) if track_text and params.stop else None   # shared by the completions
@@ -29,6 +34,11 @@ class Request:
         self.logprobs = None if params.logprobs is None else [[] for _ in seqs]
         self.cumulative_logprobs = [0.0] * len(seqs)
         self.num_unfinished = len(seqs)
+        # delta outputs: per completion, the tokens (an index into its token list) and characters already
+        # reported, and whether its end was
+        self.num_reported_tokens = [len(prompt_token_ids)] * len(seqs)
+        self.num_reported_chars = [0] * len(seqs)
+        self.reported_finished = [False] * len(seqs)
 
     @property
     def finished(self) -> bool:
@@ -68,12 +78,15 @@ class Request:
         return seq.num_tokens
 
     def output(self) -> RequestOutput:
-        """Everything so far (cumulative); a running completion's text holds back a possible stop-string start."""
-        seqs, completion = self.seqs, self._completion
-        if len(seqs) == 1:  # built per streamed request per step: the common case without a zip
-            completions = [completion(seqs[0], self.texts[0])]
+        """Everything so far (cumulative), or what is new since the last output (delta: only the completions
+        with something new); a running completion's text holds back a possible stop-string start."""
+        seqs = self.seqs
+        if self.delta:
+            completions = [c for c in map(self._delta, seqs, self.texts) if c is not None]
+        elif len(seqs) == 1:  # built per streamed request per step: the common case without a zip
+            completions = [self._completion(seqs[0], self.texts[0])]
         else:
-            completions = [completion(seq, text) for seq, text in zip(seqs, self.texts)]
+            completions = [self._completion(seq, text) for seq, text in zip(seqs, self.texts)]
         num_cached = seqs[0].num_prompt_cached_tokens
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.num_unfinished == 0,
@@ -90,3 +103,27 @@ class Request:
         return CompletionOutput._snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
                                           seq.finish_reason, seq.stop_reason, self.logprobs[seq.index],
                                           self.cumulative_logprobs[seq.index])
+
+    def _delta(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput | None:
+        """What is new of one completion since its last output (None: nothing): its new tokens, the text they
+        made visible, and its end once, when it comes. Costs what is new, not what came before."""
+        i = seq.index
+        finished = seq.finish_reason is not None
+        if text is None:
+            new_text = None if self.detokenizer is None else ""
+        else:
+            full = text.text
+            end = len(full) if finished else len(full) - (text.stop.num_held_back if text.stop is not None else 0)
+            new_text = full[self.num_reported_chars[i]:end]
+            self.num_reported_chars[i] = max(end, self.num_reported_chars[i])
+        start = self.num_reported_tokens[i]
+        if start == seq.num_tokens and not new_text and (not finished or self.reported_finished[i]):
+            return None
+        self.num_reported_tokens[i] = seq.num_tokens
+        self.reported_finished[i] = finished
+        if self.logprobs is None:
+            return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, seq.num_tokens, seq.finish_reason,
+                                              seq.stop_reason)
+        return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, seq.num_tokens, seq.finish_reason,
+                                          seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
+                                          logprob_start=start - seq.num_prompt_tokens)

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.entrypoints.metrics import Metrics, RequestTimes
 from tpengine.errors import InvalidRequestError
-from tpengine.outputs import RequestOutput
-from tpengine.sampling_params import SamplingParams
+from tpengine.outputs import RequestOutput, merge_deltas
+from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tpengine")
 
@@ -34,10 +34,11 @@ class EngineDeadError(RuntimeError):
 class Submission:
     """One HTTP request's prompts in the engine; iterate it for {prompt index: latest output}."""
 
-    def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int):
+    def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int, delta: bool = False):
         self._engine = engine
         self.key = key
         self.num_unfinished = num_prompts
+        self.delta = delta  # its outputs hold only what is new: ones not yet taken are joined, not replaced
         self._latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output not yet taken
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -47,8 +48,10 @@ class Submission:
         return self.num_unfinished == 0
 
     def deliver(self, index: int, output: RequestOutput) -> None:
-        """(event loop) A newer output of prompt `index`: it holds everything an untaken older one did."""
-        self._latest[index] = output
+        """(event loop) A newer output of prompt `index`: cumulative, it holds everything an untaken older one
+        did; a delta is joined to it."""
+        older = self._latest.get(index)
+        self._latest[index] = output if older is None or not self.delta else merge_deltas(older, output)
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -102,7 +105,7 @@ class AsyncEngine:
         another only the final ones (the engine then does no per-step work for it)."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        submission = Submission(self, next(self._keys), len(prompts))
+        submission = Submission(self, next(self._keys), len(prompts), delta=params.output_kind == RequestOutputKind.DELTA)
         accepted = self._loop.create_future()
         self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic()))
         try:

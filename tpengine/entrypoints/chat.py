@@ -40,36 +40,36 @@ class OpenAIServingChat(OpenAIServing):
         fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
         return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
 
-    def _logprobs(self, completion: CompletionOutput, start: int, num_top: int) -> dict:
+    def _logprobs(self, completion: CompletionOutput, num_top: int) -> dict:
         content = []
-        for text, logprob, alternatives in self.token_logprobs(completion, start):
+        for text, logprob, alternatives in self.token_logprobs(completion):
             top = sorted(alternatives.items(), key=lambda item: -item[1])[:num_top]
             content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
                             "top_logprobs": [{"token": self.token_text(t), "logprob": clamp_logprob(lp),
                                               "bytes": list(self.token_text(t).encode())} for t, lp in top]})
         return {"content": content}
 
-    def _choice_logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput, start: int):
-        return self._logprobs(completion, start, request.top_logprobs or 0) if request.logprobs else None
+    def _choice_logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput):
+        return self._logprobs(completion, request.top_logprobs or 0) if request.logprobs else None
 
     async def _complete(self, request: ChatCompletionRequest, submission: Submission, fields: dict) -> dict:
         outputs = await final_outputs(submission)
         output = outputs[0]
         choices = [{"index": c.index, "message": {"role": ROLE, "content": c.text or ""},
-                    "logprobs": self._choice_logprobs(request, c, 0),
+                    "logprobs": self._choice_logprobs(request, c),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    **(token_id_fields(output, c, 0, True) if request.return_token_ids else {})}
+                    **(token_id_fields(output, c, True) if request.return_token_ids else {})}
                    for c in output.outputs]
         return {**fields, "choices": choices, "usage": usage([output])}
 
     def _stream(self, request: ChatCompletionRequest, submission: Submission, fields: dict) -> AsyncIterator[bytes]:
         def choice_of(delta: ChoiceDelta) -> dict:
             completion = delta.completion
-            choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                      "logprobs": self._choice_logprobs(request, completion, delta.token_start),
+            choice = {"index": delta.index, "delta": {"content": completion.text} if completion.text else {},
+                      "logprobs": self._choice_logprobs(request, completion),
                       "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if request.return_token_ids:
-                choice.update(token_id_fields(delta.output, completion, delta.token_start, delta.is_first))
+                choice.update(token_id_fields(delta.output, completion, delta.is_first))
             return choice
 
         # The first chunk of every choice carries the role, before any token is ready.

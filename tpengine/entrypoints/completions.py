@@ -50,9 +50,9 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt
         return "" if self.tokenizer is None else self.tokenizer.decode(output.prompt_token_ids)
 
-    def _logprobs(self, completion: CompletionOutput, start: int, text_offset: int) -> dict:
+    def _logprobs(self, completion: CompletionOutput, text_offset: int) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for text, logprob, alternatives in self.token_logprobs(completion, start):
+        for text, logprob, alternatives in self.token_logprobs(completion):
             tokens.append(text)
             token_logprobs.append(logprob)
             # ascending, so where two tokens read the same (partial UTF-8) the likelier one's value stays
@@ -72,27 +72,26 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append({
                     "index": prompt_index * request.n + completion.index,
                     "text": prefix + (completion.text or ""),
-                    "logprobs": None if request.logprobs is None else self._logprobs(completion, 0, 0),
+                    "logprobs": None if request.logprobs is None else self._logprobs(completion, 0),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                    **(token_id_fields(output, completion, 0, True) if request.return_token_ids else {})})
+                    **(token_id_fields(output, completion, True) if request.return_token_ids else {})})
         return {**fields, "choices": choices, "usage": usage(outputs.values())}
 
     def _stream(self, request: CompletionRequest, submission: Submission, fields: dict) -> AsyncIterator[bytes]:
         text_offsets: dict[int, int] = {}  # choice index -> characters streamed, for logprobs' text_offset
 
         def choice_of(delta: ChoiceDelta) -> dict:
-            text = delta.text
+            completion = delta.completion
+            text = completion.text or ""
             if delta.is_first and request.echo:
                 text = self._prompt_text(request, delta.index // request.n, delta.output) + text
             offset = text_offsets.get(delta.index, 0)
             text_offsets[delta.index] = offset + len(text)
-            completion = delta.completion
             choice = {"index": delta.index, "text": text,
-                      "logprobs": None if request.logprobs is None
-                      else self._logprobs(completion, delta.token_start, offset),
+                      "logprobs": None if request.logprobs is None else self._logprobs(completion, offset),
                       "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if request.return_token_ids:
-                choice.update(token_id_fields(delta.output, completion, delta.token_start, delta.is_first))
+                choice.update(token_id_fields(delta.output, completion, delta.is_first))
             return choice
 
         return sse_stream(submission, request.n, fields, request.include_usage_in_stream, choice_of)

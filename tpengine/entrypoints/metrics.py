@@ -20,7 +20,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 @dataclass
 class RequestTimes:
     arrival: float
-    streamed: bool          # only a streamed request reports each step; others report once, at the end
+    streamed: bool          # a streamed request reports each step's new tokens (delta outputs); others once, at the end
     last_token: float = 0.0
     seen: bool = False
     num_generated: int = 0  # tokens over all of the request's completions so far
@@ -79,18 +79,22 @@ class Metrics:
             self.prefix_cache_queries.inc(num_prompt_tokens)
             self.prefix_cache_hits.inc(output.num_cached_tokens)
         if times.streamed:
-            num_generated = sum(len(completion.token_ids) for completion in output.outputs)
-            if num_generated > times.num_generated:
+            num_new = sum(len(completion.token_ids) for completion in output.outputs)
+            if num_new:
                 if times.num_generated == 0:
                     self.time_to_first_token.observe(now - times.arrival)
                 else:
                     self.inter_token_latency.observe(now - times.last_token)
-                times.num_generated = num_generated
+                times.num_generated += num_new
                 times.last_token = now
+        if times.streamed or output.finished:
+            self.record_finished(output)
         if output.finished:
             self.e2e_request_latency.observe(now - times.arrival)
-            self.record_finished(output)
 
     def record_finished(self, output: RequestOutput) -> None:
+        """Count the completions that end in output: a final one ends them all; in a stream's delta
+        outputs each completion's end comes once, in the output that holds it."""
         for completion in output.outputs:
-            self.request_success[completion.finish_reason or "abort"].inc()
+            if completion.finish_reason is not None or output.finished:
+                self.request_success[completion.finish_reason or "abort"].inc()

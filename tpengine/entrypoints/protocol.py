@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tpengine.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                      SamplingParams)
+                                      RequestOutputKind, SamplingParams)
 
 # One request may ask for at most this many completions per prompt (n): each is a sequence in the batch.
 MAX_N = 128
@@ -116,7 +116,8 @@ class SamplingRequest(OpenAIBody):
             raise ValueError("stream_options is only allowed when stream is true")
         return stream_options
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad value."""
         # null means the default, as in OpenAI's API
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -128,7 +129,7 @@ class SamplingRequest(OpenAIBody):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, logprobs=logprobs,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, output_kind=output_kind)
 
     @property
     def include_usage_in_stream(self) -> bool:

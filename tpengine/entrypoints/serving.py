@@ -15,7 +15,7 @@ from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.errors import InvalidRequestError
 from tpengine.outputs import CompletionOutput, RequestOutput
-from tpengine.sampling_params import SamplingParams
+from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 # JSON has no -inf: a token the model rules out gets this log-probability, as vLLM reports it
@@ -82,11 +82,13 @@ class OpenAIServing:
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            return request.sampling_params(max_tokens, logprobs,
+                                           RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:  # SamplingParams names the bad value and its limit
             raise self.invalid(e, request) from None
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest) -> Submission:
+        """Queue the prompts; a streamed request's outputs come as deltas (only what each step added)."""
         try:
             return await self.engine.submit(prompts, params, request.stream)
         except ValueError as e:
@@ -101,15 +103,15 @@ class OpenAIServing:
             self._token_texts[token_id] = text
         return text
 
-    def token_logprobs(self, completion: CompletionOutput, start: int) -> Iterable[tuple[str, float, dict]]:
-        """(token text, its log-probability, {alternative id: log-probability}) per token from start."""
-        for token_id, alternatives in zip(completion.token_ids[start:], completion.logprobs[start:]):
+    def token_logprobs(self, completion: CompletionOutput) -> Iterable[tuple[str, float, dict]]:
+        """(token text, its log-probability, {alternative id: log-probability}) per token of the completion."""
+        for token_id, alternatives in zip(completion.token_ids, completion.logprobs):
             yield self.token_text(token_id), clamp_logprob(alternatives[token_id]), alternatives
 
 
-def token_id_fields(output: RequestOutput, completion: CompletionOutput, start: int, with_prompt: bool) -> dict:
-    """return_token_ids: the completion's new token ids, and the prompt's where asked."""
-    fields = {"token_ids": completion.token_ids[start:]}
+def token_id_fields(output: RequestOutput, completion: CompletionOutput, with_prompt: bool) -> dict:
+    """return_token_ids: the completion's token ids (a delta's: the new ones), and the prompt's where asked."""
+    fields = {"token_ids": completion.token_ids}
     if with_prompt:
         fields["prompt_token_ids"] = output.prompt_token_ids
     return fields
@@ -120,12 +122,17 @@ def new_response_fields(kind: str, model_name: str) -> dict:
 
 
 def usage(outputs: Iterable[RequestOutput]) -> dict:
+    """The usage field of requests' final cumulative outputs."""
     outputs = list(outputs)
-    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    return usage_of(sum(len(output.prompt_token_ids) for output in outputs),
+                    sum(len(c.token_ids) for output in outputs for c in output.outputs),
+                    sum(output.num_cached_tokens for output in outputs))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
@@ -144,45 +151,53 @@ async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
 @dataclass
 class ChoiceDelta:
     index: int                 # prompt index * n + completion index, as OpenAI numbers choices
-    output: RequestOutput
+    output: RequestOutput      # a delta output: its completions hold only what is new
     completion: CompletionOutput
-    text: str                  # text new since the last delta of this choice
-    token_start: int           # completion.token_ids[token_start:] are new
     is_first: bool
 
 
-async def choice_deltas(submission: Submission, n: int, latest: dict[int, RequestOutput]) -> AsyncIterator[ChoiceDelta]:
-    """Per choice, what each step added; latest collects the newest output per prompt (for usage)."""
-    sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters sent, tokens sent); -1 once finished
+class StreamUsage:
+    """Token counts summed over a stream's delta outputs, for its last chunk's usage."""
+
+    def __init__(self):
+        self.prompts: dict[int, RequestOutput] = {}  # prompt index -> an output of it (prompt counts)
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        self.prompts[prompt_index] = output
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def field(self) -> dict:
+        outputs = self.prompts.values()
+        return usage_of(sum(len(o.prompt_token_ids) for o in outputs), self.completion_tokens,
+                        sum(o.num_cached_tokens for o in outputs))
+
+
+async def choice_deltas(submission: Submission, n: int, counts: StreamUsage) -> AsyncIterator[ChoiceDelta]:
+    """Per choice, what each step added (the engine streams delta outputs); counts sums the tokens."""
+    started: set[int] = set()
     async for outputs in submission:
-        latest.update(outputs)
         for prompt_index, output in sorted(outputs.items()):
+            counts.add(prompt_index, output)
             for completion in output.outputs:
                 index = prompt_index * n + completion.index
-                is_first = index not in sent
-                num_chars, num_tokens = sent.get(index, (0, 0))
-                if num_chars < 0:
-                    continue
-                text = completion.text or ""
-                finished = completion.finish_reason is not None
-                if len(text) == num_chars and len(completion.token_ids) == num_tokens and not finished:
-                    continue
-                sent[index] = (-1, -1) if finished else (len(text), len(completion.token_ids))
-                yield ChoiceDelta(index, output, completion, text[num_chars:], num_tokens, is_first)
+                is_first = index not in started
+                started.add(index)
+                yield ChoiceDelta(index, output, completion, is_first)
 
 
 async def sse_stream(submission: Submission, n: int, fields: dict, include_usage: bool,
                      choice_of: Callable[[ChoiceDelta], dict], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
     """Server-sent events: the opening choices, one chunk per choice delta, the usage if asked, [DONE]."""
-    latest: dict[int, RequestOutput] = {}
+    counts = StreamUsage()
     usage_field = {"usage": None} if include_usage else {}
     try:
         for choice in opening:
             yield sse({**fields, "choices": [choice], **usage_field})
-        async for delta in choice_deltas(submission, n, latest):
+        async for delta in choice_deltas(submission, n, counts):
             yield sse({**fields, "choices": [choice_of(delta)], **usage_field})
         if include_usage:
-            yield sse({**fields, "choices": [], "usage": usage(latest.values())})
+            yield sse({**fields, "choices": [], "usage": counts.field()})
     except EngineDeadError as e:
         yield sse(engine_down(e).body())
     finally:
