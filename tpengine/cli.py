@@ -10,7 +10,7 @@ from tpengine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
 MAX_NUM_SEQS = 512
 # `serve` on the CPU decodes at most this many requests at once (vLLM's CPU serving default): every
 # running request shares each step, so under a burst fewer at once means a lower time per output token
-# for each, for a later first token for the ones that wait (docs/benchmarks.md, "per-token latency").
+# for each, for a later first token for the ones that wait (docs/benchmarks.md, "Per-token latency under load").
 SERVE_CPU_MAX_NUM_SEQS = 128
 
 
