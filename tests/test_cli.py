@@ -126,3 +126,12 @@ def test_stream_prints_the_same_text_as_generate(tied_model, capsys):
     assert main(argv + ["--stream"]) == 0
     streamed = capsys.readouterr().out
     assert streamed == "".join(f"Prompt: {p!r}\nOutput: {t}\n\n" for p, t in zip(["Hello", "tensor"], texts))
+
+
+@pytest.mark.parametrize("argv, expected", [(("--device", "cpu"), 128), (("--device", "cpu", "--max-num-seqs", "512"), 512)])
+def test_serve_on_the_cpu_runs_at_most_128_sequences_unless_told(monkeypatch, argv, expected):
+    import tpengine.entrypoints.server as server
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
+    assert main(["serve", "--model", "unused", *argv]) == 0
+    assert seen["max_num_seqs"] == expected

@@ -7,6 +7,12 @@ import sys
 
 from tpengine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
 
+MAX_NUM_SEQS = 512
+# `serve` on the CPU decodes at most this many requests at once (vLLM's CPU serving default): every
+# running request shares each step, so under a burst fewer at once means a lower time per output token
+# for each, for a later first token for the ones that wait (docs/benchmarks.md, "Per-token latency under load").
+SERVE_CPU_MAX_NUM_SEQS = 128
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -98,7 +104,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
-    parser.add_argument("--max-num-seqs", type=int, default=512, help="most sequences in a batch (default 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"most sequences running at once (default {MAX_NUM_SEQS}; "
+                             f"{SERVE_CPU_MAX_NUM_SEQS} for serve on the CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="most tokens through one forward, decodes and prompt chunks together "
                              "(default 2048 on the CPU, 16384 on CUDA)")
@@ -114,7 +122,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
                 kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len,
+                max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
 
@@ -233,13 +242,23 @@ def _serve(args) -> int:
 
     if not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    engine_kwargs = _engine_kwargs(args)
+    if args.max_num_seqs is None and _on_cpu(args.device):
+        engine_kwargs["max_num_seqs"] = SERVE_CPU_MAX_NUM_SEQS
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
     return run_server(model=args.model or _default_model(),
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
-                      engine_kwargs=_engine_kwargs(args), body_timeout_s=args.body_timeout)
+                      engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout)
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "auto":
+        import torch
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
