@@ -1,4 +1,5 @@
-"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`."""
+"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`; launch/*.py run the
+first two under torchrun (main_under_torchrun)."""
 import argparse
 import json
 import logging
@@ -20,7 +21,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tpengine: error: {message} (see: {self.prog} --help)\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParser:
+    """Every command's flags; without tensor_parallel_flag no --tp (under torchrun the world size is the
+    tensor-parallel size)."""
     parser = _Parser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -59,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="print one JSON object per prompt: text, token ids, finish and stop reasons, and "
                              "'outputs' with every completion (and its logprobs)")
     output.add_argument("--stream", action="store_true", help="print text as it is generated, prompt by prompt")
-    _add_engine_args(gen)
+    _add_engine_args(gen, tensor_parallel_flag)
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 
     serve = commands.add_parser(
@@ -80,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=float, default=60.0,
                        help="seconds a client has to send a whole request body before it gets a 408 (default 60)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
-    _add_engine_args(serve)
+    _add_engine_args(serve, tensor_parallel_flag)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
@@ -91,12 +94,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool) -> None:
     """The flags that build the engine, the same for generate and serve."""
     parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
                                         "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral (default: the embedded tiny random Qwen3, "
                                         "written on first use; its text is meaningless)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
+    if tensor_parallel_flag:
+        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
@@ -262,7 +266,38 @@ def _on_cpu(device: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
+    """`tpengine COMMAND ...` as one rank of a torchrun job, with the tensor-parallel size torchrun's world
+    size: rank 0 runs the command, the other ranks execute the steps it sends."""
+    import signal
+
+    import torch.distributed as dist
+
+    from tpengine.distributed.parallel_state import init_torchrun_process_group
+
+    args = build_parser(tensor_parallel_flag=False).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    init_torchrun_process_group(args.device)
+    try:
+        if dist.get_rank() != 0:
+            if command == "serve":
+                # torchrun signals every rank; the server's rank 0 finishes or aborts what runs and sends the
+                # shutdown the others wait for
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            from tpengine.runner.worker import torchrun_worker_main
+            torchrun_worker_main()
+            return 0
+        args.tp = dist.get_world_size()
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command; a user mistake prints one `tpengine: error: ...` line and returns 2."""
     try:
         if args.command == "make-tiny-model":
             from tpengine.tiny_model import write_tiny_model

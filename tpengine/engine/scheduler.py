@@ -6,12 +6,11 @@ the token budget with prompt chunks, so decodes never stall behind a long prompt
 from collections import deque
 from itertools import islice
 
+from tpengine.config import SCHEDULING_POLICIES
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
-
-SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's; here so the ledger imports no torch
 
 # Cache-aware admission orders only this many requests from the head of the waiting queue, so its
 # cost per step stays bounded; the rest keep arrival order.
