@@ -29,11 +29,11 @@ from bench import CPU_MODEL  # scripts/ is this script's folder, so it is on sys
 from quick import QUICK_MODEL, parse_with_quick
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
+from tpengine.hf_config import RopeParameters
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
-from tpengine.models.config import RopeParameters
 from tpengine.runner.sampler import filtered_probs
 
 

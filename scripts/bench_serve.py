@@ -25,6 +25,20 @@ token ids and tokens are counted from the stream's token_ids (vLLM's return_toke
     .venv/bin/python scripts/bench_serve.py --request-rate 4         # Poisson arrivals, 4 req/s
     .venv/bin/python scripts/bench_serve.py --model /path/to/Qwen3-0.6B --device cuda --num-prompts 256
     .venv/bin/python scripts/bench_serve.py --quick                  # seconds: 4 requests, bench.py's QUICK_MODEL
+
+Side by side with vLLM (--vllm-bin, the bin folder ../shared/bench/vllm-cpu/setup.sh prints): both servers
+run the same checkpoint (float32, the same max-model-len) and stay up; each round sends the same requests
+(a fresh seed per round, so no round hits a prefix cache an earlier one filled) to each server in turn,
+the order rotating, and the table gives every round and each server's median. TPOT is per request:
+(last token - first token) / (output tokens - 1), as vLLM's client computes it. --client vllm measures
+with `vllm-cli bench serve` (its random dataset at --max-input-len in / --max-output-len out, its Poisson
+arrivals; results read from its JSON) instead of the minimal client. Without --vllm-bin (or if its vllm-cli is missing) the same rounds measure tpengine alone.
+--tiny-model serves the embedded tiny Qwen3 with its byte tokenizer, which vLLM's server and client need.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_serve.py --tiny-model --vllm-bin ~/.cache/vllm-cpu-anchor/bin \
+        --client vllm --max-model-len 4096 --min-input-len 256 --max-input-len 256 --min-output-len 64 \
+        --max-output-len 64 --request-rate 8 --num-prompts 64 --repeat 3
+    .venv/bin/python scripts/bench_serve.py --tiny-model --side-by-side --request-rate 8   # tpengine alone, same rounds
 """
 import argparse
 import asyncio
@@ -62,21 +76,41 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true", help="measure the server only")
     p.add_argument("--repeat", type=int, default=1,
-                   help="alternate offline and server runs this many times and keep each side's fastest (noisy machines)")
+                   help="alternate offline and server runs this many times and keep each side's fastest (noisy machines); "
+                        "side by side: rounds")
+    p.add_argument("--tiny-model", action="store_true",
+                   help="serve the embedded tiny Qwen3 with its byte tokenizer (what `tpengine make-tiny-model` writes)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="keep the server(s) up and measure rounds side by side (implied by --vllm-bin); no offline run")
+    p.add_argument("--vllm-bin", help="vLLM's bin folder (with vllm-cli): serve the same model with vLLM too")
+    p.add_argument("--client", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: `vllm-cli bench serve` from --vllm-bin, random dataset (default builtin)")
+    p.add_argument("--max-model-len", type=int, help="both servers' (default: the longest request)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more flag for `tpengine serve`, e.g. --serve-arg=--max-num-seqs=512 (repeatable)")
     p.add_argument("--idle-seconds", type=float, default=5.0, help="how long the server's idle CPU is read (default 5)")
-    return parse_with_quick(p, argv, dict(num_prompts=4, min_input_len=4, max_input_len=24, min_output_len=2,
+    args = parse_with_quick(p, argv, dict(num_prompts=4, min_input_len=4, max_input_len=24, min_output_len=2,
                                           max_output_len=8, idle_seconds=1.0), "bench.py's QUICK_MODEL")
+    args.side_by_side = args.side_by_side or args.vllm_bin is not None
+    if args.client == "vllm" and args.vllm_bin is None:
+        p.error("--client vllm needs --vllm-bin")
+    return args
 
 
-def make_workload(args) -> tuple[list[list[int]], list[int]]:
+def make_workload(args, vocab_size: int = 10_000) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(args.seed)
-    prompts = [[rng.randint(0, 9999) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
+    top = min(vocab_size, 10_000) - 1
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(args.min_input_len, args.max_input_len))]
                for _ in range(args.num_prompts)]
     return prompts, [rng.randint(args.min_output_len, args.max_output_len) for _ in range(args.num_prompts)]
 
 
+def max_model_len(args) -> int:
+    return args.max_model_len or args.max_input_len + args.max_output_len
+
+
 def engine_flags(args) -> dict:
-    return dict(tensor_parallel_size=args.tp, device=args.device, max_model_len=args.max_input_len + args.max_output_len)
+    return dict(tensor_parallel_size=args.tp, device=args.device, max_model_len=max_model_len(args))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,8 +143,24 @@ def free_port() -> int:
 def start_server(args, model: str, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "tpengine.cli", "serve", "--model", model, "--port", str(port), "--quiet",
                "--disable-access-log", "--served-model-name", "bench", "--tp", str(args.tp), "--device", args.device,
-               "--max-model-len", str(args.max_input_len + args.max_output_len)]
+               "--max-model-len", str(max_model_len(args)), *(["--dtype", "float32"] if args.device == "cpu" else []),
+               *args.serve_arg]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+
+
+def start_vllm(args, model: str, port: int) -> subprocess.Popen:
+    """vLLM's server on the same checkpoint, as ../shared/bench/vllm-cpu/README.md runs it (its own venv)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+    preload = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+               os.path.join(os.path.dirname(os.path.abspath(args.vllm_bin)), "lib", "libiomp5.so")]
+    if args.device == "cpu" and all(os.path.exists(path) for path in preload):
+        env["LD_PRELOAD"] = ":".join(preload)
+    command = [os.path.join(args.vllm_bin, "vllm-cli"), "serve", model, "--port", str(port),
+               "--served-model-name", "bench", "--max-model-len", str(max_model_len(args)),
+               "--tensor-parallel-size", str(args.tp), *(["--dtype", "float32"] if args.device == "cpu" else []),
+               "--disable-uvicorn-access-log"]
+    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
 
 
 async def http(port: int, method: str, path: str, body: dict | None = None):
@@ -134,7 +184,7 @@ async def stream_completion(port: int, prompt: list[int], max_tokens: int, tempe
     token_times, num_tokens = [], 0
     async for line in reader:  # chunked transfer: size lines interleave, the SSE lines are what count
         if line.startswith(b"data: {"):
-            new = sum(len(choice["token_ids"]) for choice in json.loads(line[6:])["choices"])
+            new = sum(len(choice.get("token_ids") or ()) for choice in json.loads(line[6:])["choices"])
             if new:
                 token_times.append(time.perf_counter())
                 num_tokens += new
@@ -153,8 +203,9 @@ async def poll_health(port: int, stop: asyncio.Event, latencies: list[float]) ->
         await asyncio.sleep(0.05)
 
 
-async def run_load(args, port: int, prompts, output_lens) -> tuple[list[dict], float, list[float]]:
-    await stream_completion(port, [1, 2, 3, 4], 4, args.temperature)  # warm-up
+async def run_load(args, port: int, prompts, output_lens, warm_up: bool = True) -> tuple[list[dict], float, list[float]]:
+    if warm_up:
+        await stream_completion(port, [1, 2, 3, 4], 4, args.temperature)
     rng = random.Random(args.seed + 1)
     stop, health = asyncio.Event(), []
     poller = asyncio.ensure_future(poll_health(port, stop, health))
@@ -188,6 +239,17 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600.0) -> 
         time.sleep(0.2)
 
 
+def latencies(results: list[dict]) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT ((last - first token) / (tokens - 1), vLLM's), E2EL, and every ITL gap, in ms."""
+    return {
+        "TTFT": [(r["token_times"][0] - r["sent"]) * 1e3 for r in results],
+        "TPOT": [(r["token_times"][-1] - r["token_times"][0]) * 1e3 / (r["num_tokens"] - 1)
+                 for r in results if r["num_tokens"] > 1],
+        "ITL": [(b - a) * 1e3 for r in results for a, b in zip(r["token_times"], r["token_times"][1:])],
+        "E2EL": [(r["token_times"][-1] - r["sent"]) * 1e3 for r in results],
+    }
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -212,9 +274,111 @@ def run_server(args, model: str, prompts, output_lens):
     return results, elapsed, health, idle_cpu, exit_status
 
 
+# --- side by side: tpengine and vLLM kept up, the same rounds against each -----------------------
+
+METRICS = ("TTFT", "TPOT", "ITL", "E2EL")
+
+
+def bench_model(args, folder: str) -> str:
+    """--model, the tiny model with its tokenizer (--tiny-model), or bench.py's random-weight model, in folder."""
+    if args.model:
+        return args.model
+    if args.tiny_model:
+        from tpengine.tiny_model import write_tiny_model
+        return write_tiny_model(os.path.join(folder, "tiny"))
+    return write_model(args.device, folder, QUICK_MODEL if args.quick else None)
+
+
+def vocab_size(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def builtin_round(args, port: int, seed: int, model: str) -> dict:
+    """One load from the minimal client: output tok/s and (p50, p99) ms of each metric."""
+    round_args = argparse.Namespace(**{**vars(args), "seed": seed})
+    prompts, output_lens = make_workload(round_args, vocab_size(model))
+    results, elapsed, _ = asyncio.run(run_load(round_args, port, prompts, output_lens, warm_up=False))
+    if [r["num_tokens"] for r in results] != output_lens:
+        raise SystemExit("a server wrote other lengths than asked")
+    times = latencies(results)
+    return {"tok/s": sum(output_lens) / elapsed,
+            **{name: (percentile(times[name], 50), percentile(times[name], 99)) for name in METRICS}}
+
+
+def vllm_client_round(args, port: int, seed: int, model: str) -> dict:
+    """One `vllm-cli bench serve` run (random dataset, fixed lengths: the max ones): its own figures."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [os.path.join(args.vllm_bin, "vllm-cli"), "bench", "serve", "--backend", "openai",
+                   "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "bench",
+                   "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.max_input_len),
+                   "--random-output-len", str(args.max_output_len), "--ignore-eos",
+                   "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate),
+                   "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                   "--save-result", "--result-dir", folder, "--result-filename", "result.json"]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(os.path.join(folder, "result.json")) as f:
+            result = json.load(f)
+    if result.get("failed"):
+        raise SystemExit(f"{result['failed']} requests failed on port {port}")
+    return {"tok/s": result["output_throughput"],
+            **{name: (result[f"p50_{name.lower()}_ms"], result[f"p99_{name.lower()}_ms"]) for name in METRICS}}
+
+
+def side_by_side(args) -> None:
+    has_vllm = args.vllm_bin is not None and os.access(os.path.join(args.vllm_bin, "vllm-cli"), os.X_OK)
+    if args.vllm_bin is not None and not has_vllm:
+        print(f"no vllm-cli in {args.vllm_bin}: measuring tpengine alone")
+    measure = vllm_client_round if args.client == "vllm" and has_vllm else builtin_round
+    client = "vllm bench serve" if measure is vllm_client_round else "minimal asyncio client"
+    print(f"$ {shlex.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"{platform.machine()}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"load average before {os.getloadavg()[0]:.2f}; client: {client}; {args.num_prompts} requests a round, "
+          f"request rate {args.request_rate}, tp={args.tp}, max-model-len {max_model_len(args)}")
+    servers: dict[str, tuple[int, subprocess.Popen]] = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        model = bench_model(args, folder)
+        try:
+            for name, start in (("tpengine", start_server), ("vLLM", start_vllm))[:2 if has_vllm else 1]:
+                port = free_port()
+                servers[name] = port, start(args, model, port)
+            for name, (port, process) in servers.items():
+                wait_ready(port, process)
+                measure(args, port, args.seed + 10_000, model)  # warm-up: its own prompts, not timed
+            for round_index in range(args.repeat):
+                names = list(servers)
+                names = names[round_index % len(names):] + names[:round_index % len(names)]  # who goes first rotates
+                for name in names:
+                    figures = measure(args, servers[name][0], args.seed + round_index, model)
+                    rows.append((round_index + 1, name, figures, os.getloadavg()[0]))
+        finally:
+            for port, process in servers.values():
+                process.send_signal(signal.SIGINT)
+            for port, process in servers.values():
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    print("\n| round | server | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms "
+          "| E2EL p50 / p99 ms | load after |\n|---:|---|---:|---:|---:|---:|---:|---:|")
+    for round_number, name, figures, load in rows:
+        cells = " | ".join(f"{figures[m][0]:,.1f} / {figures[m][1]:,.1f}" for m in METRICS)
+        print(f"| {round_number} | {name} | {figures['tok/s']:,.1f} | {cells} | {load:.2f} |")
+    for name in servers:
+        mine = [figures for _, who, figures, _ in rows if who == name]
+        cells = " | ".join(f"{statistics.median(f[m][0] for f in mine):,.1f} / "
+                           f"{statistics.median(f[m][1] for f in mine):,.1f}" for m in METRICS)
+        print(f"| median | {name} | {statistics.median(f['tok/s'] for f in mine):,.1f} | {cells} | |")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    prompts, output_lens = make_workload(args)
+    if args.side_by_side:
+        return side_by_side(args)
+    folder = tempfile.TemporaryDirectory()
+    model = bench_model(args, folder.name)
+    prompts, output_lens = make_workload(args, vocab_size(model))
     num_output = sum(output_lens)
     print(f"$ {shlex.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"{platform.machine()}, {os.cpu_count()} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
@@ -222,8 +386,7 @@ def main(argv=None) -> None:
           f"{os.getloadavg()[0]:.2f}; {args.num_prompts} requests, {sum(map(len, prompts))} prompt and "
           f"{num_output} output tokens, request rate {args.request_rate}, tp={args.tp}")
     offline_runs, server_runs = [], []
-    with tempfile.TemporaryDirectory() as folder:
-        model = args.model or write_model(args.device, folder, QUICK_MODEL if args.quick else None)
+    with folder:
         for _ in range(args.repeat):
             if not args.skip_offline:
                 offline_runs.append(time_offline(args, model, prompts, output_lens))
@@ -233,14 +396,15 @@ def main(argv=None) -> None:
     print("rounds: offline " + ", ".join(f"{s:.2f} s" for s in offline_runs) + "; server "
           + ", ".join(f"{run[1]:.2f} s" for run in server_runs))
     assert [r["num_tokens"] for r in results] == output_lens, "the server wrote other lengths than asked"
-    ttft = [(r["token_times"][0] - r["sent"]) * 1e3 for r in results]
-    itl = [(b - a) * 1e3 for r in results for a, b in zip(r["token_times"], r["token_times"][1:])]
-    e2e = [(r["token_times"][-1] - r["sent"]) * 1e3 for r in results]
+    times = latencies(results)
+    ttft = times["TTFT"]
     print(f"\n| measure | server | offline LLM.generate |\n|---|---:|---:|")
     offline_rate = f"{num_output / offline_s:,.1f}" if offline_s else "-"
     print(f"| output tok/s | {num_output / elapsed:,.1f} | {offline_rate} |")
     print(f"| wall time | {elapsed:.2f} s | {f'{offline_s:.2f} s' if offline_s else '-'} |")
-    for name, values in (("TTFT", ttft), ("inter-token latency", itl), ("end-to-end latency", e2e)):
+    for name, key in (("TTFT", "TTFT"), ("time per output token", "TPOT"), ("inter-token latency", "ITL"),
+                      ("end-to-end latency", "E2EL")):
+        values = times[key]
         print(f"| {name} p50 / p99 | {percentile(values, 50):,.1f} / {percentile(values, 99):,.1f} ms | |")
     print(f"| GET /health under load p50 / p99 / max | {percentile(health, 50) * 1e3:.1f} / "
           f"{percentile(health, 99) * 1e3:.1f} / {max(health) * 1e3:.1f} ms ({len(health)} polls) | |")

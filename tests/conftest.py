@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tpengine.hf_config import HFConfig, parse_hf_config  # noqa: E402
 from tpengine.tiny_model import write_tiny_model  # noqa: E402
 
 # vocabulary not divisible by 4, 2 KV heads (replicated at tp=4), head_dim 48 (not a power of two), untied
@@ -49,6 +50,11 @@ def _hf_greedy_one(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> t
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy continuation of each prompt: the oracle."""
     return [list(_hf_greedy_one(path, tuple(p), max_new_tokens)) for p in prompts]
+
+
+def as_hf_config(config) -> HFConfig:
+    """A transformers config object as tpengine reads it from the config.json transformers writes."""
+    return parse_hf_config(config.to_dict(), "config.json")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

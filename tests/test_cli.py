@@ -2,6 +2,7 @@
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy
-from tpengine.cli import main
+from tpengine.cli import build_parser, main
 
 
 def _json_lines(text):
@@ -23,6 +24,19 @@ def test_help_documents_every_generate_flag(capsys):
     for flag in ("--model", "--tp", "--max-tokens", "--temperature", "--json", "--file", "--block-size",
                  "--attention-backend", "--enforce-eager", "--device", "--dtype"):
         assert flag in help_text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_launch_scripts_take_every_flag_of_their_command_but_tp(command, capsys):
+    def flags(parser) -> set[str]:
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+
+    assert flags(build_parser(tensor_parallel_flag=False)) == flags(build_parser()) - {"--tp"}
+    with pytest.raises(SystemExit) as exit_info:  # under torchrun the world size is the tensor-parallel size
+        build_parser(tensor_parallel_flag=False).parse_args([command, "--tp", "2"])
+    assert exit_info.value.code == 2 and "unrecognized arguments: --tp" in capsys.readouterr().err
 
 
 def test_generate_json_matches_transformers(tied_model, capsys):
@@ -126,3 +140,12 @@ def test_stream_prints_the_same_text_as_generate(tied_model, capsys):
     assert main(argv + ["--stream"]) == 0
     streamed = capsys.readouterr().out
     assert streamed == "".join(f"Prompt: {p!r}\nOutput: {t}\n\n" for p, t in zip(["Hello", "tensor"], texts))
+
+
+@pytest.mark.parametrize("argv, expected", [(("--device", "cpu"), 128), (("--device", "cpu", "--max-num-seqs", "512"), 512)])
+def test_serve_on_the_cpu_runs_at_most_128_sequences_unless_told(monkeypatch, argv, expected):
+    import tpengine.entrypoints.server as server
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
+    assert main(["serve", "--model", "unused", *argv]) == 0
+    assert seen["max_num_seqs"] == expected

@@ -1,4 +1,5 @@
-"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`."""
+"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`; launch/*.py run the
+first two under torchrun (main_under_torchrun)."""
 import argparse
 import json
 import logging
@@ -7,6 +8,12 @@ import sys
 
 from tpengine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
 
+MAX_NUM_SEQS = 512
+# `serve` on the CPU decodes at most this many requests at once (vLLM's CPU serving default): every
+# running request shares each step, so under a burst fewer at once means a lower time per output token
+# for each, for a later first token for the ones that wait (docs/benchmarks.md, "Per-token latency under load").
+SERVE_CPU_MAX_NUM_SEQS = 128
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -14,7 +21,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tpengine: error: {message} (see: {self.prog} --help)\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParser:
+    """Every command's flags; without tensor_parallel_flag no --tp (under torchrun the world size is the
+    tensor-parallel size)."""
     parser = _Parser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -53,7 +62,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="print one JSON object per prompt: text, token ids, finish and stop reasons, and "
                              "'outputs' with every completion (and its logprobs)")
     output.add_argument("--stream", action="store_true", help="print text as it is generated, prompt by prompt")
-    _add_engine_args(gen)
+    _add_engine_args(gen, tensor_parallel_flag)
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 
     serve = commands.add_parser(
@@ -74,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--body-timeout", type=float, default=60.0,
                        help="seconds a client has to send a whole request body before it gets a 408 (default 60)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
-    _add_engine_args(serve)
+    _add_engine_args(serve, tensor_parallel_flag)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
@@ -85,12 +94,13 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool) -> None:
     """The flags that build the engine, the same for generate and serve."""
     parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
                                         "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral (default: the embedded tiny random Qwen3, "
                                         "written on first use; its text is meaningless)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
+    if tensor_parallel_flag:
+        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
@@ -98,7 +108,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
-    parser.add_argument("--max-num-seqs", type=int, default=512, help="most sequences in a batch (default 512)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"most sequences running at once (default {MAX_NUM_SEQS}; "
+                             f"{SERVE_CPU_MAX_NUM_SEQS} for serve on the CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="most tokens through one forward, decodes and prompt chunks together "
                              "(default 2048 on the CPU, 16384 on CUDA)")
@@ -114,7 +126,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
                 kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len,
+                max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
 
@@ -233,17 +246,58 @@ def _serve(args) -> int:
 
     if not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    engine_kwargs = _engine_kwargs(args)
+    if args.max_num_seqs is None and _on_cpu(args.device):
+        engine_kwargs["max_num_seqs"] = SERVE_CPU_MAX_NUM_SEQS
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
     return run_server(model=args.model or _default_model(),
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
-                      engine_kwargs=_engine_kwargs(args), body_timeout_s=args.body_timeout)
+                      engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout)
+
+
+def _on_cpu(device: str) -> bool:
+    if device == "auto":
+        import torch
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
+    """`tpengine COMMAND ...` as one rank of a torchrun job, with the tensor-parallel size torchrun's world
+    size: rank 0 runs the command, the other ranks execute the steps it sends."""
+    import signal
+
+    import torch.distributed as dist
+
+    from tpengine.distributed.parallel_state import init_torchrun_process_group
+
+    args = build_parser(tensor_parallel_flag=False).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    init_torchrun_process_group(args.device)
+    try:
+        if dist.get_rank() != 0:
+            if command == "serve":
+                # torchrun signals every rank; the server's rank 0 finishes or aborts what runs and sends the
+                # shutdown the others wait for
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            from tpengine.runner.worker import torchrun_worker_main
+            torchrun_worker_main()
+            return 0
+        args.tp = dist.get_world_size()
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed command; a user mistake prints one `tpengine: error: ...` line and returns 2."""
     try:
         if args.command == "make-tiny-model":
             from tpengine.tiny_model import write_tiny_model

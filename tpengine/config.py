@@ -1,15 +1,14 @@
-"""Engine settings: validated once on rank 0, then sent to every worker as a msgspec struct."""
-import os
+"""Engine settings: validated once on rank 0, then sent to every worker as a msgspec struct.
 
+A record: it imports nothing of the engine, the runner or the models, and neither torch nor transformers.
+"""
 import msgspec
-from transformers import AutoConfig, PretrainedConfig
 
-from tpengine.models.config import tensor_parallel_sizes
-from tpengine.models.registry import check_model_config
+from tpengine.hf_config import HFConfig, tensor_parallel_sizes
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py)
+SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -37,7 +36,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # or host): every rank is stopped and the step fails with WorkerFailedError naming it
     step_timeout_s: float = 300.0
 
-    def validate(self, hf_config: PretrainedConfig) -> None:
+    def validate(self, hf_config: HFConfig) -> None:
         """Raise ValueError for settings that can never work, before any process starts."""
         def positive(name):
             value = getattr(self, name)
@@ -80,17 +79,3 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if size % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={size}")
 
-
-def load_hf_config(model: str | os.PathLike) -> PretrainedConfig:
-    model = os.fspath(model)
-    if not os.path.isdir(model):
-        raise ValueError(f"model must be a local folder with config.json and safetensors weights, got {model!r}")
-    config_file = os.path.join(model, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"model folder {model!r} has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # invalid JSON, unknown or missing fields
-        raise ValueError(f"{config_file} is not a valid model config: {e}") from None
-    check_model_config(config)
-    return config

@@ -5,12 +5,13 @@ Each (token, k) pair of the routing is one row. The rows are sorted by expert an
 padded to a multiple of BLOCK_M, so every program's BLOCK_M rows share one expert's weights; experts
 no token chose get no block at all (the few spare blocks a fixed grid needs return at once).
 """
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from tpengine.kernels.triton.paged_attention_tile import _dot, dot_block
-from tpengine.layers.activation import silu_and_mul
 
 BLOCK_M = 16
 
@@ -91,14 +92,15 @@ def _grouped_gemm(a, weights, pair_weights, sorted_pairs, block_experts, num_pai
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)); x [tokens, hidden],
-    w13 [experts, 2 * intermediate, hidden], w2 [experts, hidden, intermediate]."""
+                  topk_ids: torch.Tensor, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * down(act_and_mul(gate_up(x))); x [tokens, hidden],
+    w13 [experts, 2 * intermediate, hidden] (gate then up), w2 [experts, hidden, intermediate]. act_and_mul,
+    the layer's (silu(gate) * up), runs between the two GEMMs."""
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1, "rows must be contiguous"
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     sorted_pairs, block_experts = align_pairs_to_blocks(topk_ids, w13.size(0))
     gate_up = _grouped_gemm(x, w13, topk_weights, sorted_pairs, block_experts, num_pairs, top_k, False)
-    down = _grouped_gemm(silu_and_mul(gate_up), w2, topk_weights.flatten().contiguous(), sorted_pairs,
+    down = _grouped_gemm(act_and_mul(gate_up), w2, topk_weights.flatten().contiguous(), sorted_pairs,
                          block_experts, num_pairs, 1, True)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

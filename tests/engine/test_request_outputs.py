@@ -176,8 +176,7 @@ def test_delta_outputs_joined_equal_the_cumulative_ones(tied_model):
     with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256) as llm:
         results = {}
         for output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
-            finals, deltas = {}, []
-            ids = []
+            finals, ids = {}, []
             for prompt, (name, sampling) in zip(prompts, [*kinds.items(), ("greedy", kinds["greedy"])]):
                 params = SamplingParams(n=2, max_tokens=12, ignore_eos=True, logprobs=2, stop=["e ", "zz"],
                                         output_kind=output_kind, **sampling)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import BLOCK_SIZE, Server
-from tests.entrypoints.test_errors import API_KEY, assert_openai_error
+from tests.entrypoints.test_errors import assert_openai_error
 from tpengine.entrypoints.server import GRACEFUL_SHUTDOWN_S
 from tpengine.sampling_params import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 

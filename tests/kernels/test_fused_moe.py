@@ -4,6 +4,7 @@ import torch
 
 from tests.conftest import relative_error
 from tests.kernels.conftest import DEVICE
+from tpengine.layers.activation import silu_and_mul
 from tpengine.layers.fused_moe import grouped_experts, per_token_experts, select_experts
 
 pytest.importorskip("triton")
@@ -28,7 +29,7 @@ def random_moe(num_tokens, num_experts, hidden, intermediate, top_k, seed, dtype
 def test_fused_kernel_equals_the_grouped_torch_path(num_tokens, num_experts, hidden, intermediate, top_k):
     x, w13, w2, weights, ids = random_moe(num_tokens, num_experts, hidden, intermediate, top_k, seed=num_tokens)
     expected = grouped_experts(x, w13, w2, weights, ids)
-    out = fused_experts(x, w13, w2, weights, ids)
+    out = fused_experts(x, w13, w2, weights, ids, silu_and_mul)
     assert out.shape == expected.shape and relative_error(out, expected) < 1e-5
 
 

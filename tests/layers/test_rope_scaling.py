@@ -1,12 +1,13 @@
 """Inverse frequencies and YaRN's attention scaling equal transformers' rope initialisation, type by type."""
 import pytest
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from tests.conftest import as_hf_config
+from tpengine.hf_config import head_dim_of, parse_hf_config, rope_parameters_of
 from tpengine.layers.rotary_embedding import RotaryEmbedding, inverse_frequencies
-from tpengine.models.config import head_dim_of, rope_parameters_of
 
 SCALED = [
     {"rope_type": "linear", "factor": 2.5},
@@ -34,7 +35,8 @@ def config_with(rope: dict, head_dim: int | None = 128, config_class=LlamaConfig
 def test_scaled_inverse_frequencies_equal_transformers(rope, head_dim):
     config = config_with(rope, head_dim)
     expected, expected_scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
-    inv_freq, scaling = inverse_frequencies(head_dim_of(config), rope_parameters_of(config))
+    ours = as_hf_config(config)
+    inv_freq, scaling = inverse_frequencies(head_dim_of(ours), rope_parameters_of(ours))
     assert torch.equal(inv_freq, expected)
     assert scaling == expected_scaling
 
@@ -43,7 +45,8 @@ def test_scaled_inverse_frequencies_equal_transformers(rope, head_dim):
 def test_default_inverse_frequencies_equal_transformers(config_class):
     config = config_with({"rope_type": "default"}, head_dim=None, config_class=config_class)
     expected, scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(config=config, device="cpu")
-    inv_freq, our_scaling = inverse_frequencies(head_dim_of(config), rope_parameters_of(config))
+    ours = as_hf_config(config)
+    inv_freq, our_scaling = inverse_frequencies(head_dim_of(ours), rope_parameters_of(ours))
     assert torch.equal(inv_freq, expected) and our_scaling == scaling == 1.0
 
 
@@ -51,21 +54,21 @@ def test_cos_sin_cache_equals_transformers_rotary_embedding_with_yarn_scaling():
     config = config_with({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
     positions = torch.arange(4096)
     cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
-    ours = RotaryEmbedding(128, 4096, rope_parameters_of(config)).cos_sin_cache
+    ours = RotaryEmbedding(128, 4096, rope_parameters_of(as_hf_config(config))).cos_sin_cache
     half = ours.size(1) // 2
     assert torch.equal(ours[:, :half], cos[0, :, :half]) and torch.equal(ours[:, half:], sin[0, :, :half])
 
 
 def test_transformers_4_rope_scaling_keys_are_read():
-    config = PretrainedConfig(max_position_embeddings=4096, rope_theta=10000.0,
-                              rope_scaling={"type": "linear", "factor": 4.0})
+    config = parse_hf_config({"model_type": "llama", "max_position_embeddings": 4096, "rope_theta": 10000.0,
+                              "rope_scaling": {"type": "linear", "factor": 4.0}}, "config.json")
     rope = rope_parameters_of(config)
     assert (rope.rope_type, rope.factor, rope.theta) == ("linear", 4.0, 10000.0)
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "mrope"])
 def test_other_rope_types_are_a_value_error_naming_the_type(rope_type):
-    config = LlamaConfig()
-    config.rope_parameters = {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}
+    config = parse_hf_config({"model_type": "llama", "rope_parameters": {"rope_type": rope_type, "rope_theta": 1e4,
+                                                                           "factor": 2.0}}, "config.json")
     with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported"):
         rope_parameters_of(config)

@@ -4,7 +4,7 @@ import torch
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
-from tpengine.models.config import RopeParameters
+from tpengine.hf_config import RopeParameters
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

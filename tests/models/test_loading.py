@@ -4,11 +4,11 @@ import os
 
 import pytest
 import torch
-from transformers import PretrainedConfig, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
-from tpengine.models.config import head_dim_of, rope_parameters_of
+from tpengine.hf_config import head_dim_of, parse_hf_config, rope_parameters_of
 
 
 def test_sharded_checkpoint_with_index_loads_and_matches_transformers(tiny_model, tmp_path):
@@ -23,22 +23,26 @@ def test_sharded_checkpoint_with_index_loads_and_matches_transformers(tiny_model
 
 
 def test_rope_theta_from_transformers_4_and_5_configs():
-    v4 = PretrainedConfig(rope_theta=5e5)
-    v5 = PretrainedConfig(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    v4 = parse_hf_config({"model_type": "qwen3", "rope_theta": 5e5, "rope_scaling": None}, "config.json")
+    v5 = parse_hf_config({"model_type": "qwen3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+                         "config.json")
     assert rope_parameters_of(v4).theta == 5e5
     assert rope_parameters_of(v5).theta == 1e6
 
 
 def test_unsupported_rope_scaling_is_a_value_error():
-    config = PretrainedConfig(max_position_embeddings=4096)
-    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}
+    config = parse_hf_config({"model_type": "qwen3", "max_position_embeddings": 4096,
+                              "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}},
+                             "config.json")
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         rope_parameters_of(config)
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
-    assert head_dim_of(PretrainedConfig(hidden_size=256, num_attention_heads=8)) == 32
-    assert head_dim_of(PretrainedConfig(hidden_size=256, num_attention_heads=8, head_dim=48)) == 48
+    for model_type in ("qwen2", "qwen3_moe", "llama", "mistral"):  # qwen3 has its own default, 128
+        config = {"model_type": model_type, "hidden_size": 256, "num_attention_heads": 8}
+        assert head_dim_of(parse_hf_config(config, "config.json")) == 32
+        assert head_dim_of(parse_hf_config({**config, "head_dim": 48}, "config.json")) == 48
 
 
 def test_missing_weights_are_a_value_error(tiny_model, tmp_path):

@@ -4,7 +4,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import as_hf_config, hf_greedy, random_prompts
 from tests.models.moe import MOE_MODEL, moe_checkpoint
 from tpengine import LLM, SamplingParams
 from tpengine.layers.fused_moe import select_experts
@@ -27,10 +27,11 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tp, bl
 
 
 def test_layers_follow_mlp_only_layers_and_the_sparse_step():
-    from tpengine.models.config import is_sparse_layer
-    config = Qwen3MoeConfig(**CONFIG)
+    from tpengine.hf_config import is_sparse_layer
+    config = as_hf_config(Qwen3MoeConfig(**CONFIG))
     assert [is_sparse_layer(config, i) for i in range(3)] == [True, False, True]  # layer 1 is mlp-only
-    stepped = Qwen3MoeConfig(**{**CONFIG, "mlp_only_layers": [], "decoder_sparse_step": 2, "num_hidden_layers": 4})
+    stepped = as_hf_config(Qwen3MoeConfig(**{**CONFIG, "mlp_only_layers": [], "decoder_sparse_step": 2,
+                                             "num_hidden_layers": 4}))
     assert [is_sparse_layer(stepped, i) for i in range(4)] == [False, True, False, True]
 
 

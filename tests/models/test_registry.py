@@ -4,11 +4,11 @@ import logging
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import as_hf_config, hf_greedy, random_prompts
 from tests.models.families import SMALL, WINDOW, family_checkpoint
 from tpengine import LLM, SamplingParams
-from tpengine.models.config import max_model_len_of, sliding_window_of
-from tpengine.models.registry import ARCHITECTURES, model_class
+from tpengine.hf_config import ARCHITECTURES, max_model_len_of, sliding_window_of
+from tpengine.models.registry import model_class
 from tpengine.tiny_model import write_tiny_model
 
 CONFIGS = {"Qwen3ForCausalLM": Qwen3Config, "Qwen2ForCausalLM": Qwen2Config, "LlamaForCausalLM": LlamaConfig,
@@ -22,7 +22,7 @@ def write_config(path, config_class, architecture, **settings) -> str:
 
 @pytest.mark.parametrize("architecture", list(CONFIGS))
 def test_each_architecture_maps_to_its_model_class(architecture):
-    config = CONFIGS[architecture](architectures=[architecture])
+    config = as_hf_config(CONFIGS[architecture](architectures=[architecture]))
     assert model_class(config).__name__ == architecture
 
 
@@ -52,17 +52,17 @@ def test_window_shorter_than_max_model_len_caps_it_and_says_so(caplog):
 
 @pytest.mark.parametrize("window", [None, 4096])
 def test_a_null_or_longer_window_changes_nothing(window):
-    config = MistralConfig(sliding_window=window, max_position_embeddings=32768)
+    config = as_hf_config(MistralConfig(sliding_window=window, max_position_embeddings=32768))
     assert max_model_len_of(config, 4096) == (4096, None)
 
 
 def test_qwen_windows_apply_only_to_sliding_layers():
-    assert sliding_window_of(Qwen3Config(use_sliding_window=False, sliding_window=64)) is None
+    assert sliding_window_of(as_hf_config(Qwen3Config(use_sliding_window=False, sliding_window=64))) is None
     # layers from max_window_layers on slide; with none past it, every layer attends fully
-    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                                         max_window_layers=4)) is None
-    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
-                                         max_window_layers=2)) == 64
+    assert sliding_window_of(as_hf_config(Qwen2Config(use_sliding_window=True, sliding_window=64,
+                                                      num_hidden_layers=4, max_window_layers=4))) is None
+    assert sliding_window_of(as_hf_config(Qwen2Config(use_sliding_window=True, sliding_window=64,
+                                                      num_hidden_layers=4, max_window_layers=2))) == 64
 
 
 def test_qwen3_sliding_window_shorter_than_the_prompt_caps_max_model_len_and_stays_exact(tmp_path):

@@ -1,4 +1,5 @@
-"""scripts/bench_serve.py --quick: `tpengine serve` under streamed load against offline LLM.generate."""
+"""scripts/bench_serve.py --quick: `tpengine serve` under streamed load against offline LLM.generate; side by side
+without vLLM it says so and measures tpengine alone."""
 import re
 
 import pytest
@@ -15,3 +16,12 @@ def test_bench_serve_quick_reports_the_server_against_offline_and_stops_cleanly(
     for measure in ("TTFT", "inter-token latency", "end-to-end latency"):
         assert re.search(rf"^\| {measure} p50 / p99 \| [\d,.]+ / [\d,.]+ ms \|", out, re.MULTILINE), out
     assert "server exit status after SIGTERM: 0" in out
+
+
+def test_side_by_side_without_vllm_measures_tpengine_alone(quick_model, tmp_path):
+    out = run_script("bench_serve.py", "--quick", "--model", quick_model, "--vllm-bin", str(tmp_path),
+                     "--num-prompts", "3", "--repeat", "2", "--temperature", "0").stdout
+    assert f"no vllm-cli in {tmp_path}: measuring tpengine alone" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[:2] for row in rows[1:]] == [["| 1", "tpengine"], ["| 2", "tpengine"],
+                                                          ["| median", "tpengine"]]

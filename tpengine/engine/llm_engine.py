@@ -7,7 +7,7 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
-from tpengine.config import EngineConfig, load_hf_config
+from tpengine.config import EngineConfig
 from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.request import Request
@@ -15,7 +15,7 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.step_plan import StepPlan
 from tpengine.errors import InvalidRequestError
-from tpengine.models.config import max_model_len_of
+from tpengine.hf_config import load_eos_token_ids, load_hf_config, max_model_len_of
 from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 
@@ -28,19 +28,6 @@ def _load_tokenizer(model: str):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model)
-
-
-def _eos_token_ids(model: str, hf_config) -> frozenset[int]:
-    from transformers import GenerationConfig
-    try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 class LLMEngine:
@@ -57,7 +44,7 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
         self.tokenizer = _load_tokenizer(model)
-        eos_token_ids = _eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
+        eos_token_ids = load_eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
         if config.tensor_parallel_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor

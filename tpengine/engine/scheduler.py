@@ -117,7 +117,6 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan; empty only when nothing is queued."""
         self.num_steps += 1
-        block_manager = self.block_manager
         if self._in_flight is not None:
             self._forget_step_in_flight()
         if self.scheduling_policy == "prefill_first":

@@ -52,27 +52,27 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
                body_timeout_s: float = BODY_TIMEOUT_S) -> int:
     from transformers import AutoTokenizer
 
-    from tpengine import LLM
+    from tpengine.engine.llm_engine import LLMEngine
 
     chat_template = load_chat_template(chat_template)
     sock = _bind(host, port)
     # Until uvicorn takes the signals over, SIGTERM interrupts the engine's start as Ctrl-C does,
     # so the finally below still stops any worker already started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    llm = server = None
+    llm_engine = server = None
     try:
-        llm = LLM(model, **engine_kwargs)
+        llm_engine = LLMEngine(model, **engine_kwargs)
         # One tokenizer per thread that uses it (a Rust tokenizer must not be used from two at once): the
         # engine thread has the engine's, the renderer's thread and the event loop one each.
-        tokenizer = AutoTokenizer.from_pretrained(model) if llm.tokenizer is not None else None
+        tokenizer = AutoTokenizer.from_pretrained(model) if llm_engine.tokenizer is not None else None
         renderer = PromptRenderer(AutoTokenizer.from_pretrained(model) if tokenizer is not None else None,
-                                  chat_template, llm.max_request_len)
+                                  chat_template, llm_engine.max_request_len)
         metrics = Metrics(model_name)
-        engine = AsyncEngine(llm, metrics)
+        engine = AsyncEngine(llm_engine, metrics)
         draining = Draining()
         app = build_app(engine, renderer=renderer, tokenizer=tokenizer, model_name=model_name, model_path=model,
-                        max_model_len=llm.max_model_len, max_request_len=llm.max_request_len, metrics=metrics,
-                        api_key=api_key, body_timeout_s=body_timeout_s, draining=draining)
+                        max_model_len=llm_engine.max_model_len, max_request_len=llm_engine.max_request_len,
+                        metrics=metrics, api_key=api_key, body_timeout_s=body_timeout_s, draining=draining)
         # uvicorn's own limit is a backstop: by then abort_all has ended every request
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5)
@@ -85,6 +85,6 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
         server.run(sockets=[sock])
     finally:
         sock.close()
-        if llm is not None:
-            llm.shutdown()  # already done by the app's shutdown, unless startup failed
+        if llm_engine is not None:
+            llm_engine.shutdown()  # already done by the app's shutdown, unless startup failed
     return 0 if server.started else 1

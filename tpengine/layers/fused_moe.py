@@ -101,7 +101,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if x.is_cuda and HAS_TRITON:  # the fused kernel: no host sync, so decode stays graph-capturable
             from tpengine.kernels.triton.fused_moe import fused_experts
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, silu_and_mul)
         else:
             out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         self.tp_group.all_reduce(out)

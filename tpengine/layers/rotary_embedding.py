@@ -9,9 +9,9 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from tpengine.hf_config import RopeParameters
 from tpengine.kernels.cpu import fused_ops
 from tpengine.layers.compile import compiled_on_cuda
-from tpengine.models.config import RopeParameters
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -10,17 +10,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
+from tpengine.hf_config import HFConfig, head_dim_of, max_positions_of, rope_parameters_of
 from tpengine.layers.activation import SiluAndMul
 from tpengine.layers.attention import Attention
 from tpengine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.layernorm import RMSNorm
 from tpengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpengine.layers.rotary_embedding import get_rope
-from tpengine.models.config import head_dim_of, max_positions_of, rope_parameters_of
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class DecoderFamily:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, family: DecoderFamily, backend: AttentionBackend):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -75,7 +74,7 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, family, backend)
         self.mlp = mlp
@@ -94,7 +93,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i))
@@ -122,7 +121,7 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend):
+    def __init__(self, config: HFConfig, backend: AttentionBackend):
         super().__init__()
         self.model = DecoderModel(config, self.family(config), backend, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -130,10 +129,10 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
-    def family(config: PretrainedConfig) -> DecoderFamily:
+    def family(config: HFConfig) -> DecoderFamily:
         raise NotImplementedError
 
-    def make_mlp(self, config: PretrainedConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
+    def make_mlp(self, config: HFConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, bias=family.mlp_bias)
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple]:

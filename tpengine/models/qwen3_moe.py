@@ -7,11 +7,10 @@ import re
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
+from tpengine.hf_config import HFConfig, is_sparse_layer
 from tpengine.layers.fused_moe import FusedMoE
 from tpengine.layers.linear import ReplicatedLinear
-from tpengine.models.config import is_sparse_layer
 from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, GatedMLP
 
 # model.layers.L.mlp.experts.E.gate_proj.weight -> (model.layers.L.mlp.experts, E, gate)
@@ -19,7 +18,7 @@ EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.we
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: HFConfig):
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
@@ -31,11 +30,11 @@ class SparseMoeBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     @staticmethod
-    def family(config: PretrainedConfig) -> DecoderFamily:
-        bias = getattr(config, "attention_bias", False)
+    def family(config: HFConfig) -> DecoderFamily:
+        bias = config.attention_bias
         return DecoderFamily(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
-    def make_mlp(self, config: PretrainedConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
+    def make_mlp(self, config: HFConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
             return SparseMoeBlock(config)
         return GatedMLP(config.hidden_size, config.intermediate_size)

@@ -5,14 +5,14 @@ import os
 import torch
 
 from tpengine.attention import make_backend, resolve_backend_name
-from tpengine.attention.metadata import AttentionMetadata
-from tpengine.config import EngineConfig, load_hf_config
+from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
+from tpengine.hf_config import load_hf_config
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import load_model
-from tpengine.paging import blocks_for
 from tpengine.models.registry import model_class
+from tpengine.paging import blocks_for
 from tpengine.runner.cpu_dtype import resolve_cpu_dtype
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.inputs import InputBuilder

@@ -1,0 +1,167 @@
+"""config.json read with json gives, for every field the engine, runner and models read, what transformers'
+AutoConfig gives: for configs transformers wrote, for the same configs with keys missing (each family's
+defaults), and for transformers 4's key names; a config it cannot read is a ValueError naming file and field."""
+import dataclasses
+import json
+import os
+
+import pytest
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+from tests.models.moe import MOE_MODEL
+from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
+                                parse_hf_config)
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2)
+MOE = {k: v for k, v in MOE_MODEL.items() if k not in ("architecture", "with_tokenizer")}
+YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)
+LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+
+# (architecture, config class, settings): each family's non-defaults where our code reads them
+WRITTEN = {
+    "qwen3": ("Qwen3ForCausalLM", Qwen3Config, dict(SMALL, head_dim=48, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                                    attention_bias=True, bos_token_id=7, eos_token_id=[5, 6],
+                                                    dtype="bfloat16")),
+    "qwen3_window": ("Qwen3ForCausalLM", Qwen3Config, dict(SMALL, use_sliding_window=True, sliding_window=32,
+                                                           max_window_layers=2, rope_parameters=YARN)),
+    "qwen2": ("Qwen2ForCausalLM", Qwen2Config, dict(SMALL, head_dim=32, rope_parameters=YARN, max_position_embeddings=64)),
+    "qwen2_window": ("Qwen2ForCausalLM", Qwen2Config, dict(SMALL, use_sliding_window=True, sliding_window=64,
+                                                           max_window_layers=1, tie_word_embeddings=True)),
+    "llama": ("LlamaForCausalLM", LlamaConfig, dict(SMALL, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3)),
+    "llama_tied": ("LlamaForCausalLM", LlamaConfig, dict(SMALL, hidden_size=96, num_attention_heads=3,
+                                                         num_key_value_heads=1, tie_word_embeddings=True,
+                                                         eos_token_id=[1, 2], dtype="float16")),
+    "mistral": ("MistralForCausalLM", MistralConfig, dict(SMALL, sliding_window=None,
+                                                          rope_parameters=dict(rope_type="linear", factor=2.0))),
+    "mistral_window": ("MistralForCausalLM", MistralConfig, dict(SMALL, sliding_window=48, head_dim=24)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", Qwen3MoeConfig, MOE),
+    "qwen3_moe_stepped": ("Qwen3MoeForCausalLM", Qwen3MoeConfig,
+                          dict(MOE, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2,
+                               use_sliding_window=True, sliding_window=16)),
+}
+
+
+def absent(field: dataclasses.Field):
+    """What our code takes for a field the transformers config does not have (every family's class has the
+    fields without a default)."""
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    raise AttributeError(field.name)
+
+
+def transformers_value(config, field: dataclasses.Field):
+    value = getattr(config, field.name) if hasattr(config, field.name) else absent(field)
+    if field.name == "dtype" and value is not None:  # a torch.dtype there, its name here
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def mismatches(path: str) -> list[str]:
+    """Fields where our reading of path's config.json differs from AutoConfig's; a config one refuses the
+    other must refuse too."""
+    try:
+        theirs = AutoConfig.from_pretrained(path)
+    except Exception:  # noqa: BLE001: transformers' strict validation raises its own types
+        with pytest.raises(ValueError):
+            load_hf_config(path)
+        return []
+    ours = load_hf_config(path)
+    return [f"{f.name}: ours {getattr(ours, f.name)!r}, transformers {transformers_value(theirs, f)!r}"
+            for f in dataclasses.fields(HFConfig) if getattr(ours, f.name) != transformers_value(theirs, f)]
+
+
+def write_config(directory, name: str) -> tuple[str, dict]:
+    architecture, config_class, settings = WRITTEN[name]
+    path = str(directory / name)
+    config_class(architectures=[architecture], **settings).save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        return path, json.load(f)
+
+
+def rewrite(path: str, raw: dict) -> str:
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return path
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_a_config_transformers_wrote_reads_as_transformers_reads_it(name, tmp_path):
+    path, _ = write_config(tmp_path, name)
+    assert mismatches(path) == []
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_a_missing_key_takes_the_default_of_the_family_s_transformers_config(name, tmp_path):
+    path, raw = write_config(tmp_path, name)
+    found = {}
+    for key in sorted(set(raw) - {"architectures", "model_type"}):
+        found[key] = mismatches(rewrite(path, {k: v for k, v in raw.items() if k != key}))
+    for key in sorted(raw["rope_parameters"]):
+        rope = {k: v for k, v in raw["rope_parameters"].items() if k != key}
+        found[f"rope_parameters.{key}"] = mismatches(rewrite(path, {**raw, "rope_parameters": rope}))
+    found["every key"] = mismatches(rewrite(path, {k: raw[k] for k in ("architectures", "model_type")}))
+    assert {key: problems for key, problems in found.items() if problems} == {}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_transformers_4_key_names_read_as_transformers_reads_them(name, tmp_path):
+    path, raw = write_config(tmp_path, name)
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    rope_type = rope.pop("rope_type")
+    raw["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+    raw.pop("layer_types", None)  # transformers 4 before 4.53 wrote none
+    if "dtype" in raw:
+        raw["torch_dtype"] = raw.pop("dtype")
+    if "num_local_experts" in raw:
+        raw["num_experts"] = raw.pop("num_local_experts")
+    assert mismatches(rewrite(path, raw)) == []
+
+
+def test_every_supported_architecture_has_a_family():
+    model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
+                   Qwen3MoeConfig.model_type}
+    assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
+    ({"num_attention_heads": True}, "num_attention_heads must be an integer >= 1, got True"),
+    ({"tie_word_embeddings": 1}, "tie_word_embeddings must be true or false, got 1"),
+    ({"sliding_window": 12.5}, "sliding_window must be an integer >= 1 or null, got 12.5"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
+    ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe"),
+    ({"model_type": None}, "it has no model_type"),
+])
+def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):
+    path, raw = write_config(tmp_path, "qwen3")
+    rewrite(path, {**raw, **settings})
+    with pytest.raises(ValueError, match=f"{os.path.join(path, 'config.json')} is not a valid model config: "
+                                         + message.replace("[", r"\[").replace("(", r"\(")):
+        load_hf_config(path)
+
+
+def test_generation_config_eos_ids_come_first_and_a_broken_one_is_named(tmp_path):
+    path, raw = write_config(tmp_path, "llama_tied")
+    config = load_hf_config(path)
+    assert load_eos_token_ids(path, config) == {1, 2}  # no generation_config.json: config.json's
+    generation = os.path.join(path, "generation_config.json")
+    for content, expected in [({"eos_token_id": [7, 8, 9]}, {7, 8, 9}), ({"eos_token_id": 3}, {3}),
+                              ({"bos_token_id": 1}, {1, 2})]:
+        with open(generation, "w") as f:
+            json.dump(content, f)
+        assert load_eos_token_ids(path, config) == expected
+    with open(generation, "w") as f:
+        f.write('{"eos_token_id": ')
+    with pytest.raises(ValueError, match="generation_config.json is not a valid model config"):
+        load_eos_token_ids(path, config)
+
+
+def test_parse_reads_a_dict_as_load_reads_the_file(tmp_path):
+    path, raw = write_config(tmp_path, "qwen3_moe")
+    assert parse_hf_config(raw, "config.json") == load_hf_config(path)

@@ -1,0 +1,375 @@
+"""A checkpoint's config.json, read with json as transformers reads it, and what the shared decoder makes of it.
+
+A key missing from config.json takes the default of its family's transformers config class, so every field
+of HFConfig holds what AutoConfig gives (tests/test_hf_config.py compares them field by field). Nothing here
+imports torch or transformers: rank 0 checks a checkpoint before any worker starts.
+"""
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+# architectures[0] values the shared decoder implements; models/registry.py maps each to its class
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                 "Qwen3MoeForCausalLM")
+SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+LAYER_TYPES = ("full_attention", "sliding_attention")
+LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+# model_type -> the defaults of its transformers config class (transformers/models/<type>/configuration_<type>.py)
+# for every key read here. A key the class does not declare is absent from a loaded config unless config.json
+# has it: it then takes HFConfig's default below, the value our code gives an absent one.
+FAMILY_DEFAULTS = {
+    "qwen3": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+        max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None),
+    "qwen2": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+        layer_types=None, bos_token_id=None, eos_token_id=None),
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        head_dim=None),
+    "mistral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, sliding_window=4096),
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
+        norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None),
+}
+# transformers' attribute_map: the config.json key a field may be written under (and which wins)
+KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The fields of a checkpoint's config that the engine, the runner and the models read, under
+    transformers' names, holding what transformers' config class holds after loading."""
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_act: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # standardized as transformers 5 keeps it: rope_type and rope_theta always, whatever keys config.json used
+    rope_parameters: dict
+    architectures: list[str] | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    dtype: str | None = None                    # "bfloat16", ...: config.json's dtype, else its torch_dtype
+    head_dim: int | None = None                 # None: hidden_size // num_attention_heads (head_dim_of)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None           # None where the family's use_sliding_window is off
+    layer_types: list[str] | None = None        # per layer: full_attention or sliding_attention
+    quantization_config: object = None
+    num_experts: int = 0                        # 0: a dense model
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# kind -> (whether a value is one, what the error says it must be)
+_KINDS = {
+    "count": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "count or null": (lambda v: v is None or _is_int(v) and v >= 1, "an integer >= 1 or null"),
+    "int >= 0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "text": (lambda v: isinstance(v, str), "a string"),
+    "text or null": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "texts or null": (lambda v: v is None or isinstance(v, list) and all(isinstance(s, str) for s in v),
+                      "a list of strings or null"),
+    "layer indices or null": (lambda v: v is None or isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+                              "a list of integers >= 0 or null"),
+    "token id or null": (lambda v: v is None or _is_int(v), "an integer or null"),
+    "token ids or null": (lambda v: v is None or _is_int(v) or isinstance(v, list) and all(_is_int(i) for i in v),
+                          "an integer, a list of integers or null"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "anything": (lambda v: True, ""),
+}
+FIELD_KINDS = {
+    "model_type": "text", "vocab_size": "count", "hidden_size": "count", "intermediate_size": "count",
+    "num_hidden_layers": "count", "num_attention_heads": "count",
+    "num_key_value_heads": "count or null",  # null: num_attention_heads
+    "hidden_act": "text", "max_position_embeddings": "count", "rms_norm_eps": "number",
+    "tie_word_embeddings": "bool", "rope_parameters": "object", "architectures": "texts or null",
+    "bos_token_id": "token id or null", "eos_token_id": "token ids or null", "dtype": "text or null",
+    "head_dim": "count or null", "attention_bias": "bool", "mlp_bias": "bool", "sliding_window": "count or null",
+    "layer_types": "texts or null", "quantization_config": "anything", "num_experts": "int >= 0",
+    "num_experts_per_tok": "count or null", "moe_intermediate_size": "count or null", "norm_topk_prob": "bool",
+    "decoder_sparse_step": "count", "mlp_only_layers": "layer indices or null",  # null: none
+}
+# keys read only to derive fields
+SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0"}
+assert list(FIELD_KINDS) == [f.name for f in fields(HFConfig)]
+
+
+def _invalid(source: str, message: str) -> ValueError:
+    return ValueError(f"{source} is not a valid model config: {message}")
+
+
+def _checked(source: str, name: str, value, kind: str):
+    is_kind, what = _KINDS[kind]
+    if not is_kind(value):
+        raise _invalid(source, f"{name} must be {what}, got {value!r:.80}")
+    return value
+
+
+def _rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
+    """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
+    top-level rope_theta and partial_rotary_factor fill in, llama3 and yarn get the pre-training window."""
+    given = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if given is not None and not isinstance(given, dict):
+        raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
+    params = dict(given or {})
+    if any(isinstance(value, dict) for value in params.values()):
+        return params  # per layer type: rope_parameters_of refuses it
+    params.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return params
+
+
+def parse_hf_config(raw: dict, source: str) -> HFConfig:
+    """HFConfig from a config.json's object; ValueError naming source and the field at fault."""
+    if not isinstance(raw, dict):
+        raise _invalid(source, f"it must be a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
+    if model_type not in FAMILY_DEFAULTS:
+        problem = "it has no model_type" if model_type is None else f"model_type {model_type!r:.80} is not supported"
+        raise _invalid(source, f"{problem}; supported: {', '.join(FAMILY_DEFAULTS)}")
+    defaults = FAMILY_DEFAULTS[model_type]
+    values = {**defaults, **raw}
+    for name, key in KEY_ALIASES.get(model_type, {}).items():
+        if key in raw:
+            values[name] = raw[key]
+    values["dtype"] = raw["dtype"] if raw.get("dtype") is not None else raw.get("torch_dtype")
+    values.pop("rope_parameters", None)  # standardized from raw below
+    for name, kind in {**FIELD_KINDS, **SETTING_KINDS}.items():
+        if name in values:
+            _checked(source, name, values[name], kind)
+    heads, hidden_size = values["num_attention_heads"], values["hidden_size"]
+    if model_type == "llama" and hidden_size % heads:  # transformers' LlamaConfig refuses it, whatever head_dim says
+        raise _invalid(source, f"hidden_size={hidden_size} must be a multiple of num_attention_heads={heads}")
+    # what each family's config class derives in its __post_init__
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = heads
+    if "head_dim" in defaults and values["head_dim"] is None:
+        values["head_dim"] = hidden_size // heads
+    if "use_sliding_window" in defaults and not values["use_sliding_window"]:
+        values["sliding_window"] = None
+    if "max_window_layers" in defaults and values["layer_types"] is None:
+        values["layer_types"] = ["sliding_attention" if values.get("sliding_window") is not None
+                                 and i >= values["max_window_layers"] else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
+    if values.get("layer_types") is not None:
+        if len(values["layer_types"]) != values["num_hidden_layers"]:
+            raise _invalid(source, f"layer_types has {len(values['layer_types'])} entries, not num_hidden_layers="
+                                   f"{values['num_hidden_layers']}")
+        values["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
+    if values.get("mlp_only_layers") is None:
+        values["mlp_only_layers"] = []
+    values["rope_parameters"] = _rope_parameters(raw, values["max_position_embeddings"], source)
+    return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} is not a valid model config: {e}") from None
+
+
+def load_hf_config(model: str | os.PathLike) -> HFConfig:
+    """The checkpoint folder's config.json; ValueError naming the file and the field at fault, or the
+    architecture or setting the shared decoder does not implement."""
+    model = os.fspath(model)
+    if not os.path.isdir(model):
+        raise ValueError(f"model must be a local folder with config.json and safetensors weights, got {model!r}")
+    config_file = os.path.join(model, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"model folder {model!r} has no config.json")
+    raw = _read_json(config_file)
+    if isinstance(raw, dict):  # a model we do not have is the first thing to tell
+        architecture_of(raw.get("architectures"))
+    config = parse_hf_config(raw, config_file)
+    check_supported(config)
+    return config
+
+
+def load_eos_token_ids(model: str, config: HFConfig) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's (all of them, where it lists several, as Llama 3's does),
+    else config.json's."""
+    generation_file = os.path.join(model, "generation_config.json")
+    eos = None
+    if os.path.isfile(generation_file):
+        generation = _read_json(generation_file)
+        if not isinstance(generation, dict):
+            raise _invalid(generation_file, f"it must be a JSON object, got {type(generation).__name__}")
+        eos = _checked(generation_file, "eos_token_id", generation.get("eos_token_id"), "token ids or null")
+    if eos is None:
+        eos = config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def architecture_of(architectures: list[str] | None) -> str:
+    """The checkpoint's architecture; ValueError listing the supported ones when we have no model for it."""
+    supported = ", ".join(ARCHITECTURES)
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"config.json names no architectures; supported: {supported}")
+    if architectures[0] not in ARCHITECTURES:
+        raise ValueError(f"architecture {architectures[0]!r} is not supported; supported: {supported}")
+    return architectures[0]
+
+
+# --- what the shared decoder makes of a config ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeParameters:
+    """A checkpoint's rotary settings (rope_parameters_of); layers/rotary_embedding.py turns them into frequencies."""
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0                        # linear, llama3, yarn
+    original_max_position: int | None = None   # llama3, yarn: the pre-training window
+    low_freq_factor: float = 1.0               # llama3
+    high_freq_factor: float = 4.0              # llama3
+    beta_fast: float = 32.0                    # yarn
+    beta_slow: float = 1.0                     # yarn
+    attention_factor: float | None = None      # yarn: given, or derived from factor (and mscale)
+    mscale: float | None = None                # yarn
+    mscale_all_dim: float | None = None        # yarn
+    truncate: bool = True                      # yarn: round the correction range outwards
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+
+def head_dim_of(config: HFConfig) -> int:
+    return config.head_dim or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters_of(config: HFConfig) -> RopeParameters:
+    """The checkpoint's rotary settings; ValueError naming a rope type or setting we do not implement."""
+    params = config.rope_parameters
+    if any(isinstance(value, dict) for value in params.values()):
+        raise ValueError("per-layer-type rope parameters are not supported")
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta")
+    if theta is None:
+        raise ValueError("config has no rope_theta (neither at the top level nor in rope_parameters)")
+    partial = params.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; rotary must cover the whole head")
+    if rope_type == "default":
+        return RopeParameters(theta=float(theta))
+    original = params.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = params.get("factor")
+    if factor is None:
+        raise ValueError(f"rope type {rope_type!r} needs a factor in rope_parameters")
+    optional = {key: params[key] for key in ("low_freq_factor", "high_freq_factor", "attention_factor", "mscale",
+                                             "mscale_all_dim", "truncate") if params.get(key) is not None}
+    # transformers reads `beta_fast or 32`: a 0 or null takes the default too
+    optional.update({key: float(params[key]) for key in ("beta_fast", "beta_slow") if params.get(key)})
+    if rope_type == "llama3":
+        missing = [key for key in ("low_freq_factor", "high_freq_factor") if key not in optional]
+        if missing:
+            raise ValueError(f"rope type 'llama3' needs {', '.join(missing)} in rope_parameters")
+    return RopeParameters(theta=float(theta), rope_type=rope_type, factor=float(factor),
+                          original_max_position=int(original), **optional)
+
+
+def sliding_window_of(config: HFConfig) -> int | None:
+    """The attention window of the checkpoint's sliding-window layers, or None when every layer attends fully."""
+    if config.sliding_window is None:
+        return None
+    if config.layer_types is not None:  # Qwen2, Qwen3: which layers slide is spelled out
+        return config.sliding_window if "sliding_attention" in config.layer_types else None
+    # Mistral and Qwen3-MoE slide in every layer whenever a window is set
+    return config.sliding_window
+
+
+def max_positions_of(config: HFConfig) -> int:
+    """The positions the model can encode: max_position_embeddings, or YaRN's extended window when longer
+    (Qwen2.5 checkpoints keep the original 32k there and add yarn to reach factor x 32k)."""
+    rope = rope_parameters_of(config)
+    if rope.rope_type == "yarn":
+        return max(config.max_position_embeddings, int(rope.original_max_position * rope.factor))
+    return config.max_position_embeddings
+
+
+def max_model_len_of(config: HFConfig, requested: int) -> tuple[int, str | None]:
+    """The longest sequence the engine may run, and a line saying why when the model's window shortened it.
+
+    Attention here always sees the whole sequence; within a sliding window that is exactly what the
+    model computes, so a window shorter than the request caps the length instead of changing tokens.
+    """
+    limit = min(requested, max_positions_of(config))
+    window = sliding_window_of(config)
+    if window is not None and window < limit:
+        return window, (f"max_model_len capped from {limit} to the model's sliding_window={window}: "
+                        "attention beyond the window is not implemented")
+    return limit, None
+
+
+def check_supported(config: HFConfig) -> None:
+    """ValueError naming the first setting of this checkpoint that the shared decoder does not implement."""
+    if config.hidden_act not in SILU_ACTIVATIONS:
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
+    if config.quantization_config:
+        quantization = config.quantization_config
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(f"quantized checkpoints (quantization_config, quant_method={method!r}) are not supported")
+    unknown = sorted(set(config.layer_types or ()) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+    if config.num_experts and not 1 <= (config.num_experts_per_tok or 0) <= config.num_experts:
+        raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and "
+                         f"num_experts={config.num_experts}")
+    rope_parameters_of(config)
+
+
+def is_sparse_layer(config: HFConfig, layer_idx: int) -> bool:
+    """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule); False for dense models."""
+    return (config.num_experts > 0 and layer_idx not in config.mlp_only_layers
+            and (layer_idx + 1) % config.decoder_sparse_step == 0)
+
+
+def tensor_parallel_sizes(config: HFConfig) -> dict[str, int]:
+    """The MLP sizes the tensor-parallel size must divide: each rank holds a slice of every one."""
+    sparse = [is_sparse_layer(config, i) for i in range(config.num_hidden_layers)]
+    sizes = {}
+    if not all(sparse):
+        sizes["intermediate_size"] = config.intermediate_size
+    if any(sparse):
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    return sizes
