@@ -63,7 +63,7 @@ def decode_round(llm, batch: int, context_len: int, steps: int, rng: random.Rand
         llm.add_request([rng.randrange(vocab) for _ in range(context_len)], params, stream=False)
     executor, prefills = llm.executor, []
     execute = executor.execute
-    executor.execute = lambda plan: prefills.append(bool(plan.prefill)) or execute(plan)
+    executor.execute = lambda plan: prefills.append(bool(plan.message.prefill)) or execute(plan)
     times = []
     try:
         while llm.has_unfinished_requests():

@@ -1,18 +1,21 @@
-"""Exact prefix reuse vs the seed's whole-block prefix cache: one shared system prompt, many requests.
+"""Exact prefix reuse vs the seed's whole-block prefix cache, and vs no cache: one shared system prompt,
+many requests.
 
 The workload of issue 12: --num-seqs requests (256) that share one --system-len-token system prompt
 (1,000) followed by 50-200 tokens of their own, all queued before the first step, block size 256,
---max-tokens output tokens each (8, ignore_eos, greedy). Both sides run in this process, each on a
-fresh engine (empty cache), alternating --repeat times; each side's fastest run is kept.
+--max-tokens output tokens each (8, ignore_eos, greedy).
 
 - exact: this engine as it is (whole blocks shared by reference, the longest cached head of the
   next block copied, sharers of what a batch computes held back one step, cache-aware admission);
-- block-rounded: the same engine with exact_prefix_caching off: the seed's cache alone (whole
-  blocks, never the last one, in arrival order), what the engine did before.
+- block-rounded: the seed's cache (whole blocks, never the last one, in arrival order), its ledger
+  replayed without a model (scripts/nano_baseline.py's scheduler, fake tokens, --max-num-batched-tokens
+  per step): prompt tokens computed only, no wall time;
+- none: this engine with enable_prefix_caching=False, every prompt token computed.
 
-Prompt tokens computed = prompt tokens looked up minus prefix-cache hits (the engine's counters).
-Wall time is llm.generate alone (loading and a warm-up excluded). The greedy tokens of both sides
-are compared: they must be equal.
+The two engines run in this process, each on a fresh engine (empty cache), alternating --repeat times;
+each side's fastest run is kept. Prompt tokens computed = prompt tokens looked up minus prefix-cache
+hits (the engine's counters). Wall time is llm.generate alone (loading and a warm-up excluded). The
+greedy tokens of both engines are compared: they must be equal.
 
     .venv/bin/python scripts/bench_prefix_cache.py [--repeat 2] [--num-seqs 256] [--device cpu]
     .venv/bin/python scripts/bench_prefix_cache.py --quick   # seconds: 4 requests sharing 300 tokens
@@ -25,6 +28,7 @@ import time
 import torch
 
 from bench import git_revision, load_average, machine_line
+from nano_baseline import NanoScheduler, NanoSequence
 from quick import parse_with_quick
 from tpengine import LLM, SamplingParams
 from tpengine.tiny_model import write_tiny_model
@@ -43,14 +47,28 @@ def workload(args) -> list[list[int]]:
             for _ in range(args.num_seqs)]
 
 
-def run(args, model: str, prompts, exact: bool):
+def seed_tokens_computed(args, prompts) -> int:
+    """Prompt tokens the seed's whole-block cache computes for the workload: its ledger replayed."""
+    NanoSequence.block_size = BLOCK_SIZE
+    scheduler = NanoScheduler(args.num_kvcache_blocks, BLOCK_SIZE, args.num_seqs, args.max_num_batched_tokens, eos=-1)
+    for prompt in prompts:
+        scheduler.add(NanoSequence(prompt, max_tokens=args.max_tokens, ignore_eos=True))
+    computed = 0
+    while scheduler.waiting or scheduler.running:
+        seqs, is_prefill = scheduler.schedule()
+        if is_prefill:
+            computed += sum(seq.num_scheduled_tokens for seq in seqs)
+        scheduler.postprocess(seqs, [1] * len(seqs), is_prefill)
+    return computed
+
+
+def run(args, model: str, prompts, cached: bool):
     """(seconds, prompt tokens computed, prompt tokens hit, token ids) of one generate on a fresh engine."""
     max_len = max(map(len, prompts)) + args.max_tokens
     llm = LLM(model, device=args.device, kvcache_block_size=BLOCK_SIZE, max_model_len=max_len,
-              max_num_seqs=args.num_seqs, num_kvcache_blocks=args.num_kvcache_blocks)
+              max_num_seqs=args.num_seqs, num_kvcache_blocks=args.num_kvcache_blocks,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=cached)
     try:
-        # off: the seed's whole-block cache and arrival order (the scheduler reads this flag too)
-        llm.scheduler.block_manager.exact_prefix_caching = exact
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate([[1, 2, 3]], params, use_tqdm=False)  # warm-up, a prompt the workload never shares
         queries, hits = llm.prefix_cache_queries, llm.prefix_cache_hits
@@ -73,6 +91,7 @@ def main(argv=None):
     parser.add_argument("--system-len", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--num-kvcache-blocks", type=int, default=700)  # 256 x (3 shared + 2 own) fit
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)  # the CPU's default
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -89,18 +108,22 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         model = write_tiny_model(folder, seed=0, with_tokenizer=False, **MODEL)
         for _ in range(args.repeat):
-            for exact in (False, True):
-                result = run(args, model, prompts, exact)
-                if exact not in best or result[0] < best[exact][0]:
-                    best[exact] = result
-    assert best[True][3] == best[False][3], "exact reuse changed the greedy tokens"
+            for cached in (False, True):
+                result = run(args, model, prompts, cached)
+                if cached not in best or result[0] < best[cached][0]:
+                    best[cached] = result
+    assert best[True][3] == best[False][3], "the prefix cache changed the greedy tokens"
+    seed_computed = seed_tokens_computed(args, prompts)
     print("| prefix cache | prompt tokens computed | hit rate | wall s |")
     print("|---|---:|---:|---:|")
-    for exact, name in ((False, "block-rounded (seed)"), (True, "exact (this engine)")):
-        seconds, computed, hits, _ = best[exact]
-        print(f"| {name} | {computed:,} | {hits / total:.1%} | {seconds:.2f} |")
-    print(f"\ncomputed {best[False][1] / best[True][1]:.2f}x fewer prompt tokens, "
-          f"{best[False][0] / best[True][0]:.2f}x faster; load average after: {load_average()}")
+    print(f"| none (enable_prefix_caching=False) | {best[False][1]:,} | {best[False][2] / total:.1%} "
+          f"| {best[False][0]:.2f} |")
+    print(f"| block-rounded (the seed's, ledger replayed) | {seed_computed:,} | {1 - seed_computed / total:.1%} | - |")
+    seconds, computed, hits, _ = best[True]
+    print(f"| exact (this engine) | {computed:,} | {hits / total:.1%} | {seconds:.2f} |")
+    print(f"\nexact reuse computed {seed_computed / computed:.2f}x fewer prompt tokens than the seed's cache and "
+          f"{best[False][1] / computed:.2f}x fewer than none, {best[False][0] / seconds:.2f}x faster than none; "
+          f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """Bookkeeping cost of one decode step: our Scheduler + BlockManager vs nano-vllm's, no model.
 
 One decode step here is schedule() plus postprocess() with fake sampled token ids: the
-Python work rank 0 does between two forward passes. The baseline is a re-implementation of
-nano-vllm's pure-Python Sequence / BlockManager / Scheduler as the seed design describes
-them (deque free queue, deque.remove when a prefix hit takes a freed block back), run on
-the same workload so the comparison is honest.
+Python work rank 0 does between two forward passes (ours builds the step's message inside
+schedule()). The baseline is a re-implementation of nano-vllm's pure-Python Sequence /
+BlockManager / Scheduler as the seed design describes them (deque free queue, deque.remove
+when a prefix hit takes a freed block back), run on the same workload so the comparison is honest.
+
+Rank 0's whole host step adds the message's bytes for the workers and the step's outputs: ours
+encodes the StepMessage with msgspec (a decode row is its id, token and context length; the block
+tables stay on the workers), nano-vllm pickles the scheduled Sequences (its tensor-parallel call),
+and both collect the finished sequences' outputs (none finish here).
 
 Also measures taking freed blocks back on a prefix hit: a 1024-token prompt whose blocks
 sit at the tail of a 65,536-block free queue (16-token blocks).
@@ -15,12 +20,14 @@ sit at the tail of a 65,536-block free queue (16-token blocks).
 import argparse
 import gc
 import os
+import pickle
 import random
 import statistics
 import time
 
-from nano_baseline import NanoBlockManager, NanoScheduler, NanoSequence
+from nano_baseline import NanoBlockManager, NanoScheduler, NanoSequence, NanoStatus
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
+from tpengine.distributed.messages import encode
 from tpengine.engine.block_manager import BlockManager
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
@@ -59,7 +66,9 @@ def _num_blocks(num_seqs: int, num_steps: int) -> int:
     return num_seqs * ((_max_len(num_steps) + BLOCK_SIZE - 1) // BLOCK_SIZE)
 
 
-def bench_ours(prompts, warmup: int, steps: int) -> float:
+def bench_ours(prompts, warmup: int, steps: int, whole_step: bool = False) -> float:
+    """µs per decode step: schedule + postprocess, or (whole_step) also the message encoded for the workers
+    and the finished sequences' outputs collected."""
     n = len(prompts)
     max_len = _max_len(warmup + steps)
     scheduler = Scheduler(
@@ -71,11 +80,19 @@ def bench_ours(prompts, warmup: int, steps: int) -> float:
         scheduler.add(Sequence(prompt, params, block_size=BLOCK_SIZE))
     token_ids = [FAKE_TOKEN] * n
     plan = scheduler.schedule()
-    assert len(plan.prefill) == n and not plan.decode
+    assert len(plan.message.prefill) == n and not plan.num_decode
     scheduler.postprocess(plan, token_ids)
 
     def step():
         scheduler.postprocess(scheduler.schedule(), token_ids)
+
+    def whole():
+        plan = scheduler.schedule()
+        encode(plan.message)
+        sampled, finished = scheduler.postprocess(plan, token_ids)
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished]
+
+    step = whole if whole_step else step
 
     for _ in range(warmup):
         step()
@@ -84,7 +101,7 @@ def bench_ours(prompts, warmup: int, steps: int) -> float:
     return us
 
 
-def bench_nano(prompts, warmup: int, steps: int) -> float:
+def bench_nano(prompts, warmup: int, steps: int, whole_step: bool = False) -> float:
     n = len(prompts)
     NanoSequence.block_size = BLOCK_SIZE
     scheduler = NanoScheduler(_num_blocks(n, warmup + steps), BLOCK_SIZE, n, 1024 * n, EOS)
@@ -99,6 +116,13 @@ def bench_nano(prompts, warmup: int, steps: int) -> float:
         seqs, is_prefill = scheduler.schedule()
         scheduler.postprocess(seqs, token_ids, is_prefill)
 
+    def whole():  # nano-vllm's LLMEngine.step with its tensor-parallel call's pickle
+        seqs, is_prefill = scheduler.schedule()
+        pickle.dumps(["run", seqs, is_prefill])
+        scheduler.postprocess(seqs, token_ids, is_prefill)
+        return [(seq.seq_id, seq.token_ids[seq.num_prompt_tokens:]) for seq in seqs if seq.status == NanoStatus.FINISHED]
+
+    step = whole if whole_step else step
     for _ in range(warmup):
         step()
     us = _time_decode_steps(step, steps)
@@ -168,6 +192,18 @@ def main(argv=None):
             nano.append(bench_nano(prompts, args.warmup, args.steps))
         ours, nano = min(ours), min(nano)
         print(f"| {n} | {ours:.1f} | {ours / n:.3f} | {nano:.1f} | {nano / n:.3f} | {nano / ours:.2f}x |")
+
+    print("\nrank 0's whole host step: schedule + the message encoded for the workers + postprocess + outputs\n")
+    print("| running seqs | ours µs/step | nano-vllm µs/step | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for n in args.sizes:
+        prompts = _prompts(n, seed=n)
+        ours, nano = [], []
+        for _ in range(2):
+            ours.append(bench_ours(prompts, args.warmup, args.steps, whole_step=True))
+            nano.append(bench_nano(prompts, args.warmup, args.steps, whole_step=True))
+        ours, nano = min(ours), min(nano)
+        print(f"| {n} | {ours:.1f} | {nano:.1f} | {nano / ours:.2f}x |")
 
     ours_ms, nano_ms = bench_take_back(args.take_back_repeats)
     print("\nprefix hit on freed blocks: 1024-token prompt (63 blocks taken back), 65,536 blocks of 16 tokens, "
