@@ -8,6 +8,7 @@ from tpengine.hf_config import HFConfig, tensor_parallel_sizes
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 
 
@@ -35,6 +36,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # a worker that takes longer than this over one step is taken for stuck (stopped, a wedged kernel
     # or host): every rank is stopped and the step fails with WorkerFailedError naming it
     step_timeout_s: float = 300.0
+    # a reasoning model's parser ("qwen3", "deepseek_r1"): structured outputs constrain what follows its
+    # thinking (the server also splits the thinking off as reasoning_content)
+    reasoning_parser: str | None = None
 
     def validate(self, hf_config: HFConfig) -> None:
         """Raise ValueError for settings that can never work, before any process starts."""
@@ -46,6 +50,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             positive(name)
         if self.max_num_batched_tokens is not None:
             positive("max_num_batched_tokens")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, "
+                             f"got {self.reasoning_parser!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
