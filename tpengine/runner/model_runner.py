@@ -87,10 +87,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
-        if self.device.type == "cpu":
-            for module in self.model.modules():
-                if hasattr(module, "prepack_for_cpu"):
-                    module.prepack_for_cpu()
+        for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
+            if hasattr(module, "prepack"):
+                module.prepack()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         # CUDA: what the largest prefill and one step's sampling need beyond the weights, kept free
         # when the cache is sized
