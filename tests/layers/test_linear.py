@@ -8,7 +8,7 @@ from tests.conftest import relative_error
 from tpengine.layers.embed_head import ParallelLMHead
 from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from tpengine.platforms.cpu import pack_linear_weight
-from tpengine.runner.cpu_dtype import resolve_cpu_dtype
+from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
 
 # skipped on the platform, never on the function under test: broken packing must fail these tests
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")

@@ -1,10 +1,12 @@
 """What each device does its own way, one module per device: cpu.py (C++ elementwise ops with their torch
-fallbacks, linears on packed weights) and cuda.py (the elementwise ops compiled, Triton's fused experts).
-torch_ops.py holds the torch code both start from.
+fallbacks, linears on packed weights, half precision only where the CPU computes it, padded row counts,
+threads per rank) and cuda.py (the elementwise ops compiled, Triton's fused experts). torch_ops.py holds
+the torch code both start from.
 
 A layer asks once, when it is built, for the platform of the device the model is built on
 (`current_platform`) and keeps the functions it calls as attributes: a forward never asks which device
-it runs on. The modules themselves are the platform objects; `Platform` lists what each provides.
+it runs on. The runner asks `platform_for(device)` for its settings. The modules themselves are the
+platform objects; `Platform` lists what each provides.
 """
 from typing import Protocol
 
@@ -12,7 +14,21 @@ import torch
 
 
 class Platform(Protocol):
-    # the layers', picked when each is built
+    DEFAULT_MAX_NUM_BATCHED_TOKENS: int  # max_num_batched_tokens when the setting is None
+
+    # --- the runner's, once per rank ---
+
+    def resolve_dtype(self, dtype: str, hf_config, log: bool = True) -> torch.dtype:
+        """The dtype a model runs in when EngineConfig.dtype is `dtype` ("auto", "bfloat16", ...)."""
+
+    def set_up_rank(self, device: torch.device, num_ranks: int) -> None:
+        """Ready this process to compute on device as one of num_ranks ranks of an engine."""
+
+    def row_bucket(self, num_rows: int) -> int:
+        """The rows a forward of num_rows rows is padded to."""
+
+    # --- the layers', picked when each is built ---
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

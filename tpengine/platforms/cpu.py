@@ -1,10 +1,12 @@
-"""The CPU platform: the decoder's elementwise ops as C++ ops, and linears on packed weights.
+"""The CPU platform: the decoder's elementwise ops as C++ ops, linears on packed weights, the dtype a model
+runs in (cpu_dtype.py), the rows a forward is padded to and the threads a rank takes.
 
 The C++ ops (kernels/cpu/fused_ops.cpp, built on first use) each replace several torch ops, each a
 dispatch and an allocation, which at decode sizes cost more than the arithmetic. Each function here takes
 its C++ op where this machine built it and the tensor suits it (a dtype it takes, rows contiguous), else
 runs the torch code (torch_ops.py), which computes the same values.
 """
+import os
 from typing import NamedTuple
 
 import torch
@@ -13,6 +15,34 @@ import torch.nn.functional as F
 from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu import fused_ops
 from tpengine.platforms import torch_ops
+from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
+
+# activations of a 2048-token forward stay in reused heap memory and in cache; one forward over ~10k
+# tokens was ~15% slower (docs/benchmarks.md)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
+    """float32 for "auto"; a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)."""
+    return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
+
+
+def set_up_rank(device: torch.device, num_ranks: int) -> None:
+    """Ranks on one CPU share its cores: oversubscribed threads only slow every rank down."""
+    if num_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+
+
+def row_bucket(num_rows: int) -> int:
+    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
+    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
+    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
+    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
+    weights are read once either way)."""
+    if num_rows <= 4:
+        return num_rows
+    power = 1 << (num_rows - 1).bit_length()
+    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
 
 
 # --- the decoder's elementwise ops -----------------------------------------------------------------
@@ -74,7 +104,7 @@ moe_experts = torch_ops.grouped_experts
 PREPACK_ROWS_HINT = 64
 
 # dtypes oneDNN multiplies on packed weights; a half dtype reaches a CPU model only where the CPU has
-# the instructions for it (tpengine/runner/cpu_dtype.py), else the model runs in float32
+# the instructions for it (cpu_dtype.py), else the model runs in float32
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -1,5 +1,5 @@
 """The CUDA platform: the decoder's small elementwise ops compiled by torch.compile (each a kernel or two
-instead of several), and Triton's fused experts.
+instead of several), Triton's fused experts, and the dtype a model runs in.
 
 The CPU runs the same torch code as written (torch_ops.py): compiled, these ops were faster on 2 CPU cores
 at prefill sizes, but the first compile costs 1-14 s, which would dominate short CPU runs, and the fused
@@ -16,6 +16,7 @@ from tpengine.platforms import torch_ops
 
 logger = logging.getLogger("tpengine")
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -56,6 +57,26 @@ def compiled_on_cuda(fn):
         return on_cuda(x, *args) if x.is_cuda else fn(x, *args)
 
     return dispatch
+
+
+def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
+    """The dtype asked for; "auto": the checkpoint's, else bfloat16."""
+    if dtype == "auto":
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype)
+        return checkpoint_dtype or torch.bfloat16
+    return getattr(torch, dtype)
+
+
+def set_up_rank(device: torch.device, num_ranks: int) -> None:
+    """This rank's GPU becomes the current device."""
+    torch.cuda.set_device(device)
+
+
+def row_bucket(num_rows: int) -> int:
+    """A forward runs at its own size (a decode step in a CUDA graph is padded to the graph's batch size)."""
+    return num_rows
 
 
 # --- the decoder's elementwise ops -----------------------------------------------------------------
