@@ -4,7 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import check_weight_shape, linear, prepack_weight_for_cpu
+from tpengine.layers.linear import check_weight_shape
+from tpengine.platforms import current_platform
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,15 +44,20 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the real vocabulary, gathered on rank 0 (other ranks get None); or, gather=False, every
     rank's own slice of them, columns vocab_start_idx onwards."""
 
-    packed_weight = None
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        platform = current_platform()
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.packed_weight = None
 
-    def prepack_for_cpu(self) -> None:
-        """After loading: logits from a packed copy. The weight stays: a tied embedding shares it."""
-        self.packed_weight = prepack_weight_for_cpu(self.weight)
+    def prepack(self) -> None:
+        """After loading: logits from the platform's packed copy where it makes one (the CPU's). The weight
+        stays: a tied embedding shares it."""
+        self.packed_weight = self.pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor, gather: bool = True, num_rows: int | None = None) -> torch.Tensor | None:
         """num_rows: only the first rows are wanted (the rest pad the matmul to a size it has a kernel for)."""
-        logits = linear(x, self.weight, None, self.packed_weight)
+        logits = self.linear(x, self.weight, None, self.packed_weight)
         if num_rows is not None:
             logits = logits[:num_rows]
         if not gather:  # the last shard's padding columns are never sampled

@@ -4,18 +4,14 @@ Tensor parallelism slices each expert's intermediate dimension (gate/up by rows,
 so a layer ends with one all-reduce, as the dense MLP does. Experts are stacked per layer:
 w13 [experts, 2 * intermediate / tp, hidden] (gate then up) and w2 [experts, hidden, intermediate / tp].
 """
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
-from tpengine.layers.activation import silu_and_mul
 from tpengine.layers.linear import check_weight_shape
-
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from tpengine.platforms import current_platform
+from tpengine.platforms.torch_ops import silu_and_mul
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,35 +24,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights.to(router_logits.dtype), ids
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
-
-    Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
-    ascending expert order (the order transformers adds them in); unchosen experts cost nothing.
-    """
-    top_k = topk_ids.size(1)
-    flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)                 # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
-    flat_weights = topk_weights.flatten()
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        h = silu_and_mul(F.linear(x[tokens], w13[expert]))
-        h = F.linear(h, w2[expert]) * flat_weights[pairs, None]
-        out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
-    return out
-
-
 def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
-    """The same sum, one token and one expert at a time: the reference the grouped path is measured against."""
+    """The experts' sum, one token and one expert at a time: the reference the platforms' grouped and fused
+    paths (torch_ops.grouped_experts, Triton's fused_experts) are measured against."""
     out = torch.zeros_like(x)
     for t in range(x.size(0)):
         for k in range(topk_ids.size(1)):
@@ -67,7 +38,8 @@ def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 
 class FusedMoE(nn.Module):
-    """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts and all-reduces."""
+    """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts (as its platform runs
+    them: grouped by expert on the CPU, Triton's fused kernel on CUDA) and all-reduces."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
@@ -84,6 +56,7 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
         self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
+        self.moe_experts = current_platform().moe_experts
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int, shard: str) -> None:
         """One expert's gate_proj / up_proj ([intermediate, hidden]) or down_proj ([hidden, intermediate])."""
@@ -99,10 +72,6 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if x.is_cuda and HAS_TRITON:  # the fused kernel: no host sync, so decode stays graph-capturable
-            from tpengine.kernels.triton.fused_moe import fused_experts
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, silu_and_mul)
-        else:
-            out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         self.tp_group.all_reduce(out)
         return out

@@ -1,46 +1,10 @@
-"""Linear layers that shard across the tensor-parallel group; each parameter loads its own shard."""
-from typing import NamedTuple
-
+"""Linear layers that shard across the tensor-parallel group; each parameter loads its own shard. They
+multiply through their platform's linear: on the CPU, on a copy of the weight packed once after loading."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
-from tpengine.kernels.cpu import bf16_linear as bf16_kernel
-
-
-# oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
-PREPACK_ROWS_HINT = 64
-
-# dtypes oneDNN multiplies on packed weights; a half dtype reaches a CPU model only where the CPU has
-# the instructions for it (tpengine/runner/cpu_dtype.py), else the model runs in float32
-PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Bf16Blocks(NamedTuple):
-    """A bfloat16 weight packed for tpengine's AVX512-BF16 linear (kernels/cpu/bf16_linear.cpp)."""
-    blocks: torch.Tensor
-    out_features: int
-
-
-def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | Bf16Blocks | None:
-    """A packed copy of an [out, in] weight on the CPU that linear() multiplies faster, or None.
-
-    bfloat16 on a CPU with AVX512-BF16: blocks for tpengine's kernel, ~2-3x oneDNN's speed at decode
-    batch sizes (no per-call dispatch) and on par with it for a prefill. Otherwise oneDNN's blocked copy:
-    without it each matmul repacks the weight first, at decode batch sizes as costly as the product; the
-    packed copy runs about 2-3.5x faster (docs/benchmarks.md).
-    """
-    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
-        return None
-    if weight.dtype == torch.bfloat16 and weight.size(1) % 2 == 0 and bf16_kernel.available():
-        return Bf16Blocks(bf16_kernel.pack_weight(weight.detach()), weight.size(0))
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
-    except RuntimeError:  # a oneDNN build or CPU that cannot pack this weight: the plain matmul still runs
-        return None
+from tpengine.platforms import current_platform
 
 
 def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
@@ -54,15 +18,6 @@ def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
     record them, so the loader can name a part the checkpoint lacks (a missing k_proj, say)."""
     for param in module.parameters(recurse=False):
         param.loader_shards = shards
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | Bf16Blocks | None) -> torch.Tensor:
-    if packed_weight is None:
-        return F.linear(x, weight, bias)
-    if type(packed_weight) is Bf16Blocks:
-        return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 class LinearBase(nn.Module):
@@ -79,11 +34,14 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        platform = current_platform()
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.packed_weight = None
 
-    def prepack_for_cpu(self) -> None:
-        """After loading: matmul on a packed copy, and free the plain weight it replaces."""
-        self.packed_weight = prepack_weight_for_cpu(self.weight)
+    def prepack(self) -> None:
+        """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's),
+        and free the plain weight it replaces."""
+        self.packed_weight = self.pack_linear_weight(self.weight)
         if self.packed_weight is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
@@ -105,7 +63,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -115,7 +73,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -181,7 +139,7 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed_weight)
+        y = self.linear(x, self.weight, None, self.packed_weight)
         self.tp_group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

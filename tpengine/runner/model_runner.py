@@ -13,7 +13,7 @@ from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
-from tpengine.runner.cpu_dtype import resolve_cpu_dtype
+from tpengine.platforms import platform_for
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
@@ -22,21 +22,6 @@ from tpengine.sampling_params import SamplingRecord
 logger = logging.getLogger("tpengine")
 
 DEFAULT_CPU_KVCACHE_GB = 4.0
-# Default max_num_batched_tokens per device. CPU: activations of a 2048-token forward stay in reused
-# heap memory and in cache; one forward over ~10k tokens was ~15% slower (docs/benchmarks.md).
-CPU_MAX_NUM_BATCHED_TOKENS = 2048
-CUDA_MAX_NUM_BATCHED_TOKENS = 16384
-
-
-def resolve_dtype(dtype: str, device: torch.device, hf_config, log: bool = True) -> torch.dtype:
-    if device.type == "cpu":  # a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)
-        return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
-    if dtype == "auto":
-        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(checkpoint_dtype, str):
-            checkpoint_dtype = getattr(torch, checkpoint_dtype)
-        return checkpoint_dtype or torch.bfloat16
-    return getattr(torch, dtype)
 
 
 def available_host_memory() -> int:
@@ -66,14 +51,10 @@ class ModelRunner:
         hf_config = load_hf_config(config.model)
         self.hf_config = hf_config
         self.device = device
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        elif group.size > 1:
-            # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            CPU_MAX_NUM_BATCHED_TOKENS if self.device.type == "cpu" else CUDA_MAX_NUM_BATCHED_TOKENS)
-        self.dtype = resolve_dtype(config.dtype, self.device, hf_config, log=rank == 0)
+        self.platform = platform_for(device)
+        self.platform.set_up_rank(device, group.size)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions and window
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
@@ -87,10 +68,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
-        if self.device.type == "cpu":
-            for module in self.model.modules():
-                if hasattr(module, "prepack_for_cpu"):
-                    module.prepack_for_cpu()
+        for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
+            if hasattr(module, "prepack"):
+                module.prepack()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         # CUDA: what the largest prefill and one step's sampling need beyond the weights, kept free
         # when the cache is sized

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from tpengine.kernels.cpu import sampling as cpu_sampling
-from tpengine.layers.compile import compiled_on_cuda
+from tpengine.platforms.cuda import compiled_on_cuda
 from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRecord
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
