@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from tpengine.config import ATTENTION_BACKENDS, DTYPES, REASONING_PARSERS, SCHEDULING_POLICIES
+from tpengine.config import ATTENTION_BACKENDS, DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS, SCHEDULING_POLICIES
 from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 MAX_NUM_SEQS = 512
@@ -131,6 +131,14 @@ def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool
                         help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
                              "kernel built on first use), else torch, on the CPU (default auto)")
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    parser.add_argument("--quantization", default=None, choices=ONLINE_QUANTIZATIONS,
+                        help="quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
+                             "groups (--quantization-group-size), symmetric; a quantized checkpoint (GPTQ, AWQ, "
+                             "compressed-tensors) needs no flag (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, default=128,
+                        help="input features per int4 scale (default 128)")
+    parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                        help="with --quantization: keep the LM head and embedding in floats")
 
 
 def _engine_kwargs(args) -> dict:
@@ -139,7 +147,9 @@ def _engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len,
                 max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
+                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                quantize_lm_head=args.quantize_lm_head)
 
 
 def _read_lines(stream) -> list[str]:

@@ -1,16 +1,53 @@
 """Linear layers that shard across the tensor-parallel group; each parameter loads its own shard. They
-multiply through their platform's linear: on the CPU, on a copy of the weight packed once after loading."""
+multiply through their platform's linear: on the CPU, on a copy of the weight packed once after loading.
+
+A weight loads either as a float tensor or as a QuantizedWeight (a quantized checkpoint's, or a float one's
+quantized at load): the same shard of rows or columns is taken of either. A quantized weight's parts wait
+on the parameter (`quantized_parts`, keyed by the loader arguments) until prepack joins and packs them.
+"""
 import torch
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
 from tpengine.platforms import current_platform
+from tpengine.quantization.weights import QuantizedWeight, cat_rows
+
+Loaded = torch.Tensor | QuantizedWeight  # what a weight loader takes: a float tensor or a quantized weight
 
 
 def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
     """ValueError unless a checkpoint tensor has the whole (unsharded) shape the model expects."""
     if tuple(loaded_weight.shape) != tuple(expected):
         raise ValueError(f"its shape is {list(loaded_weight.shape)}, the model expects {list(expected)}")
+
+
+def take_rows(loaded: Loaded, start: int, size: int) -> Loaded:
+    return loaded.narrow(0, start, size) if isinstance(loaded, torch.Tensor) else loaded.rows(start, size)
+
+
+def keep_quantized(param: nn.Parameter, part: QuantizedWeight, loader_args: tuple = ()) -> None:
+    """Hold one quantized part of param until prepack (packed_quantized) joins and packs them."""
+    if not hasattr(param, "quantized_parts"):
+        param.quantized_parts = {}
+    param.quantized_parts[loader_args] = part
+
+
+def packed_quantized(param: nn.Parameter, pack):
+    """The packed form of a parameter loaded quantized (None if it loaded as floats), packed once however
+    many modules share the parameter (a tied embedding and LM head); the float storage is freed."""
+    parts = getattr(param, "quantized_parts", None)
+    if not parts and not hasattr(param, "packed_quantized"):
+        return None
+    if not hasattr(param, "packed_quantized"):
+        order = getattr(param, "loader_shards", [()])
+        if len(parts) != len(order):  # some parts loaded as floats: one matmul cannot mix them
+            raise ValueError(f"a packed weight of shape {list(param.shape)} is quantized in part: its quantized "
+                             f"parts are {sorted(parts, key=str)}, it needs all of {order} or none")
+        whole = cat_rows([parts[args] for args in order]).to(param.device)
+        param.packed_quantized = pack(whole, param.dtype)
+        param.data = param.data.new_empty(0)
+        del param.quantized_parts
+    return param.packed_quantized
 
 
 def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
@@ -34,26 +71,43 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight.takes_quantized = True  # the loader may hand its weight_loader a QuantizedWeight
         platform = current_platform()
         self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.pack_quantized_weight = platform.pack_quantized_weight
         self.packed_weight = None
 
     def prepack(self) -> None:
-        """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's),
-        and free the plain weight it replaces."""
-        self.packed_weight = self.pack_linear_weight(self.weight)
+        """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's, or
+        any platform's of a quantized weight), and free the plain weight it replaces."""
+        self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_weight is None:
+            self.packed_weight = self.pack_linear_weight(self.weight)
         if self.packed_weight is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
         whole = list(param.shape)
         if self.tp_dim is not None and self.tp_dim < param.dim():
             whole[self.tp_dim] *= self.tp_size
         check_weight_shape(loaded_weight, whole)
         if self.tp_dim is not None and self.tp_size > 1:
             shard_size = param.size(self.tp_dim)
-            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard_size, shard_size)
-        param.data.copy_(loaded_weight)
+            start = self.tp_rank * shard_size
+            if isinstance(loaded_weight, QuantizedWeight):
+                loaded_weight = loaded_weight.rows(start, shard_size) if self.tp_dim == 0 else \
+                    loaded_weight.columns(start, shard_size, self.tp_size)
+            else:
+                loaded_weight = loaded_weight.narrow(self.tp_dim, start, shard_size)
+        self.store(param, loaded_weight)
+
+    @staticmethod
+    def store(param: nn.Parameter, shard: Loaded, offset: int = 0, loader_args: tuple = ()) -> None:
+        """This rank's shard into the parameter, from row offset on; a quantized shard waits for prepack."""
+        if isinstance(shard, QuantizedWeight):
+            keep_quantized(param, shard, loader_args)
+        else:
+            param.data.narrow(0, offset, shard.size(0)).copy_(shard)
 
 
 class ReplicatedLinear(LinearBase):
@@ -84,12 +138,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         expect_loader_shards(self, [(i,) for i in range(len(output_sizes))])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: int) -> None:
         check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(shard)
+        self.store(param, take_rows(loaded_weight, self.tp_rank * size, size), offset, (shard_id,))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -110,7 +163,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
         expect_loader_shards(self, [("q",), ("k",), ("v",)])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         num_heads = self.num_heads * self.tp_size if shard_id == "q" else \
@@ -121,8 +174,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, shard_rank = kv_size, self.tp_rank // self.num_kv_head_replicas
-        shard = loaded_weight.narrow(0, shard_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(shard)
+        self.store(param, take_rows(loaded_weight, shard_rank * size, size), offset, (shard_id,))
 
 
 class RowParallelLinear(LinearBase):
@@ -131,7 +183,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_group().size), output_size, bias, tp_dim=1)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
         if param.dim() == 1:  # the bias is whole on every rank: added once, after the reduce
             check_weight_shape(loaded_weight, param.shape)
             param.data.copy_(loaded_weight)

@@ -47,7 +47,15 @@ class Platform(Protocol):
         """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed_weight) -> torch.Tensor: ...
+               packed_weight) -> torch.Tensor:
+        """x @ weight^T (+ bias), on packed_weight where there is one (then weight may be empty)."""
+
+    def pack_quantized_weight(self, quantized, dtype: torch.dtype):
+        """After loading: a QuantizedWeight (tpengine/quantization) in the form linear() multiplies; on a
+        platform without a kernel for it, its float value in dtype."""
+
+    def embedding_rows(self, token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of an embedding table stored as pack_quantized_weight made it, in dtype."""
 
 
 def platform_for(device: torch.device) -> Platform:

@@ -139,6 +139,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x @ weight^T (+ bias), on packed_weight where pack_linear_weight made one."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if type(packed_weight) is torch_ops.DequantizedWeight:
+        return torch_ops.dequantized_linear(x, packed_weight, bias)
     if type(packed_weight) is Bf16Blocks:
         return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# --- quantized weights -----------------------------------------------------------------------------
+
+def pack_quantized_weight(quantized, dtype: torch.dtype):
+    """A QuantizedWeight as linear() multiplies it."""
+    return torch_ops.dequantized_weight(quantized, dtype)
+
+
+def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+    return F.embedding(token_ids, packed_weight.weight).to(dtype)

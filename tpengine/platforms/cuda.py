@@ -113,5 +113,19 @@ def pack_linear_weight(weight: torch.Tensor) -> None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed_weight: torch_ops.DequantizedWeight | None) -> torch.Tensor:
+    if packed_weight is not None:
+        return torch_ops.dequantized_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)
+
+
+# --- quantized weights: no CUDA kernel yet, so their float value -----------------------------------
+
+def pack_quantized_weight(quantized, dtype: torch.dtype) -> torch_ops.DequantizedWeight:
+    return torch_ops.dequantized_weight(quantized, dtype)
+
+
+def embedding_rows(token_ids: torch.Tensor, packed_weight: torch_ops.DequantizedWeight,
+                   dtype: torch.dtype) -> torch.Tensor:
+    return F.embedding(token_ids, packed_weight.weight).to(dtype)

@@ -1,8 +1,12 @@
 """The torch code of the ops each platform runs its own way, in transformers' op order: CUDA compiles it
 (cuda.py), the CPU falls back to it where its C++ op does not take a tensor (cpu.py), and the tests
 measure both against it. Any device runs it as written."""
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from tpengine.quantization.weights import quantize_per_token
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,19 +84,20 @@ def store_kvcache_masked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, act_and_mul=silu_and_mul) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    act_and_mul=silu_and_mul, linear=F.linear) -> torch.Tensor:
     """sum over each token's chosen experts of weight * down(act_and_mul(gate_up(x))), act_and_mul being
     silu(gate) * up; x [tokens, hidden], w13 [experts, 2 * intermediate, hidden] (gate then up), w2
     [experts, hidden, intermediate]: the arguments of Triton's fused_experts.
 
     Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
-    ascending expert order (the order transformers adds them in); unchosen experts cost nothing.
+    ascending expert order (the order transformers adds them in); unchosen experts cost nothing. Quantized
+    experts come as lists of packed weights, with the linear that multiplies them.
     """
     top_k = topk_ids.size(1)
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)                 # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
     flat_weights = topk_weights.flatten()
     out = torch.zeros_like(x)
     start = 0
@@ -102,7 +107,27 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        h = act_and_mul(F.linear(x[tokens], w13[expert]))
-        h = F.linear(h, w2[expert]) * flat_weights[pairs, None]
+        h = act_and_mul(linear(x[tokens], w13[expert]))
+        h = linear(h, w2[expert]) * flat_weights[pairs, None]
         out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
     return out
+
+
+# --- quantized weights without a kernel ------------------------------------------------------------
+
+class DequantizedWeight(NamedTuple):
+    """A quantized weight on a platform with no kernel for it: its float value, multiplied as any float weight
+    (an "int8" activation linear quantizes its input per token first). The same numbers, no memory saved."""
+    weight: torch.Tensor  # [out, in], in the input's column order
+    activation: str
+
+
+def dequantized_weight(quantized, dtype: torch.dtype) -> DequantizedWeight:
+    return DequantizedWeight(quantized.dequantize(dtype), quantized.activation)
+
+
+def dequantized_linear(x: torch.Tensor, packed: DequantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.activation == "int8":
+        values, scales = quantize_per_token(x)
+        x = (values.float() * scales).to(x.dtype)
+    return F.linear(x, packed.weight, bias)

@@ -39,11 +39,16 @@ class QuantizedWeight:
     def shape(self) -> torch.Size:
         return self.qweight.shape
 
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, qweight=move(self.qweight), scales=move(self.scales), zeros=move(self.zeros),
+                       group_index=move(self.group_index))
+
     def column_groups(self) -> torch.Tensor:
         """int64 [in]: the group of each column."""
         if self.group_index is not None:
             return self.group_index
-        return torch.arange(self.qweight.size(1)) // self.group_size
+        return torch.arange(self.qweight.size(1), device=self.qweight.device) // self.group_size
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float [out, in] weight this stands for, computed in float32: the reference every kernel and
@@ -122,3 +127,13 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
             raise ValueError("the packed projections of one layer have different act-order group indices (g_idx)")
     return replace(first, qweight=torch.cat([p.qweight for p in parts]), scales=torch.cat([p.scales for p in parts]),
                    zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scales [..., 1]) of x quantized per token (its last dimension), symmetric: the
+    scale is the row's largest magnitude over 127, values rounded half to even; an all-zero row gets scale 1.
+    How an "int8" activation linear sees its input."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1, keepdim=True) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(x / scales).clamp_(-127, 127).to(torch.int8), scales

@@ -8,9 +8,9 @@ from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
-from tpengine.hf_config import load_hf_config
+from tpengine.hf_config import load_hf_config, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
-from tpengine.models.loader import load_model
+from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
 from tpengine.platforms import platform_for
@@ -34,6 +34,15 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def online_quantization(config: EngineConfig) -> OnlineQuantization | None:
+    """How a float checkpoint's linears are quantized as they load, if the engine is told to."""
+    if config.quantization is None:
+        return None
+    bits = 8 if config.quantization == "int8" else 4
+    return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation="float",
+                              lm_head=config.quantize_lm_head)
 
 
 def _gib(num_bytes: float) -> str:
@@ -67,7 +76,7 @@ class ModelRunner:
                 self.model = model_class(hf_config)(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        load_model(self.model, config.model, quantization_config_of(hf_config), online_quantization(config))
         for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
             if hasattr(module, "prepack"):
                 module.prepack()
