@@ -58,6 +58,17 @@ def test_pack_quantized_matches_compressed_tensors_decompress(bits, group_size, 
     assert torch.equal(read.dequantize(), expected.float())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_quantized_reads_shapes_that_do_not_fill_whole_words(bits):
+    fmt = CheckpointFormat("pack-quantized", bits=bits, group_size=None, sym=False)
+    qw = quantize_linear(_weight(out_features=45, in_features=100), fmt, torch.Generator(), torch.float32)
+    tensors = pack_tensors(qw, fmt, torch.float32)
+    read = QuantizationConfig.from_hf(quantization_config(fmt)).read_linear("model.layers.0.mlp.up_proj", tensors)
+    scheme = QuantizationScheme(targets=["Linear"], weights=_ct_args(fmt))
+    expected = PackedQuantizationCompressor.decompress(dict(tensors), scheme)["weight"]
+    assert read.shape == (45, 100) and torch.equal(read.dequantize(), expected.float())
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_pack_quantized_equals_what_compressed_tensors_compress_writes(sym):
     fmt = CheckpointFormat("pack-quantized", group_size=32, sym=sym)
