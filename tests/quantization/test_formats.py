@@ -220,9 +220,13 @@ def test_gptq_leaves_lm_head_and_modules_to_not_convert_float():
     config["modules_to_not_convert"] = ["mlp.gate"]
     gptq = QuantizationConfig.from_hf(config)
     assert gptq.skips("lm_head") and gptq.skips("model.layers.0.mlp.gate")
-    assert not gptq.skips("model.layers.0.mlp.experts.1.up_proj")
+    assert not gptq.skips("model.layers.0.mlp.experts.1.up_proj") and not gptq.skips("model.layers.0.mlp.gate_proj")
     assert gptq.is_quantized("model.layers.0.self_attn.k_proj", {"qweight", "qzeros", "scales", "g_idx"})
     assert not QuantizationConfig.from_hf({**config, "lm_head": True}).skips("lm_head")
+    excluded = QuantizationConfig.from_hf({**config, "dynamic": {r"-:.*\.layers\.1\..*": {}}})
+    assert excluded.skips("model.layers.1.mlp.up_proj") and not excluded.skips("model.layers.0.mlp.up_proj")
+    awq = QuantizationConfig.from_hf({**quantization_config(CheckpointFormat("awq")), "modules_to_not_convert": ["visual"]})
+    assert awq.skips("visual.blocks.0.attn.qkv") and not awq.skips("model.layers.0.self_attn.q_proj")
 
 
 # --- refusals --------------------------------------------------------------------------------------------

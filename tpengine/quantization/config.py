@@ -55,7 +55,7 @@ class QuantizationConfig:
     method: str  # "compressed-tensors", "gptq" or "awq"
     schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...]  # (targets, scheme), compressed-tensors' groups
     ignore: tuple[str, ...] = ()  # exact module names and "re:" patterns left float (compressed-tensors)
-    not_converted: tuple[str, ...] = ()  # substrings of module names left float (GPTQ, AWQ)
+    not_converted: tuple[str, ...] = ()  # dotted parts of module names left float (GPTQ, AWQ)
     lm_head_quantized: bool = False
 
     # a summary for logs: the first scheme's
@@ -104,7 +104,8 @@ class QuantizationConfig:
                 return True
         if any(_matches(module_name, pattern) for pattern in self.ignore):
             return True
-        if any(part in module_name for part in self.not_converted):
+        # whole dotted parts, so that "mlp.gate" (an MoE router) does not also leave mlp.gate_proj float
+        if any(f".{part}." in f".{module_name}." for part in self.not_converted):
             return True
         return self.scheme_for(module_name) is None
 
