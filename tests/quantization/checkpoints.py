@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -221,11 +222,16 @@ def _copy_with_config(float_dir: str, out_dir: str, state: dict[str, torch.Tenso
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
+def shared_input(module: str) -> str:
+    """Linears that read the same input (q/k/v; gate/up) get one act order: GPTQ orders columns by the
+    input's statistics, so they share g_idx, as the engine's packed projections require."""
+    return re.sub(r"\.(gate|up)_proj$", ".gate_up", re.sub(r"\.[qkv]_proj$", ".qkv", module))
+
+
 def write_quantized_checkpoint(float_dir: str, out_dir: str,
                                fmt: CheckpointFormat) -> dict[str, QuantizedWeight | torch.Tensor]:
     """Writes the quantized checkpoint; returns module name -> what its tensors stand for."""
     state = _read_checkpoint(float_dir)
-    generator = torch.Generator().manual_seed(fmt.seed)
     written, quantized_state = {}, {}
     for name in sorted(state):
         module, _, suffix = name.rpartition(".")
@@ -233,6 +239,7 @@ def write_quantized_checkpoint(float_dir: str, out_dir: str,
         if suffix != "weight" or not QUANTIZED_LINEAR.match(module):
             quantized_state[name] = tensor
             continue
+        generator = torch.Generator().manual_seed(fmt.seed * 1_000_003 + zlib.crc32(shared_input(module).encode()))
         # GPTQ and AWQ keep fp16 scales; compressed-tensors keeps the model's dtype
         scale_dtype = torch.float16 if fmt.method in ("gptq", "awq") else tensor.dtype
         if fmt.method == "float-quantized":
