@@ -129,6 +129,7 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
 
 def quant_linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] (float32 or bfloat16) @ W^T (+ bias) -> [..., out] in x's dtype; needs available()."""
+    load()
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quant_linear takes float32 or bfloat16 x, not {x.dtype}")
     if x.size(-1) != packed.in_features:
@@ -147,6 +148,7 @@ def quant_linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor 
 def dequantize_rows(packed: PackedQuantWeight, rows: torch.Tensor) -> torch.Tensor:
     """float32 [n, in]: the weight's rows (output features) `rows`, exactly as QuantizedWeight.dequantize gives them
     (a quantized embedding table gathered by token ids)."""
+    load()
     if rows.dtype != torch.int64 or rows.dim() != 1:
         raise ValueError(f"rows must be an int64 vector, not {rows.dtype} {tuple(rows.shape)}")
     return torch.ops.tpengine_cpu.quant_dequantize_rows(packed.weight, packed.scales, packed.zeros,
