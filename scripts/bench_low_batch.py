@@ -1,6 +1,6 @@
 """Low-batch decode on the CPU: decode tok/s at small batches against the weight-read floor, in one run.
 
-The model is the shape of the llama.cpp comparison in docs/benchmarks.md: a random-weight Qwen3 with
+The model is the shape of the llama.cpp comparison in docs/benchmarks.md (history: docs/benchmark-history.md): a random-weight Qwen3 with
 vocab 8192, hidden 512, intermediate 1024, 6 layers, 8 heads / 4 KV heads of 64, untied LM head
 (~18M params; float32 by default), written with transformers by bench.py's write_model, or --model.
 
