@@ -128,7 +128,8 @@ class VllmDecode:
                    "--batch-sizes", *map(str, batch_sizes)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self._answer()
-        self.label = f"vLLM {ready['version']} offline LLM ({dtype})"
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # its default computes on one core, leaving one free
+        self.label = f"vLLM {ready['version']} offline LLM ({dtype}{', threads bound to ' + bind if bind else ''})"
 
     def _answer(self) -> dict:
         line = self.process.stdout.readline()
