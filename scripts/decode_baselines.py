@@ -132,10 +132,12 @@ class VllmDecode:
         self.label = f"vLLM {ready['version']} offline LLM ({dtype}{', threads bound to ' + bind if bind else ''})"
 
     def _answer(self) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"vLLM's child exited ({self.process.wait()}); its stderr is above")
-        return json.loads(line)
+        """The child's next protocol line (marked @@); whatever else vLLM prints on stdout goes to stderr."""
+        for line in self.process.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+            sys.stderr.write(line)
+        raise SystemExit(f"vLLM's child exited ({self.process.wait()}); its stderr is above")
 
     def step_ms(self, batch_sizes: list[int]) -> dict[int, float]:
         self.process.stdin.write(" ".join(map(str, batch_sizes)) + "\n")

@@ -3,8 +3,9 @@
     ~/.cache/vllm-cpu-anchor/bin/python scripts/vllm_decode.py MODEL_DIR --batch-sizes 1 4 16 64
 
 Builds vLLM's offline LLM on the checkpoint (no tokenizer needed: prompts are token ids; prefix caching off; one
-prefill step holds the largest batch's prompts), warms every batch size up, prints one JSON line
-{"version": ...}, then answers each line of batch sizes on stdin with {"step_ms": {batch: ms}}. A step is
+prefill step holds the largest batch's prompts), warms every batch size up, prints one line
+`@@ {"version": ...}`, then answers each line of batch sizes on stdin with `@@ {"step_ms": {batch: ms}}`
+(vLLM may print on stdout too: the reader takes only the lines marked @@). A step is
 (generate writing 1 + steps tokens - generate writing 1 token) / steps, fresh random prompts each call,
 greedy, ignore_eos. Imports nothing of tpengine: it runs in vLLM's venv.
 """
@@ -13,6 +14,8 @@ import json
 import random
 import sys
 import time
+
+MARK = "@@"  # the protocol's lines; anything else on stdout is vLLM's
 
 
 def main() -> None:
@@ -51,10 +54,10 @@ def main() -> None:
 
     for batch in args.batch_sizes:  # warm-up: every shape once
         generate(batch, 3)
-    print(json.dumps({"version": vllm.__version__}), flush=True)
+    print(MARK, json.dumps({"version": vllm.__version__}), flush=True)
     for line in sys.stdin:
         batches = [int(b) for b in line.split()]
-        print(json.dumps({"step_ms": {batch: step_ms(batch) for batch in batches}}), flush=True)
+        print(MARK, json.dumps({"step_ms": {batch: step_ms(batch) for batch in batches}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,9 +58,10 @@ def test_baselines_take_turns_each_round_and_land_in_the_json(quick_model, tmp_p
     vllm_python = executable(tmp_path / "python", f"""\
         #!{sys.executable}
         import json, sys
-        print(json.dumps({{"version": "0.0-stand-in"}}), flush=True)
+        print("INFO a log line vLLM prints on stdout", flush=True)
+        print("@@", json.dumps({{"version": "0.0-stand-in"}}), flush=True)
         for line in sys.stdin:
-            print(json.dumps({{"step_ms": {{b: 2.0 for b in line.split()}}}}), flush=True)
+            print("@@", json.dumps({{"step_ms": {{b: 2.0 for b in line.split()}}}}), flush=True)
         """)
     path = tmp_path / "low_batch.json"
     out = run_script("bench_low_batch.py", "--quick", "--model", quick_model, "--batch-sizes", "1", "2",
