@@ -5,8 +5,10 @@ are `context_len` random tokens (greedy, every sequence writes all its tokens), 
 
 - transformers: `model.generate` of the batch (all prompts one length, so no padding) writing 1 token, then
   writing 1 + steps tokens, fresh prompts each; a step is the difference over `steps`. In this process.
-- llama.cpp: `llama-batched-bench -npp context_len -ntg steps -npl B1,B2,...` on a GGUF of the same weights
+- llama.cpp: `llama-batched-bench -npp context_len -ntg steps -npl B1,B2,... -pps` on a GGUF of the same weights
   (../shared/bench/llamacpp/README.md builds it and converts the checkpoint); a step is B / its S_TG column.
+  -pps prefills the prompt once and copies its KV to every sequence (each keeps its own copy: -no-kvu), so the
+  untimed prefill costs one prompt, not B; the decode steps read as much KV as with B prompts.
 - vLLM: its offline `LLM` (vLLM's CPU build, its own venv) in a child process running scripts/vllm_decode.py,
   the same difference of two generate calls as for transformers; the child stays up between rounds.
 
@@ -85,7 +87,8 @@ def parse_batched_bench(text: str) -> dict[int, dict[str, float]]:
 
 
 class LlamaCppDecode:
-    """llama.cpp's llama-batched-bench on one GGUF file, 2 threads by default, `-fa off -no-kvu` (fastest here)."""
+    """llama.cpp's llama-batched-bench on one GGUF file, 2 threads by default, `-fa off -no-kvu` (fastest here),
+    the prompt shared (-pps)."""
 
     def __init__(self, bin_dir: str, name: str, gguf: str, context_len: int, steps: int, threads: int,
                  extra: tuple[str, ...] = ()):
@@ -99,7 +102,7 @@ class LlamaCppDecode:
         n_ctx = max(batch_sizes) * (self.context_len + self.steps + 16)
         return [self.binary, "-m", self.gguf, "-c", str(n_ctx), "-b", "2048", "-ub", "512",
                 "-npp", str(self.context_len), "-ntg", str(self.steps), "-npl", ",".join(map(str, batch_sizes)),
-                "-t", str(self.threads), "-fa", "off", "-no-kvu", *self.extra]
+                "-t", str(self.threads), "-fa", "off", "-no-kvu", "-pps", *self.extra]
 
     def step_ms(self, batch_sizes: list[int]) -> dict[int, float]:
         result = subprocess.run(self.command(batch_sizes), capture_output=True, text=True, timeout=3600)
