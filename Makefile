@@ -29,6 +29,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@# bfloat16 linears on AVX512-BF16 CPUs only: elsewhere bfloat16 runs on oneDNN or as float32
 	$(BIN)/python -c "from tpengine.kernels.cpu.bf16_linear import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.sampling import available; available()"
+	$(BIN)/python -c "from tpengine.kernels.cpu.token_bitmask import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.shm_allreduce import load; load()" \
 		|| echo "could not build the CPU all-reduce kernel: CPU ranks on one host will all-reduce through gloo"
 	touch $(STAMP)

@@ -32,7 +32,7 @@ import bench  # noqa: E402  scripts/bench.py: the end-to-end workload and its re
 
 from quick import QUICK_MODEL, parse_with_quick  # noqa: E402
 from tpengine.distributed.parallel_state import find_free_port  # noqa: E402
-from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect  # noqa: E402
+from tpengine.distributed.shm.all_reduce import DEFAULT_SLOT_BYTES, connect  # noqa: E402
 
 
 def parse_args(argv=None):

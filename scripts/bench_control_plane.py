@@ -56,7 +56,7 @@ from multiprocessing.shared_memory import SharedMemory
 from nano_baseline import NanoSequence
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine.distributed.messages import decode_control, encode
-from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
+from tpengine.distributed.shm.ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.runner.block_tables import BlockTables
@@ -421,7 +421,7 @@ def main(argv=None) -> None:
 
     ncpu = len(os.sched_getaffinity(0))
     mp.get_context("forkserver").set_forkserver_preload(
-        ["tpengine.distributed.messages", "tpengine.distributed.shm_ring", "tpengine.runner.block_tables"])
+        ["tpengine.distributed.messages", "tpengine.distributed.shm.ring", "tpengine.runner.block_tables"])
     cases = make_cases()
     for case in cases:
         check_round_trip(case)

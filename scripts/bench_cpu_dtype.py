@@ -111,11 +111,11 @@ def float16_forms(batch_sizes: list[int], out_features: int = 2048, in_features:
     """us per call of one [out, in] linear in the forms a float16 model could run in on this CPU."""
     import torch.nn.functional as F
 
-    from tpengine.layers.linear import linear, prepack_weight_for_cpu
+    from tpengine.platforms.cpu import linear, pack_linear_weight
 
     weight = torch.randn(out_features, in_features)
     half = weight.half()
-    packed = prepack_weight_for_cpu(weight)
+    packed = pack_linear_weight(weight)
     lines = [f"float16 linear forms, [{out_features}, {in_features}] weight, us per call (best of 5):", "",
              "| rows | float32 weights converted at load (the fallback) | float16 weights, torch's float16 matmul "
              "| float16 weights upcast per call |", "|---:|---:|---:|---:|"]

@@ -32,8 +32,9 @@ from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.hf_config import RopeParameters
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
-from tpengine.layers.linear import Bf16Blocks, linear, prepack_weight_for_cpu
-from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
+from tpengine.layers.rotary_embedding import RotaryEmbedding
+from tpengine.platforms.cpu import Bf16Blocks, linear, pack_linear_weight
+from tpengine.platforms.torch_ops import apply_rotary_in_halves, apply_rotary_pointwise
 from tpengine.runner.sampler import filtered_probs
 
 
@@ -92,9 +93,9 @@ def linears(args) -> None:
           "|---:|---:|---:|---:|---:|---:|")
     hidden = model["hidden_size"]
     weights = layer_weights(model)
-    packed = [prepack_weight_for_cpu(w) for w in weights]
+    packed = [pack_linear_weight(w) for w in weights]
     head = torch.randn(model["vocab_size"], hidden) * 0.02
-    head_packed = prepack_weight_for_cpu(head)
+    head_packed = pack_linear_weight(head)
     if head_packed is None:
         print("this torch has no oneDNN weight packing: nothing to compare")
         return
@@ -121,11 +122,11 @@ def bf16_linears(args) -> None:
     model = args.model_shape
     weights = layer_weights(model) + [torch.randn(model["vocab_size"], model["hidden_size"])]
     halves = [w.bfloat16() for w in weights]
-    ours = [prepack_weight_for_cpu(w) for w in halves]
+    ours = [pack_linear_weight(w) for w in halves]
     if not isinstance(ours[0], Bf16Blocks):  # checked first: oneDNN's bfloat16 packing needs AVX512 too
         print("this CPU has no AVX512-BF16 (or no compiler): nothing to compare")
         return
-    forms = {"float32 oneDNN": (weights, [prepack_weight_for_cpu(w) for w in weights]),
+    forms = {"float32 oneDNN": (weights, [pack_linear_weight(w) for w in weights]),
              "bfloat16 oneDNN": (halves, [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in halves]),
              "bfloat16 tpengine": (halves, ours)}
     print("| rows | " + " | ".join(f"{name} ms" for name in forms) + " | tpengine vs oneDNN bfloat16 |\n"
@@ -170,14 +171,13 @@ def rotary(args) -> None:
     print("\n## Rotary on q and k, eager: in-place halves (CPU) vs the form CUDA compiles\n")
     print("| tokens | in-place ms | CUDA form ms | CUDA form / in-place |\n|---:|---:|---:|---:|")
     cache = RotaryEmbedding(64, 4096, RopeParameters(theta=1_000_000.0)).cos_sin_cache
-    cuda_form = apply_rotary_traceable.__wrapped__
     for rows in args.rows:
         positions = torch.randint(0, 4096, (rows,))
         qkv = torch.randn(rows, (8 + 2 * 4) * 64)
         q, k = qkv[:, :512].view(rows, 8, 64), qkv[:, 512:768].view(rows, 4, 64)  # strided, as the model's
         repeat = max(1, 2000 // rows)
-        in_place_ms = best_ms(lambda: apply_rotary(positions, q, k, cache), repeat, args.rounds)
-        cuda_ms = best_ms(lambda: cuda_form(positions, q, k, cache), repeat, args.rounds)
+        in_place_ms = best_ms(lambda: apply_rotary_in_halves(positions, q, k, cache), repeat, args.rounds)
+        cuda_ms = best_ms(lambda: apply_rotary_pointwise(positions, q, k, cache), repeat, args.rounds)
         print(f"| {rows} | {in_place_ms:.3f} | {cuda_ms:.3f} | {cuda_ms / in_place_ms:.2f}x |")
 
 

@@ -18,8 +18,8 @@ In one process, one engine (prefix caching off, so repeats compute everything):
   llama-batched-bench -npp 208 -ntg 56 decodes 56 times after the prompt); total tok/s = batch x
   (208 + 56) / wall time, llama-batched-bench's S column. Best of --repeat.
 - --breakdown: where one batch-1 decode step's time goes, layer kind by layer kind (see breakdown()).
-- --ops: each fused CPU op (kernels/cpu/fused_ops.cpp) against the torch code it replaces (the layers'
-  fallback), at 1, 16 and 2048 tokens of the model's shape, best of 10 rounds on the engine's threads.
+- --ops: each fused CPU op (kernels/cpu/fused_ops.cpp) against the torch code it replaces (the CPU
+  platform's fallback), at 1, 16 and 2048 tokens of the model's shape, best of 10 rounds on the engine's threads.
 - baselines on the same checkpoint, the same batch sizes and context (scripts/decode_baselines.py says how each
   is timed): --transformers (generate, in this process), --llama-cpp BIN --gguf f32=PATH q8_0=PATH ...
   (llama-batched-bench), --vllm-python PATH (vLLM's offline LLM, in its venv). Every round each engine takes
@@ -281,11 +281,9 @@ def best_us(fn, repeats: int = 10, calls: int = 20) -> float:
 def op_rows(config, dtype: torch.dtype) -> list[tuple[str, int, float, float]]:
     """(op, tokens, torch code us, fused us) at the model's shape; each op gets fresh copies of its inputs,
     as the fused ones write in place."""
-    from tpengine.attention.torch_backend import store_kvcache_masked
     from tpengine.kernels.cpu import fused_ops
-    from tpengine.layers.activation import silu_and_mul
-    from tpengine.layers.layernorm import add_rms_norm, rms_norm
-    from tpengine.layers.rotary_embedding import apply_rotary
+    from tpengine.platforms.torch_ops import (add_rms_norm, apply_rotary_in_halves, rms_norm, silu_and_mul,
+                                              store_kvcache_masked)
 
     hidden, head_dim = config.hidden_size, config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -309,7 +307,8 @@ def op_rows(config, dtype: torch.dtype) -> list[tuple[str, int, float, float]]:
             ("RMSNorm", tokens, best_us(lambda: rms_norm(x, weight, eps)),
              best_us(lambda: fused_ops.rms_norm(x, weight, eps))),
             ("q/k norm + rotary", tokens,
-             best_us(lambda: apply_rotary(positions, rms_norm(q, head_weight, eps), rms_norm(k, head_weight, eps), cache)),
+             best_us(lambda: apply_rotary_in_halves(positions, rms_norm(q, head_weight, eps), rms_norm(k, head_weight, eps),
+                                                  cache)),
              best_us(lambda: fused_ops.qk_norm_rotary_(q, k, head_weight, head_weight, eps, positions, cache))),
             ("SiLU and mul", tokens, best_us(lambda: silu_and_mul(gate_up)), best_us(lambda: fused_ops.silu_and_mul(gate_up))),
             ("KV store", tokens, best_us(lambda: store_kvcache_masked(k, v, k_cache, v_cache, slots)),

@@ -2,7 +2,7 @@
 
 One sparse layer's experts, Qwen3-30B-A3B-shaped by default (hidden 2048, 128 experts, top-8, expert
 intermediate 768, float32, one rank): routing from random router logits, then
-  - grouped (tpengine.layers.fused_moe.grouped_experts, what the engine runs on the CPU): each chosen
+  - grouped (tpengine.platforms.torch_ops.grouped_experts, what the engine runs on the CPU): each chosen
     expert's two matmuls once over its tokens;
   - per token (per_token_experts): each token's k experts one matmul pair at a time.
 Both give the same sum (checked here). Prints a markdown table for docs/benchmarks.md.
@@ -16,7 +16,8 @@ import time
 import torch
 
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
-from tpengine.layers.fused_moe import grouped_experts, per_token_experts, select_experts
+from tpengine.layers.fused_moe import per_token_experts, select_experts
+from tpengine.platforms.torch_ops import grouped_experts
 
 
 def best_ms(fn, rounds: int) -> float:

@@ -40,7 +40,8 @@ if os.environ.get("TPENGINE_PROFILE_DIR"):
                 EVENTS.append((tag, entered, time.perf_counter_ns()))
         setattr(cls, name, recorded)
     import torch
-    from tpengine.distributed import parallel_state, shm_all_reduce, shm_ring
+    from tpengine.distributed import parallel_state
+    from tpengine.distributed.shm import all_reduce as shm_all_reduce, ring as shm_ring
     from tpengine.engine import llm_engine, scheduler
     from tpengine.runner import model_runner, multiproc_executor, sampler
     for cls, name, tag in [(shm_all_reduce.ShmAllReduce, "all_reduce", "all-reduce"),

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random checkpoints written by transformers, and transformers' greedy tokens."""
 import functools
 import os
+import shutil
 
 import torch
 
@@ -72,3 +73,15 @@ def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[
 def _cpu_threads():
     # two cores: keep each test process from oversubscribing them
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def thinking_model(tied_model, tmp_path_factory) -> str:
+    """The tied model, its tokenizer given the reasoning tokens <think> and </think> (as Qwen3's has)."""
+    from transformers import AutoTokenizer
+    path = str(tmp_path_factory.mktemp("thinking") / "model")
+    shutil.copytree(tied_model, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"])  # ids 257, 258: inside the model's 320-row vocabulary
+    tokenizer.save_pretrained(path)
+    return path

@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-from tpengine.config import ATTENTION_BACKENDS, DTYPES, SCHEDULING_POLICIES
+from tpengine.config import ATTENTION_BACKENDS, DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS, SCHEDULING_POLICIES
+from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 MAX_NUM_SEQS = 512
 # `serve` on the CPU decodes at most this many requests at once (vLLM's CPU serving default): every
@@ -82,6 +83,15 @@ def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParse
                                                "whose tokenizer has none, or to override it")
     serve.add_argument("--body-timeout", type=float, default=60.0,
                        help="seconds a client has to send a whole request body before it gets a 408 (default 60)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model choose whether to call a tool (tool_choice "auto", the default with tools); '
+                            "needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                       help="how the model writes tool calls, for tool_choice auto: hermes (Qwen2.5, Qwen3: "
+                            "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                       help="a reasoning model's <think>...</think>: returned as reasoning_content, and structured "
+                            "outputs constrain only the answer after it (qwen3, deepseek_r1)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     _add_engine_args(serve, tensor_parallel_flag)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
@@ -121,6 +131,14 @@ def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool
                         help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
                              "kernel built on first use), else torch, on the CPU (default auto)")
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    parser.add_argument("--quantization", default=None, choices=ONLINE_QUANTIZATIONS,
+                        help="quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
+                             "groups (--quantization-group-size), symmetric; a quantized checkpoint (GPTQ, AWQ, "
+                             "compressed-tensors) needs no flag (default: none)")
+    parser.add_argument("--quantization-group-size", type=int, default=128,
+                        help="input features per int4 scale (default 128)")
+    parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                        help="with --quantization: keep the LM head and embedding in floats")
 
 
 def _engine_kwargs(args) -> dict:
@@ -129,7 +147,9 @@ def _engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len,
                 max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
+                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                quantize_lm_head=args.quantize_lm_head)
 
 
 def _read_lines(stream) -> list[str]:
@@ -246,7 +266,10 @@ def _serve(args) -> int:
 
     if not args.body_timeout > 0:
         raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine_kwargs = _engine_kwargs(args)
+    engine_kwargs["reasoning_parser"] = args.reasoning_parser
     if args.max_num_seqs is None and _on_cpu(args.device):
         engine_kwargs["max_num_seqs"] = SERVE_CPU_MAX_NUM_SEQS
 
@@ -255,7 +278,8 @@ def _serve(args) -> int:
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
-                      engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout)
+                      engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout, tool_parser=args.tool_call_parser,
+                      enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def _on_cpu(device: str) -> bool:

@@ -4,11 +4,13 @@ A record: it imports nothing of the engine, the runner or the models, and neithe
 """
 import msgspec
 
-from tpengine.hf_config import HFConfig, tensor_parallel_sizes
+from tpengine.hf_config import HFConfig, head_dim_of, tensor_parallel_sizes
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
+ONLINE_QUANTIZATIONS = ("int8", "int4")  # a float checkpoint quantized at load (tpengine/models/loader.py)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -35,6 +37,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # a worker that takes longer than this over one step is taken for stuck (stopped, a wedged kernel
     # or host): every rank is stopped and the step fails with WorkerFailedError naming it
     step_timeout_s: float = 300.0
+    # a reasoning model's parser ("qwen3", "deepseek_r1"): structured outputs constrain what follows its
+    # thinking (the server also splits the thinking off as reasoning_content)
+    reasoning_parser: str | None = None
+    # quantize a float checkpoint's linears as they load: "int8" (per output channel) or "int4" (groups of
+    # quantization_group_size input features), symmetric; the LM head and embedding too unless
+    # quantize_lm_head is False. A quantized checkpoint needs none of this: its own config says how.
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = True
 
     def validate(self, hf_config: HFConfig) -> None:
         """Raise ValueError for settings that can never work, before any process starts."""
@@ -46,6 +57,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             positive(name)
         if self.max_num_batched_tokens is not None:
             positive("max_num_batched_tokens")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, "
+                             f"got {self.reasoning_parser!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
@@ -69,6 +83,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"step_timeout_s must be a number of seconds > 0, got {self.step_timeout_s!r}")
         if self.kvcache_memory_gb is not None and not self.kvcache_memory_gb > 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb}")
+        if self.quantization is not None:
+            if self.quantization not in ONLINE_QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of {ONLINE_QUANTIZATIONS} or None, "
+                                 f"got {self.quantization!r}")
+            if hf_config.quantization_config:
+                raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint, but "
+                                 f"{self.model!r} is already quantized (its config.json has a quantization_config)")
+            positive("quantization_group_size")
         tp = self.tensor_parallel_size
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         if heads % tp:
@@ -78,4 +100,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name, size in tensor_parallel_sizes(hf_config).items():
             if size % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={size}")
+        if self.quantization == "int4":
+            self._check_groups(hf_config)
+
+    def _check_groups(self, hf_config: HFConfig) -> None:
+        """Every linear's input features, and every row-parallel rank's share of them, in whole int4 groups."""
+        group, tp = self.quantization_group_size, self.tensor_parallel_size
+        inputs = {"hidden_size": (hf_config.hidden_size, 1),  # q/k/v, gate/up: every rank reads all of them
+                  "num_attention_heads * head_dim": (hf_config.num_attention_heads * head_dim_of(hf_config), tp),
+                  **{name: (size, tp) for name, size in tensor_parallel_sizes(hf_config).items()}}
+        for name, (size, shards) in inputs.items():
+            if (size // shards) % group:
+                per_rank = f", {size // shards} per rank at tensor_parallel_size={tp}," if shards > 1 else ""
+                raise ValueError(f"quantization_group_size={group} must divide the model's {name}={size}{per_rank} "
+                                 "for int4 groups of whole input features")
 

@@ -341,14 +341,22 @@ def max_model_len_of(config: HFConfig, requested: int) -> tuple[int, str | None]
     return limit, None
 
 
+def quantization_config_of(config: HFConfig):
+    """The checkpoint's QuantizationConfig (tpengine/quantization/config.py), or None for a float checkpoint."""
+    if not config.quantization_config:
+        return None
+    if not isinstance(config.quantization_config, dict):
+        raise ValueError(f"quantization_config must be an object, got {config.quantization_config!r}")
+    from tpengine.quantization.config import QuantizationConfig  # torch: only for a quantized checkpoint
+    return QuantizationConfig.from_hf(config.quantization_config)
+
+
 def check_supported(config: HFConfig) -> None:
     """ValueError naming the first setting of this checkpoint that the shared decoder does not implement."""
     if config.hidden_act not in SILU_ACTIVATIONS:
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
-    if config.quantization_config:
-        quantization = config.quantization_config
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise ValueError(f"quantized checkpoints (quantization_config, quant_method={method!r}) are not supported")
+    if config.quantization_config:  # a format or layout tpengine does not read is refused by name
+        quantization_config_of(config)
     unknown = sorted(set(config.layer_types or ()) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")

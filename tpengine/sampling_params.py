@@ -1,4 +1,5 @@
 """Per-request sampling settings (vLLM's fields and meanings), validated and normalized when they are made."""
+import json as jsonlib
 import math
 import numbers
 import struct
@@ -101,6 +102,63 @@ def _logit_bias(bias) -> dict[int, float] | None:
     return normalized or None
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a completion to a JSON schema, any JSON object, a regular expression, one of some strings, or
+    an EBNF grammar (vLLM's names): exactly one of them. A grammar library (xgrammar) turns it into a token
+    mask every step, so the output matches whatever the model's weights say."""
+    json: str | dict | None = None          # a JSON schema (stored as its JSON text, key order kept)
+    json_object: bool | None = None         # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None   # one of these strings
+    grammar: str | None = None              # EBNF, as xgrammar reads it (GBNF-like)
+    disable_any_whitespace: bool = False    # JSON without whitespace between its tokens (compact)
+
+    def __post_init__(self):
+        def invalid(message: str) -> InvalidRequestError:
+            return _invalid("structured_outputs", f"structured_outputs: {message}")
+
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise invalid(f"give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
+                          f"{', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as e:
+                    raise invalid(f"json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise invalid(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+            object.__setattr__(self, "json", jsonlib.dumps(schema, ensure_ascii=False))
+        if self.json_object is not None and self.json_object is not True:
+            raise invalid(f"json_object must be true, got {self.json_object!r:.60}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise invalid(f"{name} must be a non-empty string, got {value!r:.60}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                raise invalid(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise invalid(f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r:.60}")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """The canonical form: equal keys compile to the same grammar (the compile cache's key)."""
+        return self.kind, getattr(self, self.kind), self.disable_any_whitespace
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1                              # completions per prompt; they share the prompt's KV blocks
@@ -124,6 +182,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # a streamed request's outputs: everything so far, only what is new, or only the last
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar every completion follows
 
     def __post_init__(self):
         def set_(name, value):
@@ -166,6 +225,9 @@ class SamplingParams:
         if not 0.0 < repetition_penalty < math.inf:
             raise _invalid("repetition_penalty",
                            f"repetition_penalty must be a finite value > 0, got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _invalid("structured_outputs", "structured_outputs must be a StructuredOutputsParams, got "
+                                                 f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _invalid("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r:.60}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -199,7 +261,7 @@ class SamplingRecord:
     and its token list, which the ledger only appends to: penalties read it, min_tokens counts it, and
     its length is the position a seeded draw depends on. The sampler reads this, never a Sequence."""
 
-    __slots__ = ("params", "stop_token_ids", "token_ids", "num_prompt_tokens", "plain")
+    __slots__ = ("params", "stop_token_ids", "token_ids", "num_prompt_tokens", "plain", "grammar")
 
     def __init__(self, params: SamplingParams, stop_token_ids: frozenset[int], token_ids: list[int],
                  num_prompt_tokens: int):
@@ -210,7 +272,9 @@ class SamplingRecord:
         # shaped by its temperature alone (greedy included): every rank can sample it over its own slice
         # of the vocabulary, while min_tokens does not mask its stop tokens (min_tokens_pending)
         self.plain = not (params.has_penalties or params.has_filter or params.logprobs is not None
-                          or params.logit_bias is not None)
+                          or params.logit_bias is not None or params.structured_outputs is not None)
+        # its grammar's matcher (structured outputs), which masks its logits and takes each sampled token
+        self.grammar = None
 
     @property
     def min_tokens_pending(self) -> bool:

@@ -1,9 +1,9 @@
 """The fused elementwise ops of the CPU decoder (fused_ops.cpp), built on first use by kernels/cpu/build.py
 and loaded as torch ops `torch.ops.tpengine_fused.*`.
 
-Each takes float32, bfloat16 or float16 and computes in float32, rounding where transformers rounds.
-Callers ask `usable(x)` first: without a compiler (or on another device) the layers run their torch code,
-which computes the same values.
+Each takes float32, bfloat16 or float16 (DTYPES) and computes in float32, rounding where transformers
+rounds. Callers ask `available()` first: without a compiler the CPU platform (tpengine/platforms/cpu.py)
+runs the torch code, which computes the same values.
 """
 import functools
 import logging
@@ -34,11 +34,6 @@ def available() -> bool:
         logger.warning("could not build the fused CPU ops (%s): the CPU runs their torch code", error)
         return False
     return True
-
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether the fused ops can take x: a CPU tensor of a supported dtype, on a machine that built them."""
-    return x.device.type == "cpu" and x.dtype in DTYPES and available()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

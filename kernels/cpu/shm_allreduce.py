@@ -1,5 +1,5 @@
 """The C++ shared-memory all-reduce (shm_allreduce.cpp), built on first use by kernels/cpu/build.py and
-loaded as the torch op `torch.ops.tpengine_shm.all_reduce`; tpengine/distributed/shm_all_reduce.py
+loaded as the torch op `torch.ops.tpengine_shm.all_reduce`; tpengine/distributed/shm/all_reduce.py
 maps the segment and drives it."""
 import functools
 

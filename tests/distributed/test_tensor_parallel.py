@@ -160,13 +160,13 @@ def test_two_node_torchrun_sends_steps_over_the_gloo_broadcast(tiny_model):
 
 
 def test_prompt_longer_than_the_cpu_token_budget_matches_transformers_at_tp_2(tmp_path):
-    # the CPU's default budget is CPU_MAX_NUM_BATCHED_TOKENS a step: this prompt spans three steps, the
+    # the CPU's default budget is DEFAULT_MAX_NUM_BATCHED_TOKENS a step: this prompt spans three steps, the
     # first two of which end no sequence (no token sampled), while the short one decodes next to them
-    from tpengine.runner.model_runner import CPU_MAX_NUM_BATCHED_TOKENS
+    from tpengine.platforms.cpu import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from tpengine.tiny_model import write_tiny_model
     model = write_tiny_model(str(tmp_path / "long"), seed=2, with_tokenizer=False,
                              **{**TP_MODEL, "max_position_embeddings": 8192})
-    prompts = random_prompts(31, [2 * CPU_MAX_NUM_BATCHED_TOKENS + 100, 7], TP_MODEL["vocab_size"])
+    prompts = random_prompts(31, [2 * DEFAULT_MAX_NUM_BATCHED_TOKENS + 100, 7], TP_MODEL["vocab_size"])
     with LLM(model, tensor_parallel_size=2, device="cpu", max_model_len=8192) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(model, prompts, GREEDY.max_tokens)

@@ -1,5 +1,5 @@
 """The fused CPU ops (kernels/cpu/fused_ops.cpp) against the torch code they replace, which is also the
-layers' fallback where no compiler builds them.
+CPU platform's fallback where no compiler builds them.
 
 Bitwise where the op does the same arithmetic in the same order: the residual add, the rotary
 embedding, SiLU-and-mul (float32, when this build's exp has torch's vector width) and the KV store.
@@ -9,12 +9,10 @@ in the last bit: float32 within a few ulp, the half types within one rounding of
 import pytest
 import torch
 
-from tpengine.attention.torch_backend import store_kvcache_masked
 from tpengine.kernels.cpu import fused_ops
 from tpengine.kernels.cpu.build import has_compiler
-from tpengine.layers.activation import silu_and_mul
-from tpengine.layers.layernorm import add_rms_norm, rms_norm
-from tpengine.layers.rotary_embedding import apply_rotary
+from tpengine.platforms.torch_ops import (add_rms_norm, apply_rotary_in_halves, rms_norm, silu_and_mul,
+                                          store_kvcache_masked)
 
 pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
 
@@ -67,7 +65,7 @@ def test_rotary_alone_matches_torch_bitwise(dtype, head_dim):
     q, k, _ = _qkv_views(5, 4, 2, head_dim, dtype)
     positions = torch.tensor([0, 3, 99, 7, 1])
     cache = _cos_sin_cache(100, head_dim)
-    expected_q, expected_k = apply_rotary(positions, q, k, cache)
+    expected_q, expected_k = apply_rotary_in_halves(positions, q, k, cache)
     out_q, out_k = fused_ops.qk_norm_rotary_(q, k, None, None, 0.0, positions, cache)
     assert out_q is q and out_k is k  # in place, in the projection's output
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
@@ -79,7 +77,8 @@ def test_qk_norm_then_rotary_matches_torch(dtype):
     v_before = v.clone()
     q_weight, k_weight = _randn(64, dtype=dtype, seed=1), _randn(64, dtype=dtype, seed=2)
     positions, cache = torch.arange(6) * 5, _cos_sin_cache(64, 64)
-    expected_q, expected_k = apply_rotary(positions, rms_norm(q, q_weight, 1e-6), rms_norm(k, k_weight, 1e-6), cache)
+    expected_q, expected_k = apply_rotary_in_halves(positions, rms_norm(q, q_weight, 1e-6), rms_norm(k, k_weight, 1e-6),
+                                                  cache)
     fused_ops.qk_norm_rotary_(q, k, q_weight, k_weight, 1e-6, positions, cache)
     torch.testing.assert_close(q, expected_q, **NORM_TOL[dtype])
     torch.testing.assert_close(k, expected_k, **NORM_TOL[dtype])
@@ -126,13 +125,13 @@ def test_store_kvcache_rejects_a_slot_outside_the_cache():
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch fallback"])
 def test_greedy_tokens_match_transformers_with_and_without_the_fused_ops(tiny_model, monkeypatch, fused):
-    """The layers take the fused ops where they are built, their torch code where not: both give
+    """The CPU platform takes the fused ops where they are built, the torch code where not: both give
     transformers' tokens (Qwen3: q/k norm, rotary, residual norms, SiLU, the KV store all on the path)."""
     from tests.conftest import hf_greedy, random_prompts
     from tpengine import LLM, SamplingParams
 
     if not fused:
-        monkeypatch.setattr(fused_ops, "usable", lambda x: False)
+        monkeypatch.setattr(fused_ops, "available", lambda: False)
     prompts = random_prompts(3, [1, 17, 90], 1003)
     with LLM(tiny_model, attention_backend="cpu", kvcache_block_size=16) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -4,8 +4,8 @@ import torch
 
 from tests.conftest import relative_error
 from tests.kernels.conftest import DEVICE
-from tpengine.layers.activation import silu_and_mul
-from tpengine.layers.fused_moe import grouped_experts, per_token_experts, select_experts
+from tpengine.layers.fused_moe import per_token_experts, select_experts
+from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
 
 pytest.importorskip("triton")
 from tpengine.kernels.triton.fused_moe import align_pairs_to_blocks, fused_experts  # noqa: E402

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 
 from tests.conftest import relative_error
 from tpengine.layers.embed_head import ParallelLMHead
-from tpengine.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear,
-                                    prepack_weight_for_cpu)
-from tpengine.runner.cpu_dtype import resolve_cpu_dtype
+from tpengine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from tpengine.platforms.cpu import pack_linear_weight
+from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
 
 # skipped on the platform, never on the function under test: broken packing must fail these tests
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -27,7 +27,7 @@ def test_packed_linear_matches_f_linear_and_frees_the_plain_weight(cls, rows, bi
         layer.bias.data.normal_()
     weight, bias_values = layer.weight.data.clone(), None if layer.bias is None else layer.bias.data.clone()
     x = torch.randn(rows, 96)
-    layer.prepack_for_cpu()
+    layer.prepack()
     assert layer.packed_weight is not None and layer.weight.numel() == 0
     assert relative_error(layer(x), F.linear(x, weight, bias_values)) < 1e-5
 
@@ -38,7 +38,7 @@ def test_merged_column_layer_loads_then_packs():
     gate, up = torch.randn(48, 32), torch.randn(48, 32)
     layer.weight_loader(layer.weight, gate, 0)
     layer.weight_loader(layer.weight, up, 1)
-    layer.prepack_for_cpu()
+    layer.prepack()
     x = torch.randn(5, 32)
     assert relative_error(layer(x), x @ torch.cat([gate, up]).T) < 1e-5
 
@@ -48,16 +48,16 @@ def test_lm_head_packs_but_keeps_the_weight_a_tied_embedding_shares():
     head = ParallelLMHead(1003, 64)
     head.weight.data.normal_()
     weight = head.weight.data.clone()
-    head.prepack_for_cpu()
+    head.prepack()
     assert torch.equal(head.weight.data, weight)
     x = torch.randn(7, 64)
     assert relative_error(head(x), x @ weight.T) < 1e-5
 
 
 def test_no_packing_for_float64_so_it_keeps_f_linear():
-    assert prepack_weight_for_cpu(torch.zeros(4, 4, dtype=torch.float64)) is None
+    assert pack_linear_weight(torch.zeros(4, 4, dtype=torch.float64)) is None
     layer = ColumnParallelLinear(8, 4).to(torch.float64)
-    layer.prepack_for_cpu()
+    layer.prepack()
     assert layer.packed_weight is None and layer.weight.numel() == 32
 
 
@@ -73,7 +73,7 @@ def test_half_weights_pack_where_the_cpu_computes_them_and_match_f_linear(dtype,
     layer.bias.data.normal_()
     weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
     x = torch.randn(rows, 96, dtype=dtype)
-    layer.prepack_for_cpu()
+    layer.prepack()
     assert layer.packed_weight is not None and layer.weight.numel() == 0
     out = layer(x)
     assert out.dtype == dtype

@@ -3,8 +3,9 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from tpengine.layers.rotary_embedding import RotaryEmbedding, apply_rotary, apply_rotary_traceable
 from tpengine.hf_config import RopeParameters
+from tpengine.layers.rotary_embedding import RotaryEmbedding
+from tpengine.platforms.torch_ops import apply_rotary_in_halves, apply_rotary_pointwise
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -30,8 +31,8 @@ def test_cpu_and_cuda_forms_equal_transformers_exactly_in_float32():
     positions = torch.tensor([0, 1, 7, 300, 511, 3])
     q, k = qkv_views(len(positions))
     expected = transformers_rotary(positions, q, k, cache)
-    in_place = apply_rotary(positions, q, k, cache)            # the CPU form
-    traceable = apply_rotary_traceable.__wrapped__(positions, q, k, cache)  # the CUDA form, uncompiled
+    in_place = apply_rotary_in_halves(positions, q, k, cache)  # the CPU form
+    traceable = apply_rotary_pointwise(positions, q, k, cache)  # the CUDA form, uncompiled
     for ours in (in_place, traceable):
         assert all(torch.equal(a, b) for a, b in zip(ours, expected))
 
@@ -39,21 +40,21 @@ def test_cpu_and_cuda_forms_equal_transformers_exactly_in_float32():
 def test_cuda_form_traces_as_one_graph_without_a_break():
     cache = RotaryEmbedding(HEAD_DIM, 512, RopeParameters(theta=10_000.0)).cos_sin_cache
     positions = torch.arange(5)
-    explanation = torch._dynamo.explain(apply_rotary_traceable.__wrapped__)(positions, *qkv_views(5), cache)
+    explanation = torch._dynamo.explain(apply_rotary_pointwise)(positions, *qkv_views(5), cache)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_on_cuda_equals_the_cpu_form_in_at_most_two_kernels(dtype):
+def test_compiled_cuda_form_equals_the_cpu_form_in_at_most_two_kernels(dtype):
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()  # compile afresh here, so the generated code comes back
     cache = RotaryEmbedding(HEAD_DIM, 512, RopeParameters(theta=10_000.0)).cos_sin_cache
     positions = torch.tensor([0, 9, 200, 33])
     q, k = qkv_views(len(positions), dtype)
-    expected = apply_rotary(positions, q, k, cache)
-    compiled = torch.compile(apply_rotary_traceable.__wrapped__)
+    expected = apply_rotary_in_halves(positions, q, k, cache)
+    compiled = torch.compile(apply_rotary_pointwise)
     (q_out, k_out), code = run_and_get_code(compiled, positions.cuda(), q.cuda(), k.cuda(), cache.cuda())
     # the same values up to one rounding (the fused kernel may contract a multiply-add)
     torch.testing.assert_close(q_out.cpu(), expected[0])

@@ -11,7 +11,8 @@ import torch
 from tests.engine.test_scheduler import is_sampled, new_seq
 from tpengine.distributed.messages import BlockTable
 from tpengine.engine.scheduler import Scheduler
-from tpengine.runner.inputs import InputBuilder, cpu_row_bucket
+from tpengine.platforms.cpu import row_bucket
+from tpengine.runner.inputs import InputBuilder
 from tpengine.sampling_params import SamplingParams
 
 EOS = 0
@@ -77,7 +78,7 @@ def test_inputs_from_the_tables_a_rank_keeps_equal_inputs_from_whole_tables(monk
         a = incremental.prepare(plan.message)
         b = full.prepare(whole(plan.message, rows))
         assert_same_inputs(a, b)
-        assert a.input_ids.numel() == cpu_row_bucket(plan.num_tokens)
+        assert a.input_ids.numel() == row_bucket(plan.num_tokens)
         if rng.random() < 0.03:  # interrupted after the ranks built their inputs: never postprocessed
             interrupted += 1
             continue

@@ -7,7 +7,7 @@ from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.attention.torch_backend import store_kvcache_masked
+from tpengine.platforms.torch_ops import store_kvcache_masked
 
 try:
     from tpengine.kernels.triton.store_kvcache import store_kvcache as triton_store_kvcache

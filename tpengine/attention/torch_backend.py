@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.paging import blocks_for
+from tpengine.platforms.torch_ops import store_kvcache_masked
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -12,14 +13,6 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
     block_size = cache.size(1)
     num_blocks = blocks_for(num_tokens, block_size)
     return cache[block_table[:num_blocks]].flatten(0, 1)[:num_tokens]
-
-
-def store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Each token's K/V into its cache slot, skipping slot -1 (padding); the mask costs a host sync."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -54,7 +54,7 @@ class TensorParallelGroup:
         kernel, else through gloo; rank 0 logs which. Collective; NCCL on GPUs is left alone."""
         if self.size == 1 or device.type != "cpu":
             return
-        from tpengine.distributed.shm_all_reduce import connect
+        from tpengine.distributed.shm.all_reduce import connect
         self.shm_all_reduce, line = connect(self.rank, self.size, lambda t: self.process_group.allreduce([t]).wait())
         if self.rank == 0:
             logger.info(line)

@@ -1,7 +1,9 @@
 """Rank 0's driver: requests in, scheduled steps out to the executor, per-request outputs back."""
+import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from itertools import count
 
@@ -12,7 +14,7 @@ from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
-from tpengine.engine.sequence import Sequence
+from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
 from tpengine.errors import InvalidRequestError
 from tpengine.hf_config import load_eos_token_ids, load_hf_config, max_model_len_of
@@ -20,6 +22,11 @@ from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tpengine")
+
+REASONING_END = "</think>"  # the token that closes a reasoning model's thinking (Qwen3, DeepSeek-R1)
+# With only requests whose grammars compile, a step waits this long for one before it returns (and the
+# caller, a server's engine thread, takes new commands).
+AWAIT_GRAMMAR_S = 0.05
 
 
 def _load_tokenizer(model: str):
@@ -46,6 +53,8 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(model)
         eos_token_ids = load_eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
+        # before any worker starts: it may raise
+        self.reasoning_end_token = None if config.reasoning_parser is None else self._reasoning_end_token()
         if config.tensor_parallel_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -65,6 +74,12 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self._num_per_step_requests = 0     # live requests that need work every step (text, stops, logprobs)
         self._pending: dict[int, RequestOutput] = {}  # outputs the next step() reports first (generate, abort)
+        # structured outputs: the grammar compiler (made on first use), requests queued once their grammar is
+        # compiled, and how many live requests have one
+        self._grammar_compiler = None
+        self._grammar_compiler_lock = threading.Lock()  # a server's renderer thread may make it first
+        self._awaiting_grammar: list[Request] = []
+        self._num_constrained_requests = 0
         self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
         self.generation_tokens_total = 0    # tokens sampled
 
@@ -103,6 +118,27 @@ class LLMEngine:
         """Most tokens (prompt + output) one request can reach: max_model_len, or the whole cache if smaller."""
         manager = self.scheduler.block_manager
         return min(self.max_model_len, manager.num_blocks * manager.block_size)
+
+    def _reasoning_end_token(self) -> int:
+        """The token that ends a reasoning model's thinking (structured outputs constrain what follows)."""
+        token_id = None if self.tokenizer is None else self.tokenizer.get_vocab().get(REASONING_END)
+        if token_id is None:
+            raise ValueError(f"reasoning_parser={self.config.reasoning_parser!r} needs a tokenizer with the "
+                             f"{REASONING_END} token; this model folder's has none")
+        return token_id
+
+    @property
+    def grammar_compiler(self):
+        """The structured-outputs grammar compiler for this model's tokenizer (made on first use)."""
+        with self._grammar_compiler_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs need a tokenizer, and this model folder has none",
+                                              "structured_outputs")
+                from tpengine.structured.compiler import GrammarCompiler
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size,
+                                                                       self.scheduler.eos_token_ids)
+            return self._grammar_compiler
 
     def check_health(self) -> None:
         """Raise if a worker is gone; between steps nothing else would notice."""
@@ -149,13 +185,50 @@ class LLMEngine:
             child_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0],
                                  request_id=request_id))
-        return Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
+        request = Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
+        if params.structured_outputs is not None:
+            # checked now (a grammar the library rejects is this request's ValueError), compiled off this thread
+            self.grammar_compiler.check(params.structured_outputs)
+            request.grammar = self.grammar_compiler.compile(params.structured_outputs)
+        return request
 
     def _queue(self, request: Request) -> None:
-        for seq in request.seqs:
-            self.scheduler.add(seq)
         self._requests[request.request_id] = request
         self._num_per_step_requests += request.per_step
+        if request.grammar is None:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+            return
+        self._num_constrained_requests += 1
+        if request.grammar.done():  # compiled before (a cached grammar)
+            self._admit_compiled(request)
+        else:  # it waits unscheduled; nobody else waits for it
+            self._awaiting_grammar.append(request)
+
+    def _admit_compiled(self, request: Request) -> None:
+        """Queue a request whose grammar is compiled, each completion with its own matcher."""
+        from tpengine.structured.matcher import SequenceGrammar
+        compiled = request.grammar.result()
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+            seq.sampling.grammar = SequenceGrammar(compiled, self.reasoning_end_token, request.prompt_token_ids)
+
+    def _admit_awaiting(self, wait_s: float) -> None:
+        """Queue the requests whose grammars are compiled, waiting up to wait_s for one when nothing else runs."""
+        if wait_s > 0:
+            concurrent.futures.wait([r.grammar for r in self._awaiting_grammar], timeout=wait_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        still = []
+        for request in self._awaiting_grammar:
+            if not request.grammar.done():
+                still.append(request)
+            elif request.grammar.exception() is not None:  # passed the check, failed to compile: it ends
+                logger.error("request %d: its grammar failed to compile: %s", request.request_id,
+                             request.grammar.exception())
+                self._report_later(request, self._finish_unqueued(request))
+            else:
+                self._admit_compiled(request)
+        self._awaiting_grammar = still
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = True) -> int:
         """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input.
@@ -174,17 +247,35 @@ class LLMEngine:
         return output
 
     def _abort(self, request_id: int) -> tuple[Request, RequestOutput] | None:
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return None
+        if request in self._awaiting_grammar:  # never queued: its grammar is still compiling
+            self._awaiting_grammar.remove(request)
+            return request, self._finish_unqueued(request)
         for seq in request.seqs:
             if not seq.is_finished and self.scheduler.abort(seq.seq_id) is not None:
                 request.on_finish(seq)
-        self._num_per_step_requests -= request.per_step
+        self._forget(request)
         return request, request.output()
 
+    def _finish_unqueued(self, request: Request) -> RequestOutput:
+        """End a request none of whose completions was queued (its grammar never compiled, or it was
+        aborted meanwhile)."""
+        for seq in request.seqs:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            request.on_finish(seq)
+        self._forget(request)
+        return request.output()
+
+    def _forget(self, request: Request) -> None:
+        """A finished or aborted request leaves the engine's books."""
+        del self._requests[request.request_id]
+        self._num_per_step_requests -= request.per_step
+        self._num_constrained_requests -= request.grammar is not None
+
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or bool(self._pending)
+        return not self.scheduler.is_finished() or bool(self._pending) or bool(self._awaiting_grammar)
 
     # --- steps ----------------------------------------------------------------------------------
 
@@ -209,6 +300,8 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[tuple[Request, RequestOutput]], StepPlan | None]:
         """One step; its outputs (with their requests) and its plan (None when nothing was queued)."""
+        if self._awaiting_grammar:  # wait a moment for a grammar only when nothing else could run
+            self._admit_awaiting(AWAIT_GRAMMAR_S if self.scheduler.is_finished() else 0.0)
         plan = self.scheduler.schedule()
         if not plan:
             # only requests that fit the cache alone are added (check_fits), so with work queued something runs
@@ -218,6 +311,8 @@ class LLMEngine:
         self.prompt_tokens_total += plan.num_prefill_tokens
         seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids)
         self.generation_tokens_total += len(seqs)
+        if self._num_constrained_requests:
+            self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched)
@@ -246,13 +341,25 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop", stop)  # frees its blocks now
                     self._process_finished(seq, touched)
 
+    def _advance_grammars(self, seqs: list[Sequence]) -> None:
+        """Each constrained completion's matcher takes its sampled token; one whose grammar is complete ends
+        (its stop token, or with ignore_eos its grammar, says so)."""
+        for seq in seqs:
+            grammar = seq.sampling.grammar
+            if grammar is None or seq.finish_reason == "abort":
+                continue
+            accepted = grammar.accept(seq.last_token)
+            assert accepted, "a sampled token the grammar's mask had ruled out"
+            if seq.finish_reason is None and grammar.active and grammar.matcher.is_terminated():
+                self.scheduler.finish(seq, "stop", seq.last_token if seq.last_token in
+                                      seq.sampling_params.stop_token_ids else None)
+
     def _process_finished(self, seq: Sequence, touched: dict[int, Request]) -> None:
         request = self._requests[seq.request_id]
         request.on_finish(seq)
         touched[request.request_id] = request
         if request.finished:
-            del self._requests[request.request_id]
-            self._num_per_step_requests -= request.per_step
+            self._forget(request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

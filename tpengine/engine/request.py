@@ -9,7 +9,7 @@ from tpengine.sampling_params import RequestOutputKind, SamplingParams
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "delta", "per_step",
                  "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished",
-                 "num_reported_tokens", "num_reported_chars", "reported_finished")
+                 "num_reported_tokens", "num_reported_chars", "reported_finished", "grammar")
 
     def __init__(self, request_id: int, prompt, prompt_token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], detokenizer: Detokenizer | None, stream: bool):
@@ -39,6 +39,7 @@ class Request:
         self.num_reported_tokens = [len(prompt_token_ids)] * len(seqs)
         self.num_reported_chars = [0] * len(seqs)
         self.reported_finished = [False] * len(seqs)
+        self.grammar = None  # structured outputs: its grammar's compilation (a Future), set by the engine
 
     @property
     def finished(self) -> bool:

@@ -170,10 +170,12 @@ def _is_union_tag(part) -> bool:
 def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model_name: str, model_path: str,
               max_model_len: int, max_request_len: int, metrics: Metrics, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
-              draining: Draining | None = None) -> FastAPI:
+              draining: Draining | None = None, tool_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app; `draining`, once set (by the server's shutdown), answers bodies still arriving with a 503."""
     completions = OpenAIServingCompletion(engine, renderer, tokenizer, model_name, max_request_len)
-    chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len)
+    chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len, tool_parser=tool_parser,
+                             enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
     created = int(time.time())
 
     @asynccontextmanager

@@ -29,7 +29,8 @@ def encode_chat_text(tokenizer, text: str) -> list[int]:
 
 
 def render_chat_text(tokenizer, chat_template: str | None, messages: list[dict[str, Any]],
-                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> str:
+                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+                     tools: list[dict] | None = None) -> str:
     """The prompt text for messages. InvalidRequestError when there is no template or it rejects them."""
     if tokenizer is None:
         raise InvalidRequestError("this model folder has no tokenizer, so chat is unavailable: use "
@@ -39,7 +40,7 @@ def render_chat_text(tokenizer, chat_template: str | None, messages: list[dict[s
                                   "messages")
     from jinja2 import TemplateError
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **(template_kwargs or {}))
     except TemplateError as e:

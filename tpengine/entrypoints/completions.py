@@ -18,9 +18,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
                            param="echo")
+        spec = await self.request_grammar(request)
         prompts = await self._encode(request)
         max_tokens = self.max_tokens(request.max_tokens, prompts, request)
-        params = self.sampling_params(request, max_tokens, request.logprobs)
+        params = self.sampling_params(request, max_tokens, request.logprobs, spec)
         submission = await self.submit(prompts, params, request)
         fields = {**new_response_fields("cmpl", self.model_name), "object": "text_completion"}
         if request.stream:

@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from tpengine.errors import InvalidRequestError
 from tpengine.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                      RequestOutputKind, SamplingParams)
+                                      RequestOutputKind, SamplingParams, StructuredOutputsParams)
 
 # One request may ask for at most this many completions per prompt (n): each is a sequence in the batch.
 MAX_N = 128
@@ -28,20 +29,12 @@ FIELD_KINDS = {
 }
 
 
-def _no_structured_outputs(value) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 # OpenAI fields this server does not implement: field -> (the values that ask for nothing, why not).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v is None or v == "", "suffix (text after the completion) is not supported"),
-    "response_format": (_no_structured_outputs, "structured outputs (json_object, json_schema) are not "
-                                                "supported yet; only {\"type\": \"text\"}"),
-    "tools": (lambda v: not v, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported yet"),
-    "parallel_tool_calls": (lambda v: v is None, "tool calling is not supported yet"),
-    "functions": (lambda v: not v, "function calling is not supported"),
-    "function_call": (lambda v: v is None or v == "none", "function calling is not supported"),
+    "functions": (lambda v: not v, "functions are OpenAI's deprecated form of tools: send tools"),
+    "function_call": (lambda v: v is None, "function_call is OpenAI's deprecated form of tool_choice: send "
+                                           "tool_choice"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
@@ -63,6 +56,25 @@ def _refuse_unsupported(value, info: ValidationInfo):
     if not accepts(value):
         raise ValueError(f"{why} (got {value!r:.80})")
     return value
+
+
+class JsonSchemaFormat(OpenAIBody):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None   # the grammar enforces the schema whatever it says
+
+
+class ResponseFormat(OpenAIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_goes_with_its_type(cls, json_schema, info: ValidationInfo):
+        if (json_schema is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        return json_schema
 
 
 class StreamOptions(OpenAIBody):
@@ -106,8 +118,32 @@ class SamplingRequest(OpenAIBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None   # the prefix cache finds shared prefixes by their tokens anyway
     service_tier: Any = None
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json, json_object, regex,
+    # choice, grammar, disable_any_whitespace); one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     _service_tier = field_validator("service_tier")(_refuse_unsupported)
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's grammar and the field that asked for it; InvalidRequestError naming that field."""
+        given = [name for name, value in (("response_format", self.response_format),
+                                          ("structured_outputs", self.structured_outputs))
+                 if value is not None and not (name == "response_format" and value.type == "text")]
+        if len(given) > 1:
+            raise InvalidRequestError("give response_format or structured_outputs, not both", given[1])
+        if not given:
+            return None, None
+        if given[0] == "structured_outputs":
+            try:
+                return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+            except TypeError as e:  # a key StructuredOutputsParams does not take
+                raise InvalidRequestError(f"structured_outputs: {e}".replace("__init__() ", ""),
+                                          "structured_outputs") from None
+        fmt = self.response_format
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        return StructuredOutputsParams(json=fmt.json_schema.schema_ or {}), "response_format"
 
     @field_validator("stream_options")
     @classmethod
@@ -117,7 +153,8 @@ class SamplingRequest(OpenAIBody):
         return stream_options
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
+                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for this request; raises ValueError naming a bad value."""
         # null means the default, as in OpenAI's API
         given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -129,7 +166,8 @@ class SamplingRequest(OpenAIBody):
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, logprobs=logprobs,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, output_kind=output_kind)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, output_kind=output_kind,
+            structured_outputs=structured_outputs)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -222,6 +260,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionDefinition(OpenAIBody):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of its arguments
+    strict: bool | None = None                 # the grammar enforces the schema whatever it says
+
+
+class ChatTool(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBody):
+    name: str
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
 
@@ -241,10 +300,10 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None    # None: true
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -256,9 +315,28 @@ class ChatCompletionRequest(SamplingRequest):
     store: Any = None
     metadata: Any = None
 
-    _unsupported = field_validator("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
-                                   "function_call", "audio", "modalities", "prediction", "reasoning_effort",
-                                   "verbosity", "web_search_options", "store", "metadata")(_refuse_unsupported)
+    _unsupported = field_validator("functions", "function_call", "audio", "modalities", "prediction",
+                                   "reasoning_effort", "verbosity", "web_search_options", "store",
+                                   "metadata")(_refuse_unsupported)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, tool_choice, info: ValidationInfo):
+        tools = info.data.get("tools")
+        if tool_choice not in (None, "none") and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in \
+                {tool.function.name for tool in tools}:
+            raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not among "
+                             "the tools")
+        return tool_choice
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when there are tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("top_logprobs")
     @classmethod

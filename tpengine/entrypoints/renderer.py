@@ -40,23 +40,27 @@ class PromptRenderer:
         """Token ids of each text prompt, as LLM.generate encodes them."""
         for text in texts:
             self.check_length(len(text), "prompt")
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._encode_all, texts)
+        return await self.run(self._encode_all, texts)
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
         from tpengine.engine.inputs import encode_text
         return [encode_text(self.tokenizer, text) for text in texts]
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None) -> list[int]:
-        """Prompt token ids for chat messages through the chat template."""
+                          template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids for chat messages (and the tools the model may call) through the chat template."""
         self.check_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._thread, self._render, messages, add_generation_prompt, template_kwargs)
+        return await self.run(self._render, messages, add_generation_prompt, template_kwargs, tools)
 
-    def _render(self, messages, add_generation_prompt, template_kwargs) -> list[int]:
-        text = render_chat_text(self.tokenizer, self.chat_template, messages, add_generation_prompt, template_kwargs)
+    def _render(self, messages, add_generation_prompt, template_kwargs, tools) -> list[int]:
+        text = render_chat_text(self.tokenizer, self.chat_template, messages, add_generation_prompt, template_kwargs,
+                                tools)
         self.check_length(len(text), "messages")  # the template and chat_template_kwargs add text of their own
         return encode_chat_text(self.tokenizer, text)
+
+    async def run(self, fn, *args):
+        """fn(*args) on the renderer's thread (work that grows with a request, kept off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -49,7 +49,8 @@ class _Server(uvicorn.Server):
 
 def run_server(*, model: str, model_name: str, host: str, port: int, api_key: str | None,
                chat_template: str | None, access_log: bool, log_level: str, engine_kwargs: dict,
-               body_timeout_s: float = BODY_TIMEOUT_S) -> int:
+               body_timeout_s: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
+               enable_auto_tool_choice: bool = False) -> int:
     from transformers import AutoTokenizer
 
     from tpengine.engine.llm_engine import LLMEngine
@@ -72,7 +73,9 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
         draining = Draining()
         app = build_app(engine, renderer=renderer, tokenizer=tokenizer, model_name=model_name, model_path=model,
                         max_model_len=llm_engine.max_model_len, max_request_len=llm_engine.max_request_len,
-                        metrics=metrics, api_key=api_key, body_timeout_s=body_timeout_s, draining=draining)
+                        metrics=metrics, api_key=api_key, body_timeout_s=body_timeout_s, draining=draining,
+                        tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                        reasoning_parser=engine_kwargs.get("reasoning_parser"))
         # uvicorn's own limit is a backstop: by then abort_all has ended every request
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5)

@@ -15,7 +15,7 @@ from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.errors import InvalidRequestError
 from tpengine.outputs import CompletionOutput, RequestOutput
-from tpengine.sampling_params import RequestOutputKind, SamplingParams
+from tpengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 # JSON has no -inf: a token the model rules out gets this log-probability, as vLLM reports it
@@ -80,12 +80,34 @@ class OpenAIServing:
                 f"{self.max_request_len} tokens per request", "prompt"), request)
         return self.max_request_len - longest
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return request.sampling_params(max_tokens, logprobs,
-                                           RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
+                                           RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+                                           structured_outputs)
         except ValueError as e:  # SamplingParams names the bad value and its limit
             raise self.invalid(e, request) from None
+
+    async def checked_grammar(self, spec: StructuredOutputsParams | None, param: str | None,
+                              request: SamplingRequest) -> StructuredOutputsParams | None:
+        """spec, once the grammar library accepts it (checked on the renderer's thread); a 400 naming param
+        (the field that asked for it) if not."""
+        if spec is None:
+            return None
+        try:
+            await self.renderer.run(self.engine.engine.grammar_compiler.check, spec, param)
+        except ValueError as e:
+            raise self.invalid(e, request) from None
+        return spec
+
+    async def request_grammar(self, request: SamplingRequest) -> StructuredOutputsParams | None:
+        """The grammar the request's response_format or structured_outputs asks for, checked."""
+        try:
+            spec, param = request.structured_outputs_params()
+        except ValueError as e:
+            raise self.invalid(e, request) from None
+        return await self.checked_grammar(spec, param, request)
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest) -> Submission:
         """Queue the prompts; a streamed request's outputs come as deltas (only what each step added)."""
@@ -187,7 +209,7 @@ async def choice_deltas(submission: Submission, n: int, counts: StreamUsage) -> 
 
 
 async def sse_stream(submission: Submission, n: int, fields: dict, include_usage: bool,
-                     choice_of: Callable[[ChoiceDelta], dict], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
+                     choice_of: Callable[[ChoiceDelta], dict | None], opening: Iterable[dict] = ()) -> AsyncIterator[bytes]:
     """Server-sent events: the opening choices, one chunk per choice delta, the usage if asked, [DONE]."""
     counts = StreamUsage()
     usage_field = {"usage": None} if include_usage else {}
@@ -195,7 +217,9 @@ async def sse_stream(submission: Submission, n: int, fields: dict, include_usage
         for choice in opening:
             yield sse({**fields, "choices": [choice], **usage_field})
         async for delta in choice_deltas(submission, n, counts):
-            yield sse({**fields, "choices": [choice_of(delta)], **usage_field})
+            choice = choice_of(delta)
+            if choice is not None:  # None: nothing to send for this delta yet
+                yield sse({**fields, "choices": [choice], **usage_field})
         if include_usage:
             yield sse({**fields, "choices": [], "usage": counts.field()})
     except EngineDeadError as e:

@@ -1,10 +1,14 @@
 """Vocabulary-parallel embedding and LM head; the vocabulary is padded to a multiple of tp."""
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import check_weight_shape, linear, prepack_weight_for_cpu
+from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_quantized
+from tpengine.platforms import current_platform
+from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,19 +25,42 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.takes_quantized = True  # quantized, rows are dequantized as they are gathered
+        platform = current_platform()
+        self.pack_quantized_weight, self.embedding_rows = platform.pack_quantized_weight, platform.embedding_rows
+        self.packed_rows = None
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
         check_weight_shape(loaded_weight, [self.num_embeddings, *param.shape[1:]])
         # The last shard may run past the real vocabulary: its padding rows stay zero.
-        shard = loaded_weight[self.vocab_start_idx:self.vocab_end_idx]
+        start = min(self.vocab_start_idx, self.num_embeddings)
+        real = min(self.vocab_end_idx, self.num_embeddings) - start
+        if isinstance(loaded_weight, QuantizedWeight):
+            shard = loaded_weight.rows(start, real)
+            padding = self.num_embeddings_per_partition - real
+            if padding:
+                zero = lambda t: None if t is None else t.new_zeros(padding, t.size(1))  # noqa: E731
+                shard = cat_rows([shard, replace(shard, qweight=zero(shard.qweight), scales=zero(shard.scales),
+                                                 zeros=zero(shard.zeros))])
+            keep_quantized(param, shard)
+            return
         param.data.zero_()
-        param.data[:shard.size(0)].copy_(shard)
+        param.data[:real].copy_(loaded_weight[start:start + real])
+
+    def prepack(self) -> None:
+        """After loading: a quantized table stays packed; its rows are dequantized as tokens gather them."""
+        self.packed_rows = packed_quantized(self.weight, self.pack_quantized_weight)
+
+    def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_rows is None:
+            return F.embedding(token_ids, self.weight)
+        return self.embedding_rows(token_ids, self.packed_rows, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight)
+            return self.lookup(x)
         in_shard = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding((x - self.vocab_start_idx) * in_shard, self.weight)
+        y = self.lookup((x - self.vocab_start_idx) * in_shard)
         y = y * in_shard.unsqueeze(1)
         self.tp_group.all_reduce(y)
         return y
@@ -43,15 +70,22 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the real vocabulary, gathered on rank 0 (other ranks get None); or, gather=False, every
     rank's own slice of them, columns vocab_start_idx onwards."""
 
-    packed_weight = None
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        platform = current_platform()
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.packed_weight = None
 
-    def prepack_for_cpu(self) -> None:
-        """After loading: logits from a packed copy. The weight stays: a tied embedding shares it."""
-        self.packed_weight = prepack_weight_for_cpu(self.weight)
+    def prepack(self) -> None:
+        """After loading: logits from the platform's packed copy where it makes one (the CPU's, or a quantized
+        weight's). A float weight stays: a tied embedding shares it."""
+        self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_weight is None:
+            self.packed_weight = self.pack_linear_weight(self.weight)
 
     def forward(self, x: torch.Tensor, gather: bool = True, num_rows: int | None = None) -> torch.Tensor | None:
         """num_rows: only the first rows are wanted (the rest pad the matmul to a size it has a kernel for)."""
-        logits = linear(x, self.weight, None, self.packed_weight)
+        logits = self.linear(x, self.weight, None, self.packed_weight)
         if num_rows is not None:
             logits = logits[:num_rows]
         if not gather:  # the last shard's padding columns are never sampled

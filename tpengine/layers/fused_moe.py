@@ -4,18 +4,15 @@ Tensor parallelism slices each expert's intermediate dimension (gate/up by rows,
 so a layer ends with one all-reduce, as the dense MLP does. Experts are stacked per layer:
 w13 [experts, 2 * intermediate / tp, hidden] (gate then up) and w2 [experts, hidden, intermediate / tp].
 """
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
-from tpengine.layers.activation import silu_and_mul
-from tpengine.layers.linear import check_weight_shape
-
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, take_rows
+from tpengine.platforms import current_platform
+from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
+from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,35 +25,10 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights.to(router_logits.dtype), ids
 
 
-def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum over each token's chosen experts of weight * down(silu(gate(x)) * up(x)).
-
-    Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
-    ascending expert order (the order transformers adds them in); unchosen experts cost nothing.
-    """
-    top_k = topk_ids.size(1)
-    flat_ids = topk_ids.flatten()
-    order = flat_ids.argsort(stable=True)                 # (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.size(0)).tolist()
-    flat_weights = topk_weights.flatten()
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        pairs = order[start:start + count]
-        start += count
-        tokens = pairs // top_k
-        h = silu_and_mul(F.linear(x[tokens], w13[expert]))
-        h = F.linear(h, w2[expert]) * flat_weights[pairs, None]
-        out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
-    return out
-
-
 def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> torch.Tensor:
-    """The same sum, one token and one expert at a time: the reference the grouped path is measured against."""
+    """The experts' sum, one token and one expert at a time: the reference the platforms' grouped and fused
+    paths (torch_ops.grouped_experts, Triton's fused_experts) are measured against."""
     out = torch.zeros_like(x)
     for t in range(x.size(0)):
         for k in range(topk_ids.size(1)):
@@ -67,7 +39,8 @@ def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 
 class FusedMoE(nn.Module):
-    """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts and all-reduces."""
+    """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts (as its platform runs
+    them: grouped by expert on the CPU, Triton's fused kernel on CUDA) and all-reduces."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
@@ -84,25 +57,51 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
         self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
+        self.w13_weight.takes_quantized = self.w2_weight.takes_quantized = True
+        platform = current_platform()
+        self.moe_experts, self.linear = platform.moe_experts, platform.linear
+        self.pack_quantized_weight = platform.pack_quantized_weight
+        self.packed_experts = None  # quantized: (each expert's packed w13, each one's packed w2)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int, shard: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, expert: int, shard: str) -> None:
         """One expert's gate_proj / up_proj ([intermediate, hidden]) or down_proj ([hidden, intermediate])."""
-        size, rank = self.intermediate_per_rank, self.tp_group.rank
-        whole = size * self.tp_group.size
+        size, rank, tp = self.intermediate_per_rank, self.tp_group.rank, self.tp_group.size
         hidden = self.w2_weight.size(1)
-        check_weight_shape(loaded_weight, [hidden, whole] if shard == "down" else [whole, hidden])
-        if shard == "down":
+        check_weight_shape(loaded_weight, [hidden, size * tp] if shard == "down" else [size * tp, hidden])
+        if isinstance(loaded_weight, QuantizedWeight):
+            part = loaded_weight.columns(rank * size, size, tp) if shard == "down" else \
+                loaded_weight.rows(rank * size, size)
+            keep_quantized(param, part, (expert, shard))
+        elif shard == "down":
             param.data[expert].copy_(loaded_weight.narrow(1, rank * size, size))
         else:
             offset = 0 if shard == "gate" else size
-            param.data[expert].narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+            param.data[expert].narrow(0, offset, size).copy_(take_rows(loaded_weight, rank * size, size))
+
+    def prepack(self) -> None:
+        """After loading: quantized experts packed one by one (gate and up joined), their floats freed."""
+        w13_parts = getattr(self.w13_weight, "quantized_parts", {})
+        w2_parts = getattr(self.w2_weight, "quantized_parts", {})
+        if not w13_parts and not w2_parts:
+            return
+        if len(w13_parts) + len(w2_parts) != 3 * self.num_experts:
+            raise ValueError(f"the experts of one layer are quantized in part: {len(w13_parts) + len(w2_parts)} "
+                             f"of their {3 * self.num_experts} projections are, and one matmul cannot mix them")
+        device, dtype = self.w13_weight.device, self.w13_weight.dtype
+        pack = lambda weight: self.pack_quantized_weight(weight.to(device), dtype)  # noqa: E731
+        self.packed_experts = (
+            [pack(cat_rows([w13_parts[(e, "gate")], w13_parts[(e, "up")]])) for e in range(self.num_experts)],
+            [pack(w2_parts[(e, "down")]) for e in range(self.num_experts)])
+        for param in (self.w13_weight, self.w2_weight):
+            param.data = param.data.new_empty(0)
+            del param.quantized_parts
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if x.is_cuda and HAS_TRITON:  # the fused kernel: no host sync, so decode stays graph-capturable
-            from tpengine.kernels.triton.fused_moe import fused_experts
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, silu_and_mul)
+        if self.packed_experts is not None:
+            out = grouped_experts(x, *self.packed_experts, topk_weights, topk_ids,
+                                  linear=lambda h, packed: self.linear(h, None, None, packed))
         else:
-            out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         self.tp_group.all_reduce(out)
         return out

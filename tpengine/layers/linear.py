@@ -1,46 +1,18 @@
-"""Linear layers that shard across the tensor-parallel group; each parameter loads its own shard."""
-from typing import NamedTuple
+"""Linear layers that shard across the tensor-parallel group; each parameter loads its own shard. They
+multiply through their platform's linear: on the CPU, on a copy of the weight packed once after loading.
 
+A weight loads either as a float tensor or as a QuantizedWeight (a quantized checkpoint's, or a float one's
+quantized at load): the same shard of rows or columns is taken of either. A quantized weight's parts wait
+on the parameter (`quantized_parts`, keyed by the loader arguments) until prepack joins and packs them.
+"""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
-from tpengine.kernels.cpu import bf16_linear as bf16_kernel
+from tpengine.platforms import current_platform
+from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
-
-# oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
-PREPACK_ROWS_HINT = 64
-
-# dtypes oneDNN multiplies on packed weights; a half dtype reaches a CPU model only where the CPU has
-# the instructions for it (tpengine/runner/cpu_dtype.py), else the model runs in float32
-PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Bf16Blocks(NamedTuple):
-    """A bfloat16 weight packed for tpengine's AVX512-BF16 linear (kernels/cpu/bf16_linear.cpp)."""
-    blocks: torch.Tensor
-    out_features: int
-
-
-def prepack_weight_for_cpu(weight: torch.Tensor) -> torch.Tensor | Bf16Blocks | None:
-    """A packed copy of an [out, in] weight on the CPU that linear() multiplies faster, or None.
-
-    bfloat16 on a CPU with AVX512-BF16: blocks for tpengine's kernel, ~2-3x oneDNN's speed at decode
-    batch sizes (no per-call dispatch) and on par with it for a prefill. Otherwise oneDNN's blocked copy:
-    without it each matmul repacks the weight first, at decode batch sizes as costly as the product; the
-    packed copy runs about 2-3.5x faster (docs/benchmarks.md).
-    """
-    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
-        return None
-    if weight.dtype == torch.bfloat16 and weight.size(1) % 2 == 0 and bf16_kernel.available():
-        return Bf16Blocks(bf16_kernel.pack_weight(weight.detach()), weight.size(0))
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
-    except RuntimeError:  # a oneDNN build or CPU that cannot pack this weight: the plain matmul still runs
-        return None
+Loaded = torch.Tensor | QuantizedWeight  # what a weight loader takes: a float tensor or a quantized weight
 
 
 def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
@@ -49,20 +21,40 @@ def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple
         raise ValueError(f"its shape is {list(loaded_weight.shape)}, the model expects {list(expected)}")
 
 
+def take_rows(loaded: Loaded, start: int, size: int) -> Loaded:
+    return loaded.narrow(0, start, size) if isinstance(loaded, torch.Tensor) else loaded.rows(start, size)
+
+
+def keep_quantized(param: nn.Parameter, part: QuantizedWeight, loader_args: tuple = ()) -> None:
+    """Hold one quantized part of param until prepack (packed_quantized) joins and packs them."""
+    if not hasattr(param, "quantized_parts"):
+        param.quantized_parts = {}
+    param.quantized_parts[loader_args] = part
+
+
+def packed_quantized(param: nn.Parameter, pack):
+    """The packed form of a parameter loaded quantized (None if it loaded as floats), packed once however
+    many modules share the parameter (a tied embedding and LM head); the float storage is freed."""
+    parts = getattr(param, "quantized_parts", None)
+    if not parts and not hasattr(param, "packed_quantized"):
+        return None
+    if not hasattr(param, "packed_quantized"):
+        order = getattr(param, "loader_shards", [()])
+        if len(parts) != len(order):  # some parts loaded as floats: one matmul cannot mix them
+            raise ValueError(f"a packed weight of shape {list(param.shape)} is quantized in part: its quantized "
+                             f"parts are {sorted(parts, key=str)}, it needs all of {order} or none")
+        whole = cat_rows([parts[args] for args in order]).to(param.device)
+        param.packed_quantized = pack(whole, param.dtype)
+        param.data = param.data.new_empty(0)
+        del param.quantized_parts
+    return param.packed_quantized
+
+
 def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
     """A packed parameter is filled by several checkpoint tensors, one per weight_loader argument tuple:
     record them, so the loader can name a part the checkpoint lacks (a missing k_proj, say)."""
     for param in module.parameters(recurse=False):
         param.loader_shards = shards
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | Bf16Blocks | None) -> torch.Tensor:
-    if packed_weight is None:
-        return F.linear(x, weight, bias)
-    if type(packed_weight) is Bf16Blocks:
-        return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 class LinearBase(nn.Module):
@@ -79,23 +71,43 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.weight.takes_quantized = True  # the loader may hand its weight_loader a QuantizedWeight
+        platform = current_platform()
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.pack_quantized_weight = platform.pack_quantized_weight
         self.packed_weight = None
 
-    def prepack_for_cpu(self) -> None:
-        """After loading: matmul on a packed copy, and free the plain weight it replaces."""
-        self.packed_weight = prepack_weight_for_cpu(self.weight)
+    def prepack(self) -> None:
+        """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's, or
+        any platform's of a quantized weight), and free the plain weight it replaces."""
+        self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_weight is None:
+            self.packed_weight = self.pack_linear_weight(self.weight)
         if self.packed_weight is not None:
             self.weight.data = self.weight.data.new_empty(0)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
         whole = list(param.shape)
         if self.tp_dim is not None and self.tp_dim < param.dim():
             whole[self.tp_dim] *= self.tp_size
         check_weight_shape(loaded_weight, whole)
         if self.tp_dim is not None and self.tp_size > 1:
             shard_size = param.size(self.tp_dim)
-            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard_size, shard_size)
-        param.data.copy_(loaded_weight)
+            start = self.tp_rank * shard_size
+            if isinstance(loaded_weight, QuantizedWeight):
+                loaded_weight = loaded_weight.rows(start, shard_size) if self.tp_dim == 0 else \
+                    loaded_weight.columns(start, shard_size, self.tp_size)
+            else:
+                loaded_weight = loaded_weight.narrow(self.tp_dim, start, shard_size)
+        self.store(param, loaded_weight)
+
+    @staticmethod
+    def store(param: nn.Parameter, shard: Loaded, offset: int = 0, loader_args: tuple = ()) -> None:
+        """This rank's shard into the parameter, from row offset on; a quantized shard waits for prepack."""
+        if isinstance(shard, QuantizedWeight):
+            keep_quantized(param, shard, loader_args)
+        else:
+            param.data.narrow(0, offset, shard.size(0)).copy_(shard)
 
 
 class ReplicatedLinear(LinearBase):
@@ -105,7 +117,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -115,7 +127,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,12 +138,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         expect_loader_shards(self, [(i,) for i in range(len(output_sizes))])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: int) -> None:
         check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        shard = loaded_weight.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(shard)
+        self.store(param, take_rows(loaded_weight, self.tp_rank * size, size), offset, (shard_id,))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -152,7 +163,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
         expect_loader_shards(self, [("q",), ("k",), ("v",)])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         num_heads = self.num_heads * self.tp_size if shard_id == "q" else \
@@ -163,8 +174,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, shard_rank = kv_size, self.tp_rank // self.num_kv_head_replicas
-        shard = loaded_weight.narrow(0, shard_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(shard)
+        self.store(param, take_rows(loaded_weight, shard_rank * size, size), offset, (shard_id,))
 
 
 class RowParallelLinear(LinearBase):
@@ -173,7 +183,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_group().size), output_size, bias, tp_dim=1)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
         if param.dim() == 1:  # the bias is whole on every rank: added once, after the reduce
             check_weight_shape(loaded_weight, param.shape)
             param.data.copy_(loaded_weight)
@@ -181,7 +191,7 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed_weight)
+        y = self.linear(x, self.weight, None, self.packed_weight)
         self.tp_group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

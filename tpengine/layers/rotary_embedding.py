@@ -1,7 +1,8 @@
 """Rotary position embedding (neox style), with a cos/sin cache indexed by position.
 
 The inverse frequencies follow transformers' rope initialisation for each rope type (default,
-linear, llama3, yarn), op for op in float32, so the cache holds the values transformers computes.
+linear, llama3, yarn), op for op in float32, so the cache holds the values transformers computes. The
+rotation (with Qwen3's q/k norm) runs as its platform's op (tpengine/platforms).
 """
 import math
 from functools import lru_cache
@@ -10,8 +11,7 @@ import torch
 from torch import nn
 
 from tpengine.hf_config import RopeParameters
-from tpengine.kernels.cpu import fused_ops
-from tpengine.layers.compile import compiled_on_cuda
+from tpengine.platforms import current_platform
 
 
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -73,49 +73,6 @@ def inverse_frequencies(head_dim: int, rope: RopeParameters) -> tuple[torch.Tens
     return (inv_freq / rope.factor if rope.rope_type == "linear" else inv_freq), 1.0
 
 
-def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # [tokens, 1, head_dim / 2] each: broadcast over heads
-    return cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-
-
-def _rotate_into_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """CPU eager: each half written in place into one output, faster there than _rotate_pointwise."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    # [x1 cos - x2 sin, x2 cos + x1 sin], transformers' op order
-    out = torch.empty(x.shape, dtype=x1.dtype, device=x.device)
-    low, high = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=low).sub_(x2 * sin)
-    torch.mul(x2, cos, out=high).add_(x1 * sin)
-    return out.to(x.dtype)
-
-
-def _rotate_pointwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The same values in broadcast elementwise ops alone (no out= into strided views, which
-    torch.compile cannot trace, and no cat): one kernel per tensor when compiled."""
-    halves = x.float().unflatten(-1, (2, -1))                     # [..., 2, head_dim / 2]: x1, x2
-    # [[-1], [1]]: x1 cos - x2 sin, x2 cos + x1 sin; made on the device (no host copy: CUDA-graph safe)
-    sign = torch.arange(-1, 2, 2, dtype=torch.float32, device=x.device).unsqueeze(-1)
-    rotated = halves * cos.unsqueeze(-2) + halves.flip(-2) * (sign * sin.unsqueeze(-2))
-    return rotated.flatten(-2).to(x.dtype)
-
-
-@compiled_on_cuda
-def apply_rotary_traceable(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA: compiled as one graph, one kernel each for q and k (the gather of cos/sin fused into both)."""
-    cos, sin = _cos_sin(positions, cos_sin_cache)
-    return _rotate_pointwise(q, cos, sin), _rotate_pointwise(k, cos, sin)
-
-
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], rotated by each token's position."""
-    if q.is_cuda:
-        return apply_rotary_traceable(positions, q, k, cos_sin_cache)
-    cos, sin = _cos_sin(positions, cos_sin_cache)
-    return _rotate_into_halves(q, cos, sin), _rotate_into_halves(k, cos, sin)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: RopeParameters):
         super().__init__()
@@ -124,20 +81,14 @@ class RotaryEmbedding(nn.Module):
         # transformers scales cos and sin (YaRN's attention factor; 1.0 for the other types)
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
+        self.qk_norm_rotary = current_platform().qk_norm_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
                 k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated by each token's position;
-        given q_norm and k_norm (RMSNorms over head_dim, Qwen3's), each head is normed first. On the CPU
-        one C++ op does it all in place, in q and k (views of the fresh q/k/v projection)."""
-        if (fused_ops.usable(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64
-                and self.cos_sin_cache.dtype == torch.float32 and (q_norm is None or q_norm.eps == k_norm.eps)):
-            return fused_ops.qk_norm_rotary_(q, k, None if q_norm is None else q_norm.weight,
-                                             None if k_norm is None else k_norm.weight,
-                                             0.0 if q_norm is None else q_norm.eps, positions, self.cos_sin_cache)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return apply_rotary(positions, q, k, self.cos_sin_cache)
+        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated by each token's position
+        (neox style); given q_norm and k_norm (RMSNorms over head_dim, Qwen3's), each head is normed first.
+        On the CPU one C++ op does it all in place, in q and k (views of the fresh q/k/v projection)."""
+        return self.qk_norm_rotary(positions, q, k, q_norm, k_norm, self.cos_sin_cache)
 
 
 def get_rope(head_dim: int, max_position: int, rope: RopeParameters) -> RotaryEmbedding:

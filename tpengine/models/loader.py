@@ -1,10 +1,18 @@
 """Load HF safetensors (one file or sharded) through each parameter's own weight_loader.
 
+A quantized checkpoint's linear is several tensors (GPTQ's qweight, qzeros, scales, g_idx, say): they are
+read together into one QuantizedWeight (tpengine/quantization) and handed to the weight_loader of the
+linear's weight. A float checkpoint quantized at load (`quantization="int8" | "int4"`) hands over each
+linear's weight quantized whole, before any rank takes its shard, so every tensor-parallel size computes
+with the same scales.
+
 A checkpoint that cannot fill the model (a file cut short, a tensor missing or of the wrong shape)
 is a ValueError naming the file or tensor, raised alike on every rank.
 """
 import json
 import os
+from contextlib import ExitStack
+from dataclasses import dataclass
 from glob import glob
 
 import torch
@@ -12,6 +20,27 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tpengine.layers.linear import check_weight_shape
+
+
+@dataclass(frozen=True)
+class OnlineQuantization:
+    """A float checkpoint's linears quantized as they load, symmetric: int8 per output channel or int4 in
+    groups of group_size input features."""
+    bits: int
+    group_size: int | None  # None: one group per output channel
+    activation: str  # "float", or "int8": inputs quantized per token as they arrive
+    lm_head: bool  # the LM head and embedding too (they are one tensor when tied)
+
+    def applies_to(self, target: str, param: nn.Parameter) -> bool:
+        if not getattr(param, "takes_quantized", False) or target.endswith(".bias"):
+            return False
+        if ".mlp.gate." in target:  # an MoE router: tiny, and its top-k choice is sensitive
+            return False
+        return self.lm_head or not (target.startswith("lm_head.") or "embed_tokens." in target)
+
+    def quantize(self, weight: torch.Tensor):
+        from tpengine.quantization.online import quantize_weight
+        return quantize_weight(weight.float(), self.bits, self.group_size, self.activation)
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
@@ -41,31 +70,81 @@ def _open(file: str):
         raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
 
 
-def load_model(model: nn.Module, path: str | os.PathLike) -> None:
+def _quantized_modules(quantization, files_of: dict[str, str]) -> dict[str, dict[str, str]]:
+    """module name -> {tensor suffix: checkpoint name} for every linear the checkpoint stores quantized."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in files_of:
+        module, _, suffix = name.rpartition(".")
+        if suffix in quantization.tensor_suffixes:
+            modules.setdefault(module, {})[suffix] = name
+    return {module: tensors for module, tensors in modules.items()
+            if not quantization.skips(module) and quantization.is_quantized(module, set(tensors))}
+
+
+def _load(param: nn.Parameter, loaded, args: tuple, what: str) -> None:
+    try:
+        getattr(param, "weight_loader", default_weight_loader)(param, loaded, *args)
+    except (ValueError, RuntimeError, IndexError, SafetensorError) as e:
+        raise ValueError(f"{what} cannot be loaded: {e}") from None
+
+
+def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
+                    tensors: dict[str, torch.Tensor]) -> tuple[int, tuple]:
+    """One quantized linear read from its tensors into its weight's loader; its (parameter, arguments) key."""
+    target, args = model.checkpoint_target(f"{module}.weight")
+    if target not in params:
+        raise ValueError(f"quantized checkpoint module {module!r} has no matching linear in the model")
+    param = params[target]
+    if not getattr(param, "takes_quantized", False):
+        raise ValueError(f"checkpoint module {module!r} is quantized, but {target} cannot run quantized")
+    try:
+        weight = quantization.read_linear(module, tensors)
+    except (ValueError, RuntimeError, IndexError) as e:
+        raise ValueError(f"quantized checkpoint module {module!r} cannot be read: {e}") from None
+    _load(param, weight, args, f"quantized checkpoint module {module!r}")
+    return id(param), args
+
+
+def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
+               online: OnlineQuantization | None = None) -> None:
+    """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one."""
     path = os.fspath(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
     canonical = {id(param): name for name, param in model.named_parameters()}
-    chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once
+    files_of = {}
     for file in checkpoint_files(path):
         with _open(file) as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # older checkpoints save the rope buffer: recomputed here
-                    continue
-                target, args = model.checkpoint_target(name)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
-                key = (id(params[target]), args)
-                if key not in chosen or target == canonical[key[0]]:
-                    chosen[key] = (file, name, target, args)
+            files_of.update((name, file) for name in f.keys())
+    quantized = _quantized_modules(quantization, files_of) if quantization is not None else {}
+    in_quantized = {name for tensors in quantized.values() for name in tensors.values()}
+    chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once
+    for name, file in files_of.items():
+        if name.endswith("rotary_emb.inv_freq") or name in in_quantized:  # older checkpoints save the rope buffer
+            continue
+        target, args = model.checkpoint_target(name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+        key = (id(params[target]), args)
+        if key not in chosen or target == canonical[key[0]]:
+            chosen[key] = (file, name, target, args)
     for file in sorted({entry[0] for entry in chosen.values()}):
         with _open(file) as f:
             for _, name, target, args in (entry for entry in chosen.values() if entry[0] == file):
-                param = params[target]
-                try:
-                    getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(name), *args)
-                except (ValueError, RuntimeError, IndexError, SafetensorError) as e:
-                    raise ValueError(f"checkpoint tensor {name!r} in {file} cannot be loaded: {e}") from None
+                param, tensor = params[target], f.get_tensor(name)
+                if online is not None and tensor.dim() == 2 and online.applies_to(target, param):
+                    tensor = online.quantize(tensor)
+                _load(param, tensor, args, f"checkpoint tensor {name!r} in {file}")
+    with ExitStack() as stack:
+        handles = {}  # file -> its open handle: a module's tensors are read together, from wherever they are
+        for module, tensors in quantized.items():
+            read = {}
+            for suffix, name in tensors.items():
+                file = files_of[name]
+                if file not in handles:
+                    handles[file] = stack.enter_context(_open(file))
+                read[suffix] = handles[file].get_tensor(name)
+            chosen[_load_quantized(model, params, quantization, module, read)] = (files_of[name], module)
     loaded: dict[int, set[tuple]] = {}
     for param_id, args in chosen:
         loaded.setdefault(param_id, set()).add(args)

@@ -8,19 +8,8 @@ import torch
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.distributed.messages import StepMessage
 from tpengine.paging import blocks_for
+from tpengine.platforms import platform_for
 from tpengine.runner.block_tables import BlockTables
-
-
-def cpu_row_bucket(num_rows: int) -> int:
-    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
-    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
-    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
-    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
-    weights are read once either way)."""
-    if num_rows <= 4:
-        return num_rows
-    power = 1 << (num_rows - 1).bit_length()
-    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
 
 
 @dataclass
@@ -33,14 +22,14 @@ class ForwardInputs:
 
 
 class InputBuilder:
-    """Step messages into forward inputs. On the CPU, padding rows follow the decode rows (a decode row with
-    nothing to attend to and no cache slot) up to cpu_row_bucket, and the LM head's rows are padded the
-    same way; only the first num_logits rows of its logits are real."""
+    """Step messages into forward inputs. Padding rows follow the decode rows (a decode row with nothing to
+    attend to and no cache slot) up to the platform's row bucket (on the CPU: platforms/cpu.py), and the LM
+    head's rows are padded the same way; only the first num_logits rows of its logits are real."""
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
         self.device = device
-        self.pad_rows = device.type == "cpu"
+        self.row_bucket = platform_for(device).row_bucket
         self.block_tables = BlockTables()
 
     def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
@@ -56,7 +45,7 @@ class InputBuilder:
         tables = self.block_tables.tables
         block_size = self.block_size
         num_rows = step.num_rows
-        num_padding = cpu_row_bucket(num_rows) - num_rows if self.pad_rows else 0
+        num_padding = self.row_bucket(num_rows) - num_rows
         decode_tables = [tables[seq_id] for seq_id in step.decode_seq_ids]
         context_lens = step.decode_context_lens
         input_ids = step.decode_tokens + [0] * num_padding
@@ -100,8 +89,8 @@ class InputBuilder:
         logits_rows = list(range(len(step.decode_seq_ids)))
         logits_rows += [num_decode + end - 1 for chunk, end in zip(step.prefill, cu_q[1:]) if chunk.sampled]
         num_logits = len(logits_rows)
-        if self.pad_rows and logits_rows:
-            logits_rows += logits_rows[-1:] * (cpu_row_bucket(num_logits) - num_logits)
+        if logits_rows:
+            logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
         return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
                              num_logits)
 

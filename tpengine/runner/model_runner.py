@@ -8,12 +8,12 @@ from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
-from tpengine.hf_config import load_hf_config
+from tpengine.hf_config import load_hf_config, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
-from tpengine.models.loader import load_model
+from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
-from tpengine.runner.cpu_dtype import resolve_cpu_dtype
+from tpengine.platforms import platform_for
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
@@ -22,21 +22,6 @@ from tpengine.sampling_params import SamplingRecord
 logger = logging.getLogger("tpengine")
 
 DEFAULT_CPU_KVCACHE_GB = 4.0
-# Default max_num_batched_tokens per device. CPU: activations of a 2048-token forward stay in reused
-# heap memory and in cache; one forward over ~10k tokens was ~15% slower (docs/benchmarks.md).
-CPU_MAX_NUM_BATCHED_TOKENS = 2048
-CUDA_MAX_NUM_BATCHED_TOKENS = 16384
-
-
-def resolve_dtype(dtype: str, device: torch.device, hf_config, log: bool = True) -> torch.dtype:
-    if device.type == "cpu":  # a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)
-        return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
-    if dtype == "auto":
-        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(checkpoint_dtype, str):
-            checkpoint_dtype = getattr(torch, checkpoint_dtype)
-        return checkpoint_dtype or torch.bfloat16
-    return getattr(torch, dtype)
 
 
 def available_host_memory() -> int:
@@ -49,6 +34,15 @@ def available_host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def online_quantization(config: EngineConfig) -> OnlineQuantization | None:
+    """How a float checkpoint's linears are quantized as they load, if the engine is told to."""
+    if config.quantization is None:
+        return None
+    bits = 8 if config.quantization == "int8" else 4
+    return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation="float",
+                              lm_head=config.quantize_lm_head)
 
 
 def _gib(num_bytes: float) -> str:
@@ -66,14 +60,10 @@ class ModelRunner:
         hf_config = load_hf_config(config.model)
         self.hf_config = hf_config
         self.device = device
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        elif group.size > 1:
-            # ranks on one CPU share its cores: oversubscribed threads only slow every rank down
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.size))
-        self.max_num_batched_tokens = config.max_num_batched_tokens or (
-            CPU_MAX_NUM_BATCHED_TOKENS if self.device.type == "cpu" else CUDA_MAX_NUM_BATCHED_TOKENS)
-        self.dtype = resolve_dtype(config.dtype, self.device, hf_config, log=rank == 0)
+        self.platform = platform_for(device)
+        self.platform.set_up_rank(device, group.size)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions and window
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
@@ -86,11 +76,17 @@ class ModelRunner:
                 self.model = model_class(hf_config)(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
-        if self.device.type == "cpu":
-            for module in self.model.modules():
-                if hasattr(module, "prepack_for_cpu"):
-                    module.prepack_for_cpu()
+        quantization, online = quantization_config_of(hf_config), online_quantization(config)
+        load_model(self.model, config.model, quantization, online)
+        if rank == 0 and quantization is not None:
+            converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
+                if "fp8" in quantization.describe() else ""
+            logger.info("quantized checkpoint: %s%s", quantization.describe(), converted)
+        elif rank == 0 and online is not None:
+            logger.info("weights quantized at load: %s", config.quantization)
+        for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
+            if hasattr(module, "prepack"):
+                module.prepack()
         self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         # CUDA: what the largest prefill and one step's sampling need beyond the weights, kept free
         # when the cache is sized

@@ -29,7 +29,8 @@ from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepMess
 from tpengine.distributed.parallel_state import (TensorParallelGroup, check_gpus_for, local_device_index,
                                                  new_process_group, pick_backend, resolve_device, serve_store,
                                                  world_tp_group)
-from tpengine.distributed.shm_ring import PeerDiedError, ShmRingWriter, stores_are_ordered
+from tpengine.distributed.shm.ring import ShmRingWriter, stores_are_ordered
+from tpengine.distributed.shm.segment import PeerDiedError
 from tpengine.errors import WorkerFailedError
 from tpengine.runner.executor import Executor
 from tpengine.runner.sampler import SamplerOutput

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from tpengine.kernels.cpu import sampling as cpu_sampling
-from tpengine.layers.compile import compiled_on_cuda
+from tpengine.platforms.cuda import compiled_on_cuda
 from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRecord
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # golden-ratio step: spreads (seed, position) over the seed space
@@ -74,10 +74,15 @@ class Sampler:
         return VocabParallelRows(temperatures, uniforms)
 
     def __call__(self, logits: torch.Tensor, records: list[SamplingRecord]) -> SamplerOutput:
-        """logits: [rows, vocab], one row per record."""
+        """logits: [rows, vocab], one row per record. A row with a grammar (structured outputs) first loses
+        every token its grammar does not allow next; its logprobs are of what remains."""
         device = logits.device
         params = [record.params for record in records]
         raw = logits.float()
+        grammar_rows = [i for i, record in enumerate(records) if record.grammar is not None and record.grammar.active]
+        if grammar_rows:
+            from tpengine.structured.matcher import mask_logits
+            mask_logits(raw, grammar_rows, [records[i].grammar for i in grammar_rows])
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # float32 log-softmax of the raw logits (vLLM's default), only for rows that asked
         raw_logprobs = raw[_to_device(logprob_rows, torch.int64, device)].log_softmax(-1) if logprob_rows else None

@@ -16,7 +16,7 @@ from tpengine.distributed.broadcast_channel import BroadcastChannel
 from tpengine.distributed.messages import InitMessage, ShutdownMessage, decode_control, encode_error
 from tpengine.distributed.parallel_state import (TensorParallelGroup, connect_store, local_device_index,
                                                  new_process_group, resolve_device, world_tp_group)
-from tpengine.distributed.shm_ring import ShmRingReader
+from tpengine.distributed.shm.ring import ShmRingReader
 from tpengine.runner.model_runner import ModelRunner
 
 

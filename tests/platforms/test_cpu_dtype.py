@@ -9,8 +9,8 @@ import torch
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
-from tpengine.runner import cpu_dtype
-from tpengine.runner.cpu_dtype import half_precision_problem, resolve_cpu_dtype
+from tpengine.platforms import cpu_dtype
+from tpengine.platforms.cpu_dtype import half_precision_problem, resolve_cpu_dtype
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tpengine.distributed import futex
+from tpengine.distributed.shm import futex
 
 pytestmark = pytest.mark.skipif(not futex.available(), reason="no futex syscall number for this platform")
 

@@ -28,20 +28,17 @@ a weakly ordered CPU such as aarch64, so the writer refuses to run there
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
-import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing import shared_memory, util
 
-import _posixshmem
+from tpengine.distributed.shm import futex
+from tpengine.distributed.shm.segment import PeerDiedError, attach_untracked, create_segment, pid_alive
 
-from tpengine.distributed import futex
-
-__all__ = ["PeerDiedError", "ShmRingReader", "ShmRingWriter", "stores_are_ordered"]
+__all__ = ["ShmRingReader", "ShmRingWriter", "stores_are_ordered"]
 
 _TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 
@@ -49,10 +46,6 @@ _TSO_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 def stores_are_ordered(machine: str | None = None) -> bool:
     """Whether this CPU makes each process's stores visible in program order, as the ring needs."""
     return (platform.machine() if machine is None else machine).lower() in _TSO_MACHINES
-
-
-class PeerDiedError(RuntimeError):
-    """The process on the other end of the ring is gone."""
 
 
 _MAGIC = int.from_bytes(b"tpering1", "little")  # also versions the layout
@@ -87,8 +80,6 @@ _SPIN_S = 2e-3
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 1e-3  # an idle waiter wakes at most ~1000 times a second
 _PEER_CHECK_INTERVAL_S = 0.1
-
-_HAVE_PROCFS = os.path.exists("/proc/self/stat")
 
 
 @dataclass(frozen=True)
@@ -125,24 +116,6 @@ class _Layout:
 
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    if not _HAVE_PROCFS:
-        return True
-    # A killed child stays a zombie until its parent reaps it, and kill(pid, 0) still succeeds.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 def _wait_until(
@@ -187,24 +160,6 @@ def _wait_until(
         sleep_s = min(sleep_s * 2, _MAX_SLEEP_S)
 
 
-def _segment_name() -> str:
-    return f"tpengine_{os.getpid()}_{secrets.token_hex(6)}"
-
-
-def _attach_untracked(name: str) -> mmap.mmap:
-    """Map an existing segment without registering it with the resource tracker.
-
-    Spawned children share their parent's tracker, which keeps one entry per name:
-    registering then unregistering here would erase the writer's own registration
-    (losing cleanup if the writer is killed, and making its unlink print a KeyError).
-    """
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
 def _release_writer_segment(segment: shared_memory.SharedMemory, words: memoryview, linked: list[bool]) -> None:
     try:
         words[_WRITER_CLOSED_WORD] = 1  # lets waiting readers tell a shutdown from a hang
@@ -240,9 +195,7 @@ class ShmRingWriter:
                                f"{platform.machine()}: use the broadcast channel")
         layout = _Layout(num_readers, num_slots, slot_size, error_capacity)
         self._layout = layout
-        self._segment = shared_memory.SharedMemory(
-            name=_segment_name(), create=True, size=layout.total_bytes
-        )
+        self._segment = create_segment(layout.total_bytes)
         self._buf = self._segment.buf
         self._words = self._buf[: layout.control_bytes].cast("Q")
         self._base_address = futex.address_of(self._buf) if futex.available() else None
@@ -367,7 +320,7 @@ class ShmRingWriter:
     def _raise_if_dead(self, readers: Iterable[int]) -> None:
         for reader in readers:
             pid = self._reader_pid(reader)
-            if pid and not _pid_alive(pid):
+            if pid and not pid_alive(pid):
                 raise PeerDiedError(f"reader {reader} (pid {pid}) of shm ring {self.name} died")
 
     def lagging_readers(self) -> list[int]:
@@ -398,7 +351,7 @@ class ShmRingReader:
     def __init__(self, name: str, reader_index: int) -> None:
         self._name = name
         self._index = reader_index
-        self._mmap = _attach_untracked(name)
+        self._mmap = attach_untracked(name)
         self._buf = memoryview(self._mmap)
         self._words = self._buf[:_LINE_BYTES].cast("Q")  # line 0 only, until the layout is known
         try:
@@ -438,7 +391,7 @@ class ShmRingReader:
 
     def _claim_reader_index(self) -> None:
         owner = self._words[self._line + _READER_PID]
-        if owner not in (0, os.getpid()) and _pid_alive(owner):
+        if owner not in (0, os.getpid()) and pid_alive(owner):
             raise ValueError(
                 f"reader {self._index} of shm ring {self._name} is taken by live pid {owner}"
             )
@@ -501,7 +454,7 @@ class ShmRingReader:
         self._words[self._line + _READ_COUNT] = self._read_count  # after the copy: frees the slot
 
     def _raise_if_writer_gone(self) -> None:
-        if not _pid_alive(self._writer_pid):
+        if not pid_alive(self._writer_pid):
             raise PeerDiedError(f"writer (pid {self._writer_pid}) of shm ring {self._name} died")
         if self._words[_WRITER_CLOSED_WORD]:
             raise EOFError(f"writer closed shm ring {self._name}")

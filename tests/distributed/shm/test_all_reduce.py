@@ -12,10 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tests.distributed.shm_ranks import check_gathers, check_sums, check_wakes, segments
+from tests.distributed.shm.ranks import check_gathers, check_sums, check_wakes, segments
 from tpengine import LLM, SamplingParams
 from tpengine.distributed.parallel_state import find_free_port
-from tpengine.distributed.shm_ring import PeerDiedError
+from tpengine.distributed.shm.segment import PeerDiedError
 from tpengine.errors import WorkerFailedError
 from tpengine.kernels.cpu.build import has_compiler
 
@@ -89,7 +89,7 @@ def test_ranks_sampling_their_vocabulary_slices_share_their_numbers_through_shar
 RANK_SCRIPT = """
 import sys, time
 import torch, torch.distributed as dist
-from tpengine.distributed.shm_all_reduce import connect
+from tpengine.distributed.shm.all_reduce import connect
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 shm, line = connect(rank, 2, dist.all_reduce)

@@ -1,4 +1,4 @@
-"""What each rank process of tests/distributed/test_shm_all_reduce.py runs: kept light (torch and the
+"""What each rank process of tests/distributed/shm/test_all_reduce.py runs: kept light (torch and the
 all-reduce only), since every test starts several of these processes."""
 import functools
 import os
@@ -31,7 +31,7 @@ def assert_rank_order_sum(shm, numel: int, dtype: torch.dtype, call: int) -> tor
 
 
 def check_sums(rank: int, world_size: int, port: int, names_file: str) -> None:
-    from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect
+    from tpengine.distributed.shm.all_reduce import DEFAULT_SLOT_BYTES, connect
 
     torch.set_num_threads(1)  # up to 4 ranks on 2 cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -74,7 +74,7 @@ def check_sums(rank: int, world_size: int, port: int, names_file: str) -> None:
 def check_gathers(rank: int, world_size: int, port: int) -> None:
     """gather_to_first gives rank 0 every rank's tensor bit for bit (-0.0 and NaN too), at sizes around
     the slot size, interleaved with all-reduces on the same segment, equal to gloo's gather."""
-    from tpengine.distributed.shm_all_reduce import DEFAULT_SLOT_BYTES, connect
+    from tpengine.distributed.shm.all_reduce import DEFAULT_SLOT_BYTES, connect
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -126,8 +126,8 @@ def check_wakes(rank: int, world_size: int, port: int, late_s: float) -> None:
     were asleep and the last rank's publish woke them. Each rank in turn is the late one."""
     import time
 
-    from tpengine.distributed import shm_all_reduce
-    from tpengine.distributed.shm_all_reduce import connect
+    from tpengine.distributed.shm import all_reduce as shm_all_reduce
+    from tpengine.distributed.shm.all_reduce import connect
 
     torch.set_num_threads(1)
     shm_all_reduce._WAIT_SLICE_S = 600.0  # a lost wake-up would hang past the test's limit

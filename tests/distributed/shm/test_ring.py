@@ -17,12 +17,13 @@ from multiprocessing import shared_memory
 import pytest
 
 from tests.distributed.channels import payload
-from tpengine.distributed.shm_ring import PeerDiedError, ShmRingReader, ShmRingWriter, stores_are_ordered
+from tpengine.distributed.shm.ring import ShmRingReader, ShmRingWriter, stores_are_ordered
+from tpengine.distributed.shm.segment import PeerDiedError
 
 # Fresh processes like "spawn", but `import tpengine` (which loads torch) is paid once by the
 # fork server rather than by every child; a spawn start is covered by the scenario scripts below.
 CTX = multiprocessing.get_context("forkserver")
-CTX.set_forkserver_preload(["tpengine.distributed.shm_ring", __name__])
+CTX.set_forkserver_preload(["tpengine.distributed.shm.ring", __name__])
 CHILD_TIMEOUT_S = 30
 
 
@@ -305,7 +306,7 @@ def test_writer_process_exit_unlinks_segment(how):
 
 
 WRITER_DIES_OF_EXCEPTION = """
-from tpengine.distributed.shm_ring import ShmRingWriter
+from tpengine.distributed.shm.ring import ShmRingWriter
 
 writer = ShmRingWriter(1, num_slots=2, slot_size=64)
 print(writer.name, flush=True)
@@ -330,7 +331,7 @@ READER_EXIT_SCENARIO = """
 import multiprocessing
 import os
 
-from tpengine.distributed.shm_ring import ShmRingReader, ShmRingWriter
+from tpengine.distributed.shm.ring import ShmRingReader, ShmRingWriter
 
 
 def reader_main(name, index):

@@ -29,7 +29,7 @@ from multiprocessing import shared_memory, util
 
 import torch
 
-from tpengine.distributed.shm_ring import PeerDiedError, _attach_untracked, _pid_alive, _segment_name
+from tpengine.distributed.shm.segment import PeerDiedError, attach_untracked, create_segment, pid_alive
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the sampler's few numbers
 DEFAULT_SLOT_BYTES = 1 << 20  # a decode step's tensor fits whole; a prefill pass's goes in a few pieces
@@ -77,13 +77,12 @@ class ShmAllReduce:
         self._yield_cpu = world_size > len(os.sched_getaffinity(0))
         self._segment: shared_memory.SharedMemory | None = None
         if name is None:
-            self._segment = shared_memory.SharedMemory(_segment_name(), create=True,
-                                                       size=_segment_bytes(world_size, slot_bytes))
+            self._segment = create_segment(_segment_bytes(world_size, slot_bytes))
             # unlinks on close(), garbage collection or exit if connect() never got to it
             self._unlink_finalizer = util.Finalize(self, _unlink, (self._segment,), exitpriority=0)
             name = self._segment.name
             self._segment.close()  # its own mapping; the tensors below view this rank's mapping, as on the others
-        self.name, self._mapping = name, _attach_untracked(name)
+        self.name, self._mapping = name, attach_untracked(name)
         self._words = memoryview(self._mapping).cast("Q")
         words = self._words
         if self._segment is not None:
@@ -164,7 +163,7 @@ class ShmAllReduce:
             raise RuntimeError(f"shm all-reduce {self.name} was aborted while waiting for ranks {lagging}")
         for rank in lagging:
             pid = words[self._line(rank) + _PID]
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 raise PeerDiedError(f"tensor-parallel rank {rank} (pid {pid}) died during an all-reduce")
 
     def abort(self) -> None:

@@ -1,0 +1,22 @@
+"""Structured outputs at tp=2: every output matches its grammar (steps with a constrained row sample rank 0's
+gathered logits, the others every rank's slice), and unconstrained requests beside them get the tokens they
+get alone."""
+from tests.conftest import random_prompts
+from tests.structured.test_structured_outputs import check_all, constraints
+from tpengine import LLM, SamplingParams
+
+
+def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
+    cases = list(constraints())[::2]
+    free_prompts = random_prompts(9, [7, 21], 250)
+    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)]
+    with LLM(tied_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=48,
+             max_model_len=384) as llm:
+        alone = [o.token_ids for o in llm.generate(free_prompts, free, use_tqdm=False)]
+        outputs = llm.generate(free_prompts + [f"case {i}" for i in range(len(cases))],
+                               free + [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=256,
+                                                      structured_outputs=spec) for i, (spec, _) in enumerate(cases)],
+                               use_tqdm=False)
+    assert [o.token_ids for o in outputs[:2]] == alone
+    check_all(outputs[2:], [check for _, check in cases])

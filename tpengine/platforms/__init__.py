@@ -1,0 +1,75 @@
+"""What each device does its own way, one module per device: cpu.py (C++ elementwise ops with their torch
+fallbacks, linears on packed weights, half precision only where the CPU computes it, padded row counts,
+threads per rank) and cuda.py (the elementwise ops compiled, Triton's fused experts). torch_ops.py holds
+the torch code both start from.
+
+A layer asks once, when it is built, for the platform of the device the model is built on
+(`current_platform`) and keeps the functions it calls as attributes: a forward never asks which device
+it runs on. The runner asks `platform_for(device)` for its settings. The modules themselves are the
+platform objects; `Platform` lists what each provides.
+"""
+from typing import Protocol
+
+import torch
+
+
+class Platform(Protocol):
+    DEFAULT_MAX_NUM_BATCHED_TOKENS: int  # max_num_batched_tokens when the setting is None
+
+    # --- the runner's, once per rank ---
+
+    def resolve_dtype(self, dtype: str, hf_config, log: bool = True) -> torch.dtype:
+        """The dtype a model runs in when EngineConfig.dtype is `dtype` ("auto", "bfloat16", ...)."""
+
+    def set_up_rank(self, device: torch.device, num_ranks: int) -> None:
+        """Ready this process to compute on device as one of num_ranks ranks of an engine."""
+
+    def row_bucket(self, num_rows: int) -> int:
+        """The rows a forward of num_rows rows is padded to."""
+
+    # --- the layers', picked when each is built ---
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual normed, x + residual), possibly written into x and residual."""
+
+    def qk_norm_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def pack_linear_weight(self, weight: torch.Tensor):
+        """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed_weight) -> torch.Tensor:
+        """x @ weight^T (+ bias), on packed_weight where there is one (then weight may be empty)."""
+
+    def pack_quantized_weight(self, quantized, dtype: torch.dtype):
+        """After loading: a QuantizedWeight (tpengine/quantization) in the form linear() multiplies; on a
+        platform without a kernel for it, its float value in dtype."""
+
+    def embedding_rows(self, token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of an embedding table stored as pack_quantized_weight made it, in dtype."""
+
+
+def platform_for(device: torch.device) -> Platform:
+    """The platform module of a device: tpengine.platforms.cpu or tpengine.platforms.cuda."""
+    if device.type == "cpu":
+        from tpengine.platforms import cpu
+        return cpu
+    if device.type == "cuda":
+        from tpengine.platforms import cuda
+        return cuda
+    raise ValueError(f"tpengine runs on cpu or cuda devices, not {device.type}")
+
+
+def current_platform() -> Platform:
+    """The platform of the device a model is being built on (torch's default device: the runner builds
+    inside `with torch.device(...)`), which each layer reads in its __init__."""
+    return platform_for(torch.get_default_device())

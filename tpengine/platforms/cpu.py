@@ -1,0 +1,157 @@
+"""The CPU platform: the decoder's elementwise ops as C++ ops, linears on packed weights, the dtype a model
+runs in (cpu_dtype.py), the rows a forward is padded to and the threads a rank takes.
+
+The C++ ops (kernels/cpu/fused_ops.cpp, built on first use) each replace several torch ops, each a
+dispatch and an allocation, which at decode sizes cost more than the arithmetic. Each function here takes
+its C++ op where this machine built it and the tensor suits it (a dtype it takes, rows contiguous), else
+runs the torch code (torch_ops.py), which computes the same values.
+"""
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.kernels.cpu import bf16_linear as bf16_kernel
+from tpengine.kernels.cpu import fused_ops
+from tpengine.platforms import torch_ops
+from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
+
+# activations of a 2048-token forward stay in reused heap memory and in cache; one forward over ~10k
+# tokens was ~15% slower (docs/benchmarks.md)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
+    """float32 for "auto"; a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)."""
+    return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
+
+
+def set_up_rank(device: torch.device, num_ranks: int) -> None:
+    """Ranks on one CPU share its cores: oversubscribed threads only slow every rank down."""
+    if num_ranks > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+
+
+def row_bucket(num_rows: int) -> int:
+    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
+    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
+    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
+    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
+    weights are read once either way)."""
+    if num_rows <= 4:
+        return num_rows
+    power = 1 << (num_rows - 1).bit_length()
+    return power * 3 // 4 if num_rows <= power * 3 // 4 else power
+
+
+# --- the decoder's elementwise ops -----------------------------------------------------------------
+
+def _fused_takes(x: torch.Tensor) -> bool:
+    """Whether the C++ ops take x: a dtype they compute, its last dimension contiguous, and built here."""
+    return x.dtype in fused_ops.DTYPES and x.stride(-1) == 1 and fused_ops.available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return fused_ops.rms_norm(x, weight, eps) if _fused_takes(x) else torch_ops.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual normed, x + residual); the C++ op writes both in place, into x and residual: the decoder
+    hands over tensors it no longer reads."""
+    if _fused_takes(x) and residual.is_contiguous() and x.is_contiguous():
+        return fused_ops.add_rms_norm_(x, residual, weight, eps)
+    return torch_ops.add_rms_norm(x, residual, weight, eps)
+
+
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm, k_norm,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k each head RMS-normed by q_norm and k_norm (RMSNorms over head_dim; None: no norm), then rotated
+    by each token's position; the C++ op does it all in place, in q and k (views of the fresh q/k/v
+    projection)."""
+    if (_fused_takes(q) and k.stride(-1) == 1 and positions.dtype == torch.int64
+            and cos_sin_cache.dtype == torch.float32 and (q_norm is None or q_norm.eps == k_norm.eps)):
+        return fused_ops.qk_norm_rotary_(q, k, None if q_norm is None else q_norm.weight,
+                                         None if k_norm is None else k_norm.weight,
+                                         0.0 if q_norm is None else q_norm.eps, positions, cos_sin_cache)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return torch_ops.apply_rotary_in_halves(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return fused_ops.silu_and_mul(x) if _fused_takes(x) else torch_ops.silu_and_mul(x)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Each token's K/V into its cache slot, skipping slot -1 (padding); the C++ op needs no mask, so no
+    host sync."""
+    if _fused_takes(k) and v.stride(-1) == 1:
+        fused_ops.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        torch_ops.store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping)
+
+
+# torch's SiLU between the experts' matmuls: the C++ op gives torch's bits only at torch's vector width
+moe_experts = torch_ops.grouped_experts
+
+
+# --- linears on packed weights ---------------------------------------------------------------------
+
+# oneDNN packs a weight for a typical number of rows; any number of rows runs on the packed copy
+PREPACK_ROWS_HINT = 64
+
+# dtypes oneDNN multiplies on packed weights; a half dtype reaches a CPU model only where the CPU has
+# the instructions for it (cpu_dtype.py), else the model runs in float32
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Bf16Blocks(NamedTuple):
+    """A bfloat16 weight packed for tpengine's AVX512-BF16 linear (kernels/cpu/bf16_linear.cpp)."""
+    blocks: torch.Tensor
+    out_features: int
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | Bf16Blocks | None:
+    """A packed copy of an [out, in] weight that linear() multiplies faster, or None.
+
+    bfloat16 on a CPU with AVX512-BF16: blocks for tpengine's kernel, ~2-3x oneDNN's speed at decode
+    batch sizes (no per-call dispatch) and on par with it for a prefill. Otherwise oneDNN's blocked copy:
+    without it each matmul repacks the weight first, at decode batch sizes as costly as the product; the
+    packed copy runs about 2-3.5x faster (docs/benchmarks.md).
+    """
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return None
+    if weight.dtype == torch.bfloat16 and weight.size(1) % 2 == 0 and bf16_kernel.available():
+        return Bf16Blocks(bf16_kernel.pack_weight(weight.detach()), weight.size(0))
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PREPACK_ROWS_HINT)
+    except RuntimeError:  # a oneDNN build or CPU that cannot pack this weight: the plain matmul still runs
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed_weight: torch.Tensor | Bf16Blocks | None) -> torch.Tensor:
+    """x @ weight^T (+ bias), on packed_weight where pack_linear_weight made one."""
+    if packed_weight is None:
+        return F.linear(x, weight, bias)
+    if type(packed_weight) is torch_ops.DequantizedWeight:
+        return torch_ops.dequantized_linear(x, packed_weight, bias)
+    if type(packed_weight) is Bf16Blocks:
+        return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+# --- quantized weights -----------------------------------------------------------------------------
+
+def pack_quantized_weight(quantized, dtype: torch.dtype):
+    """A QuantizedWeight as linear() multiplies it."""
+    return torch_ops.dequantized_weight(quantized, dtype)
+
+
+def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+    return F.embedding(token_ids, packed_weight.weight).to(dtype)

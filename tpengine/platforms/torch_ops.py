@@ -1,0 +1,133 @@
+"""The torch code of the ops each platform runs its own way, in transformers' op order: CUDA compiles it
+(cuda.py), the CPU falls back to it where its C++ op does not take a tensor (cpu.py), and the tests
+measure both against it. Any device runs it as written."""
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from tpengine.quantization.weights import quantize_per_token
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    orig_dtype = x.dtype
+    x = x.float()  # variance in float32, as transformers computes it
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    # transformers' weight * x, in place on the fresh product: the same values, and on the CPU
+    # several times faster than broadcasting the weight as the first operand into a new tensor
+    return x.to(orig_dtype).mul_(weight)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual normed, x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with gate and up packed in the last dimension."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate).mul_(up)  # in place on silu's fresh output: one large allocation fewer
+
+
+# --- rotary embedding: two forms of the same values ------------------------------------------------
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # [tokens, 1, head_dim / 2] each: broadcast over heads
+    return cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+
+
+def _rotate_into_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    # [x1 cos - x2 sin, x2 cos + x1 sin], transformers' op order
+    out = torch.empty(x.shape, dtype=x1.dtype, device=x.device)
+    low, high = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=low).sub_(x2 * sin)
+    torch.mul(x2, cos, out=high).add_(x1 * sin)
+    return out.to(x.dtype)
+
+
+def _rotate_pointwise(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    halves = x.float().unflatten(-1, (2, -1))                     # [..., 2, head_dim / 2]: x1, x2
+    # [[-1], [1]]: x1 cos - x2 sin, x2 cos + x1 sin; made on the device (no host copy: CUDA-graph safe)
+    sign = torch.arange(-1, 2, 2, dtype=torch.float32, device=x.device).unsqueeze(-1)
+    rotated = halves * cos.unsqueeze(-2) + halves.flip(-2) * (sign * sin.unsqueeze(-2))
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def apply_rotary_in_halves(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated by each token's position (neox
+    style), each half written in place into one output: the CPU's eager form, faster there."""
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return _rotate_into_halves(q, cos, sin), _rotate_into_halves(k, cos, sin)
+
+
+def apply_rotary_pointwise(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same values in broadcast elementwise ops alone (no out= into strided views, which torch.compile
+    cannot trace, and no cat): CUDA's form, compiled as one graph, one kernel each for q and k (the gather of
+    cos/sin fused into both)."""
+    cos, sin = _cos_sin(positions, cos_sin_cache)
+    return _rotate_pointwise(q, cos, sin), _rotate_pointwise(k, cos, sin)
+
+
+# --- KV-cache store and mixture-of-experts ---------------------------------------------------------
+
+def store_kvcache_masked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """Each token's K/V into its cache slot, skipping slot -1 (padding); the mask costs a host sync."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[valid])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
+
+
+def grouped_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    act_and_mul=silu_and_mul, linear=F.linear) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * down(act_and_mul(gate_up(x))), act_and_mul being
+    silu(gate) * up; x [tokens, hidden], w13 [experts, 2 * intermediate, hidden] (gate then up), w2
+    [experts, hidden, intermediate]: the arguments of Triton's fused_experts.
+
+    Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
+    ascending expert order (the order transformers adds them in); unchosen experts cost nothing. Quantized
+    experts come as lists of packed weights, with the linear that multiplies them.
+    """
+    top_k = topk_ids.size(1)
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)                 # (token, k) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=len(w13)).tolist()
+    flat_weights = topk_weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        h = act_and_mul(linear(x[tokens], w13[expert]))
+        h = linear(h, w2[expert]) * flat_weights[pairs, None]
+        out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
+    return out
+
+
+# --- quantized weights without a kernel ------------------------------------------------------------
+
+class DequantizedWeight(NamedTuple):
+    """A quantized weight on a platform with no kernel for it: its float value, multiplied as any float weight
+    (an "int8" activation linear quantizes its input per token first). The same numbers, no memory saved."""
+    weight: torch.Tensor  # [out, in], in the input's column order
+    activation: str
+
+
+def dequantized_weight(quantized, dtype: torch.dtype) -> DequantizedWeight:
+    return DequantizedWeight(quantized.dequantize(dtype), quantized.activation)
+
+
+def dequantized_linear(x: torch.Tensor, packed: DequantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.activation == "int8":
+        values, scales = quantize_per_token(x)
+        x = (values.float() * scales).to(x.dtype)
+    return F.linear(x, packed.weight, bias)

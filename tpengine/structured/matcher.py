@@ -1,0 +1,52 @@
+"""A completion's place in its grammar, and the masks a step's constrained rows get from theirs (rank 0)."""
+import torch
+import xgrammar as xgr
+
+from tpengine.kernels.cpu import token_bitmask
+
+
+class SequenceGrammar:
+    """One completion's grammar matcher: it masks the completion's next token and takes each one sampled.
+
+    With a reasoning model the grammar constrains the answer only: it starts after the token that ends the
+    reasoning (`</think>`), as vLLM applies it; a prompt that already closed its reasoning (a chat template
+    that turns thinking off writes an empty one) starts it at once.
+    """
+
+    __slots__ = ("matcher", "reasoning_end_token", "active")
+
+    def __init__(self, compiled_grammar, reasoning_end_token: int | None = None,
+                 prompt_token_ids: list[int] = ()):
+        self.matcher = xgr.GrammarMatcher(compiled_grammar)
+        self.reasoning_end_token = reasoning_end_token
+        self.active = reasoning_end_token is None or reasoning_end_token in prompt_token_ids
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (the mask should have)."""
+        if not self.active:
+            self.active = token_id == self.reasoning_end_token
+            return True
+        return self.matcher.accept_token(token_id)
+
+
+_batch_matcher: xgr.BatchGrammarMatcher | None = None
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
+    """Set to -inf, in place, every logit of rows[i] that grammars[i] does not allow next (the model's
+    vocabulary beyond the tokenizer's included: the grammars were compiled for the model's)."""
+    global _batch_matcher
+    vocab_size = logits.size(1)
+    bitmask = xgr.allocate_token_bitmask(logits.size(0), vocab_size)
+    if len(rows) == 1:
+        grammars[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+    else:  # the rows' masks filled by xgrammar's threads
+        if _batch_matcher is None:
+            _batch_matcher = xgr.BatchGrammarMatcher()
+        _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+    if logits.device.type == "cpu" and logits.stride(1) == 1 and token_bitmask.available():
+        token_bitmask.apply_token_bitmask(logits, bitmask, rows)  # whole words at a time: ~1 ms a row less
+        return
+    if logits.device.type != "cpu":
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
