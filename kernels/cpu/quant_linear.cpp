@@ -53,6 +53,13 @@ struct Layout {
   int64_t out_features, in_features, in_padded, bits, group_columns, num_groups, num_blocks, block_bytes;
 };
 
+// One packed weight value as stored (int8 signed; int4 unsigned, zero + 8): output o's input j of a step
+inline int32_t packed_value(const uint8_t* w, int64_t bits, int64_t step, int64_t o, int64_t j) {
+  if (bits == 8) return static_cast<int8_t>(w[step * STEP_BYTES + o * STEP_INPUTS + j]);
+  const uint8_t byte = w[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
+  return step % 2 ? byte >> 4 : byte & 0x0F;
+}
+
 // ---------------------------------------------------------------- int8 activations: integer sums per group
 
 struct IntRows {  // R rows of quantized x: xq [rows][in_padded], xsum [rows][groups], sx [rows]
@@ -134,13 +141,7 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
       for (int64_t i = g * L.group_columns; i < (g + 1) * L.group_columns; ++i) {
         const int64_t step = i / STEP_INPUTS, j = i % STEP_INPUTS;
         for (int64_t o = 0; o < BLOCK_OUT; ++o) {
-          int32_t q;
-          if (L.bits == 8) {
-            q = static_cast<int8_t>(w[step * STEP_BYTES + o * STEP_INPUTS + j]);
-          } else {
-            const uint8_t byte = w[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
-            q = step % 2 ? byte >> 4 : byte & 0x0F;
-          }
+          const int32_t q = packed_value(w, L.bits, step, o, j);
           acc[o] += q * xm[i];
         }
       }
@@ -230,13 +231,7 @@ void dequantize_block(const Layout& L, const uint8_t* w, const float* scales, co
   for (int64_t i = 0; i < L.in_padded; ++i) {
     const int64_t g = i / L.group_columns, step = i / STEP_INPUTS, j = i % STEP_INPUTS;
     for (int64_t o = 0; o < BLOCK_OUT; ++o) {
-      int32_t q;
-      if (L.bits == 8) {
-        q = static_cast<int8_t>(w[step * STEP_BYTES + o * STEP_INPUTS + j]);
-      } else {
-        const uint8_t byte = w[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
-        q = step % 2 ? byte >> 4 : byte & 0x0F;
-      }
+      const int32_t q = packed_value(w, L.bits, step, o, j);
       tile[i * BLOCK_OUT + o] = scales[g * BLOCK_OUT + o] * static_cast<float>(q - zeros[g * BLOCK_OUT + o]);
     }
   }
