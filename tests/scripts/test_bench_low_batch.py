@@ -77,6 +77,9 @@ def test_baselines_take_turns_each_round_and_land_in_the_json(quick_model, tmp_p
     series = {(p["label"], p["batch"]): p["step_ms"] for p in record["series"]}
     assert {label for label, _ in series} == {"tpengine (float32)", "transformers generate (float32)", "llama.cpp f32",
                                              "vLLM 0.0-stand-in offline LLM (float32)"}
-    assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in series.values())
+    assert all(len(rounds) == 2 for rounds in series.values())
+    # transformers' step is the difference of two timed generate calls: over --quick's few steps on a busy
+    # machine it can come out at or below zero, so only the directly timed steps must be positive
+    assert all(min(rounds) > 0 for (label, _), rounds in series.items() if not label.startswith("transformers"))
     assert series["llama.cpp f32", 2] == [1.0, 1.0] and series["vLLM 0.0-stand-in offline LLM (float32)", 1] == [2.0, 2.0]
     assert record["kv_bytes_per_token"] > 0 and record["weight_bytes"] > 0
