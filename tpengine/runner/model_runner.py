@@ -76,7 +76,14 @@ class ModelRunner:
                 self.model = model_class(hf_config)(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model, quantization_config_of(hf_config), online_quantization(config))
+        quantization, online = quantization_config_of(hf_config), online_quantization(config)
+        load_model(self.model, config.model, quantization, online)
+        if rank == 0 and quantization is not None:
+            converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
+                if "fp8" in quantization.describe() else ""
+            logger.info("quantized checkpoint: %s%s", quantization.describe(), converted)
+        elif rank == 0 and online is not None:
+            logger.info("weights quantized at load: %s", config.quantization)
         for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
             if hasattr(module, "prepack"):
                 module.prepack()
