@@ -55,7 +55,8 @@ import time
 
 import torch
 
-from bench import QWEN3_0_6B, git_revision, load_average, machine_line, num_params, write_model  # scripts/ is on sys.path
+# scripts/ is this script's folder, so it is on sys.path
+from bench import QWEN3_0_6B, git_revision, load_average, machine_line, num_params, write_model
 from bench_low_batch import LOW_BATCH_MODEL, decode_step_ms, random_prompts
 from quick import QUICK_MODEL, parse_with_quick
 
@@ -91,7 +92,8 @@ def parse_args(argv=None):
     p.add_argument("--llamacpp", metavar="BIN", help="llama.cpp's build/bin: also measure its f16, Q8_0, Q4_0")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's -t")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
-    args = parse_with_quick(p, argv, dict(models=["small"], group_size=32, batch_sizes=[1, 2], context_len=16, short_prompt_len=8,
+    args = parse_with_quick(p, argv, dict(models=["small"], group_size=32, batch_sizes=[1, 2], context_len=16,
+                                          short_prompt_len=8,
                                           steps=2, warm_up_steps=1, throughput_seqs=3, throughput_output=4,
                                           agreement_prompts=2, agreement_tokens=4),
                             "bench.py's QUICK_MODEL instead of --models'; no llama.cpp")
@@ -166,8 +168,8 @@ def measure_format(model_path: str, fmt: str, args, agreement_prompts) -> dict:
     rng = random.Random(0)  # every format decodes the same prompts
     gc.collect()
     rss_before = rss_bytes()
-    max_len = max(args.context_len, args.short_prompt_len) + max(args.warm_up_steps + args.steps + 2, args.throughput_output,
-                                     args.agreement_tokens) + 8
+    max_len = max(args.context_len, args.short_prompt_len) + max(args.warm_up_steps + args.steps + 2,
+                                                                 args.throughput_output, args.agreement_tokens) + 8
     llm = LLM(model_path, device="cpu", max_num_seqs=max(args.batch_sizes + [args.throughput_seqs, 1]),
               max_model_len=max_len, enable_prefix_caching=False, **engine_kwargs(fmt, args))
     try:
@@ -228,7 +230,7 @@ BATCHED_BENCH_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\
 def batched_bench(bin_dir: str, gguf: str, context_len: int, new_tokens: int, batches: list[int], threads: int,
                   shared_prompt: bool) -> dict[int, tuple[float, float]]:
     """llama-batched-bench's (decode tok/s, total seconds) by batch."""
-    n_ctx = max(batches) * (context_len + new_tokens + 16)
+    n_ctx = max(batches) * -(-(context_len + new_tokens + 16) // 256) * 256  # too small a context drops batches
     command = [os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", str(n_ctx), "-b", "2048",
                "-ub", "512", "-npp", str(context_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)),
                "-t", str(threads), "-fa", "off", "-no-kvu", "-nr"] + (["-pps"] if shared_prompt else [])
@@ -342,7 +344,12 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
         r["tok_s"] = {b: b / ms * 1e3 for b, ms in r["step_ms"].items()}
         if "float32" in ours and "tokens" in r:
             r["agreement"] = agreement(r["tokens"], ours["float32"]["tokens"])
-    llama = measure_llamacpp(args.llamacpp, model_path, args) if args.llamacpp else {}
+    llama = {}
+    if args.llamacpp:
+        try:
+            llama = measure_llamacpp(args.llamacpp, model_path, args)
+        except SystemExit as error:  # tpengine's figures still print
+            print(f"llama.cpp not measured: {error}", file=sys.stderr)
     return ours, llama
 
 
