@@ -66,6 +66,7 @@ import time
 import torch
 
 from quick import QUICK_MODEL, parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
+from results import Record, add_json_flag, git_revision, load_average  # noqa: F401  (others import them from here)
 
 CPU_MODEL = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
@@ -109,6 +110,7 @@ def parse_args(argv=None):
                    help="tpengine's policy; several are each timed every round, alternating (default mixed)")
     p.add_argument("--repeat", type=int, default=1,
                    help="measure each side this many times, alternating, and keep the fastest (for noisy machines)")
+    add_json_flag(p)
     args = parse_with_quick(p, argv, dict(num_seqs=6, min_input_len=4, max_input_len=24, min_output_len=2,
                                           max_output_len=8, max_num_seqs=4, hf_batch_size=[2]),
                             "bench.py's QUICK_MODEL (hidden 64, 2 layers)")
@@ -287,32 +289,20 @@ def machine_line(device: str, num_threads: int) -> str:
             f"torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
 
 
-def load_average() -> str:
-    try:
-        return " ".join(open("/proc/loadavg").read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-def git_revision() -> str:
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        rev = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "n/a"
-    return (rev + (" (uncommitted changes)" if dirty else "")) if rev else "n/a"
-
-
 def num_params(config) -> int:
     layer = (config.hidden_size * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
              + config.num_attention_heads * config.head_dim * config.hidden_size
              + 3 * config.hidden_size * config.intermediate_size)
     embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     return config.num_hidden_layers * layer + embeddings
+
+
+def model_fields(config) -> dict:
+    """The model's shape, for a JSON record."""
+    return dict(hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+                num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                tie_word_embeddings=config.tie_word_embeddings, params=num_params(config))
 
 
 def rate(tokens: int, seconds: float | None) -> str:
@@ -322,8 +312,9 @@ def rate(tokens: int, seconds: float | None) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + list(argv or sys.argv[1:]))
-    load_before = load_average()
     num_threads = torch.get_num_threads()
+    record = Record("bench", argv, machine_line(args.device, num_threads))
+    load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="tpengine-bench-") as tmp:
         model_path = args.model or write_model(args.device, args.model_dir or os.path.join(tmp, "model"),
                                                QUICK_MODEL if args.quick else None)
@@ -404,6 +395,11 @@ def main(argv=None) -> None:
     print("|---|---|")
     for key, value in rows:
         print(f"| {key} | {value} |")
+    record.write(args.json, device=args.device, tp=args.tp, dtype=args.dtype, model=model_fields(config),
+                 workload=dict(num_seqs=args.num_seqs, prompt_tokens=sum(len(p) for p in prompts),
+                               output_tokens=useful, temperature=args.temperature, seed=args.seed),
+                 seconds={**{f"tpengine {policy}": times for policy, times in ours.items()},
+                          **{f"transformers batch {b}": times for b, times in hf.items()}})
 
 
 if __name__ == "__main__":

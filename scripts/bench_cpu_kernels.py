@@ -13,9 +13,15 @@
 4. Rotary, eager: the CPU form (each half written in place into one output) against the form CUDA
    compiles (broadcast elementwise ops that torch.compile traces as one graph), for q and k of the
    bench model's shape (8 heads, 4 KV heads of 64) at --rows tokens.
+5. Quantized linears (kernels/cpu/quant_linear.cpp): int8 per output channel and int4 in groups of 128, each with
+   int8 activations (quantized per token on the fly) and float ones, against the float32 oneDNN-packed linear
+   (and bfloat16 where this CPU packs it), on Qwen3-0.6B's projections (qkv 4096x1024, o 1024x2048, gate_up
+   6144x1024, down 1024x3072; two layers, so they come from memory) and its LM head (151936x1024) apart;
+   --quick: QUICK_MODEL's. G MAC/s and GB/s (resident weight bytes read per second) per form.
 
     .venv/bin/python scripts/bench_cpu_kernels.py
     .venv/bin/python scripts/bench_cpu_kernels.py --sections bf16-linears --rows 1 4 16 2048
+    .venv/bin/python scripts/bench_cpu_kernels.py --sections quant --rows 1 4 16 64
     .venv/bin/python scripts/bench_cpu_kernels.py --quick      # seconds: small batch, rows 1 4, QUICK_MODEL's linears
 """
 import argparse
@@ -30,6 +36,7 @@ from quick import QUICK_MODEL, parse_with_quick
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.hf_config import RopeParameters
+from tpengine.kernels.cpu import quant_linear as cpu_quant
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
 from tpengine.layers.rotary_embedding import RotaryEmbedding
@@ -181,8 +188,64 @@ def rotary(args) -> None:
         print(f"| {rows} | {in_place_ms:.3f} | {cuda_ms:.3f} | {cuda_ms / in_place_ms:.2f}x |")
 
 
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, num_hidden_layers=2, vocab_size=151936)
+
+
+def quantized(weight: torch.Tensor, bits: int, group_size: int, activation: str) -> "cpu_quant.PackedQuantWeight":
+    """weight rounded to bits, symmetric, one scale per group of group_size columns, packed for the kernel."""
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // group_size, group_size)
+    scales = groups.abs().amax(dim=2) / (2 ** (bits - 1) - 1)
+    qweight = (groups / scales[..., None]).round().clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1).to(torch.int8)
+    return cpu_quant.pack(qweight.view(out_features, in_features), scales, None, bits, group_size, activation)
+
+
+def quant_linears(args) -> None:
+    model = args.model_shape if args.quick else QWEN3_0_6B
+    print(f"\n## Quantized linears: {model['num_hidden_layers']} layers of qkv, o, gate_up, down, and the LM head apart; "
+          "ms per forward, G MAC/s, GB/s of resident weight\n")
+    if not cpu_quant.available():
+        print("the quantized linear does not build here: nothing to compare")
+        return
+    layers = layer_weights(model)
+    head = [torch.randn(model["vocab_size"], model["hidden_size"]) * 0.02]
+    formats = [("int8 per channel", 8, None), ("int4 groups of 128", 4, 128)]
+    print("| rows | weights | form | ms | G MAC/s | GB/s | vs float32 |\n|---:|---|---|---:|---:|---:|---:|")
+    for name, weights in (("layers", layers), ("LM head", head)):
+        forms = {"float32 oneDNN": (weights, [pack_linear_weight(w) for w in weights])}
+        halves = [w.bfloat16() for w in weights]
+        halves_packed = [pack_linear_weight(w) for w in halves]
+        if all(p is not None for p in halves_packed):  # this CPU packs bfloat16 (oneDNN or tpengine's kernel)
+            forms["bfloat16 packed"] = (halves, halves_packed)
+        for label, bits, group_size in formats:
+            for activation in cpu_quant.ACTIVATIONS:
+                packs = [quantized(w, bits, min(group_size or w.size(1), w.size(1)), activation) for w in weights]
+                forms[f"{label}, {activation} activations"] = (weights, packs)
+        macs = sum(w.numel() for w in weights)
+        for rows in args.rows:
+            inputs = {(dtype, k): torch.randn(rows, k, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)
+                      for k in {w.size(1) for w in weights}}
+
+            def forward(ws, ps):
+                for w, p in zip(ws, ps):
+                    if isinstance(p, cpu_quant.PackedQuantWeight):
+                        cpu_quant.quant_linear(inputs[torch.float32, p.in_features], p)
+                    else:
+                        linear(inputs[w.dtype, w.size(1)], w, None, p)
+
+            float32_ms = None
+            for form, (ws, ps) in forms.items():
+                ms = best_ms(lambda: forward(ws, ps), max(1, 64 // rows), args.rounds)
+                float32_ms = float32_ms or ms
+                resident = sum(p.resident_bytes() if isinstance(p, cpu_quant.PackedQuantWeight)
+                               else w.numel() * w.element_size() for w, p in zip(ws, ps))
+                print(f"| {rows} | {name} | {form} | {ms:.3f} | {macs * rows / ms / 1e6:.1f} | "
+                      f"{resident / ms / 1e6:.1f} | {float32_ms / ms:.2f}x |")
+
+
 SECTIONS = {"attention": decode_attention, "linears": linears, "bf16-linears": bf16_linears, "sampling": sampling,
-            "rotary": rotary}
+            "rotary": rotary, "quant": quant_linears}
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """Low-batch decode on the CPU: decode tok/s at small batches against the weight-read floor, in one run.
 
-The model is the shape of the llama.cpp comparison in docs/benchmarks.md: a random-weight Qwen3 with
+The model is the shape of the llama.cpp comparison in docs/benchmarks.md (history: docs/benchmark-history.md): a random-weight Qwen3 with
 vocab 8192, hidden 512, intermediate 1024, 6 layers, 8 heads / 4 KV heads of 64, untied LM head
 (~18M params; float32 by default), written with transformers by bench.py's write_model, or --model.
 
@@ -20,11 +20,20 @@ In one process, one engine (prefix caching off, so repeats compute everything):
 - --breakdown: where one batch-1 decode step's time goes, layer kind by layer kind (see breakdown()).
 - --ops: each fused CPU op (kernels/cpu/fused_ops.cpp) against the torch code it replaces (the CPU
   platform's fallback), at 1, 16 and 2048 tokens of the model's shape, best of 10 rounds on the engine's threads.
+- baselines on the same checkpoint, the same batch sizes and context (scripts/decode_baselines.py says how each
+  is timed): --transformers (generate, in this process), --llama-cpp BIN --gguf f32=PATH q8_0=PATH ...
+  (llama-batched-bench), --vllm-python PATH (vLLM's offline LLM, in its venv). Every round each engine takes
+  its turn, the order rotating round by round; the curve table gives each engine's median step and the range.
+- --json PATH writes every round's figures (scripts/plot_benchmarks.py draws decode tok/s by batch size for
+  every engine, and tpengine's step against the weight-read floor).
 
     .venv/bin/python scripts/bench_low_batch.py                     # ~1 minute on 2 idle cores
     .venv/bin/python scripts/bench_low_batch.py --repeat 3 --breakdown
     .venv/bin/python scripts/bench_low_batch.py --batched-bench 1 16 48 --repeat 2
     .venv/bin/python scripts/bench_low_batch.py --ops --batch-sizes 1 --steps 5
+    .venv/bin/python scripts/bench_low_batch.py --batch-sizes 1 4 16 64 --repeat 3 --transformers \
+        --llama-cpp ~/.cache/llamacpp-anchor/llama.cpp/build/bin --gguf f32=model-f32.gguf q8_0=model-q8_0.gguf \
+        --vllm-python ~/.cache/vllm-cpu-anchor/bin/python --model-dir DIR --json docs/bench-data/low_batch.json
     .venv/bin/python scripts/bench_low_batch.py --quick --breakdown --ops   # seconds: bench.py's QUICK_MODEL
 """
 import argparse
@@ -39,8 +48,10 @@ import time
 
 import torch
 
-from bench import git_revision, load_average, machine_line, num_params, write_model  # scripts/ is on sys.path
+import decode_baselines  # scripts/ is on sys.path
+from bench import machine_line, model_fields, num_params, write_model
 from quick import QUICK_MODEL, parse_with_quick
+from results import Record, add_json_flag, git_revision, load_average
 
 LOW_BATCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
@@ -62,10 +73,20 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true", help="also break one batch-1 decode step down by op kind")
     p.add_argument("--ops", action="store_true", help="also time each fused CPU op against its torch code")
     p.add_argument("--repeat", type=int, default=1, help="measure everything this many times, keep the best")
+    p.add_argument("--transformers", action="store_true", help="baseline: transformers' generate, same checkpoint")
+    p.add_argument("--llama-cpp", metavar="BIN", help="baseline: llama.cpp's bin folder (llama-batched-bench); needs --gguf")
+    p.add_argument("--gguf", nargs="+", default=[], metavar="NAME=PATH",
+                   help="GGUF files of the same checkpoint for --llama-cpp, e.g. f32=model-f32.gguf q4_0=model-q4_0.gguf")
+    p.add_argument("--llama-cpp-threads", type=int, default=None, help="llama.cpp's -t (default: torch's threads)")
+    p.add_argument("--vllm-python", metavar="PATH", help="baseline: the python of vLLM's CPU venv (offline LLM)")
+    add_json_flag(p)
     args = parse_with_quick(p, argv, dict(batch_sizes=[1, 3], context_len=20, steps=3, warm_up_steps=1),
                             "bench.py's QUICK_MODEL")
     if min(args.batch_sizes + args.batched_bench + [args.context_len, args.steps, args.repeat]) < 1:
         p.error("sizes and counts must be >= 1")
+    if bool(args.llama_cpp) != bool(args.gguf):
+        p.error("--llama-cpp and --gguf go together")
+    args.gguf = decode_baselines.parse_gguf(args.gguf)
     return args
 
 
@@ -99,8 +120,7 @@ def weight_read_ms(tensors: list[torch.Tensor], repeats: int = 20) -> float:
 
 # --- decode ---------------------------------------------------------------------------------------
 
-def random_prompts(rng: random.Random, batch: int, length: int, vocab: int) -> list[list[int]]:
-    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
+random_prompts = decode_baselines.random_prompts
 
 
 def decode_step_ms(llm, rng, batch: int, args) -> float:
@@ -299,13 +319,30 @@ def op_rows(config, dtype: torch.dtype) -> list[tuple[str, int, float, float]]:
 
 # --- report ---------------------------------------------------------------------------------------
 
+def start_baselines(args, model_path: str) -> list:
+    """The baselines asked for, each ready to time (vLLM's start-up and warm-up happen here)."""
+    steps = args.steps
+    baselines = []
+    if args.transformers:
+        baselines.append(decode_baselines.TransformersDecode(model_path, args.dtype, args.context_len, steps))
+    for name, gguf in args.gguf:
+        baselines.append(decode_baselines.LlamaCppDecode(args.llama_cpp, name, gguf, args.context_len, steps,
+                                                         args.llama_cpp_threads or torch.get_num_threads()))
+    if args.vllm_python:
+        baselines.append(decode_baselines.VllmDecode(args.vllm_python, model_path, args.dtype, args.context_len,
+                                                     steps, args.batch_sizes))
+    return baselines
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from tpengine import LLM
     from transformers import AutoConfig
 
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + list(argv or sys.argv[1:]))
+    record = Record("bench_low_batch", argv, machine_line("cpu", torch.get_num_threads()))
     load_before = load_average()
+    ours_label = f"tpengine ({args.dtype})"
     with tempfile.TemporaryDirectory(prefix="tpengine-low-batch-") as tmp:
         model_path = args.model or write_model("cpu", args.model_dir or os.path.join(tmp, "model"),
                                                QUICK_MODEL if args.quick else LOW_BATCH_MODEL)
@@ -316,19 +353,31 @@ def main(argv=None) -> None:
         max_batch = max(args.batch_sizes + args.batched_bench)
         llm = LLM(model_path, dtype=args.dtype, max_num_seqs=max_batch, enable_prefix_caching=False,
                   max_model_len=args.context_len + max(args.warm_up_steps + args.steps, BATCHED_BENCH_OUTPUT) + 8)
+        baselines = []
         try:
+            baselines = start_baselines(args, model_path)
             rng = random.Random(0)
             floor_ms, decode_ms, bench_s = [], collections.defaultdict(list), collections.defaultdict(list)
+            curves = {name: collections.defaultdict(list) for name in [ours_label] + [b.label for b in baselines]}
+            turns = [None] + baselines  # None: tpengine's turn
             for round_ in range(args.repeat):
-                floor_ms.append(weight_read_ms(weights))
-                for batch in args.batch_sizes:
-                    decode_ms[batch].append(decode_step_ms(llm, rng, batch, args))
-                for batch in args.batched_bench:
-                    bench_s[batch].append(batched_bench_seconds(llm, rng, batch, args.context_len))
+                for turn in turns[round_ % len(turns):] + turns[:round_ % len(turns)]:  # the order rotates
+                    if turn is None:
+                        floor_ms.append(weight_read_ms(weights))
+                        for batch in args.batch_sizes:
+                            decode_ms[batch].append(decode_step_ms(llm, rng, batch, args))
+                            curves[ours_label][batch].append(decode_ms[batch][-1])
+                        for batch in args.batched_bench:
+                            bench_s[batch].append(batched_bench_seconds(llm, rng, batch, args.context_len))
+                    else:
+                        for batch, ms in turn.step_ms(args.batch_sizes).items():
+                            curves[turn.label][batch].append(ms)
                 print(f"[round {round_ + 1}/{args.repeat}] load {load_average()}", file=sys.stderr)
             rows = breakdown(llm, rng, args) if args.breakdown else []
             ops = op_rows(config, dtype) if args.ops else []
         finally:
+            for baseline in baselines:
+                baseline.close()
             llm.shutdown()
     floor = min(floor_ms)
     print(f"command: `{command}`")
@@ -351,6 +400,34 @@ def main(argv=None) -> None:
         total = batch * (args.context_len + BATCHED_BENCH_OUTPUT)
         print(f"| batched-bench shape, batch {batch} (prompt {args.context_len}, {BATCHED_BENCH_OUTPUT} decode "
               f"steps): total tok/s | {seconds * 1e3:,.0f} | {total / seconds:,.0f} | |")
+    if baselines:
+        print()
+        print(f"Decode by batch size, context {args.context_len}: tok/s of the median step over {args.repeat} "
+              f"round(s) (range), and ours over each baseline:")
+        print()
+        print("| engine | " + " | ".join(f"batch {batch}" for batch in args.batch_sizes) + " |")
+        print("|---|" + "---:|" * len(args.batch_sizes))
+        for label, by_batch in curves.items():
+            cells = []
+            for batch in args.batch_sizes:
+                rates = sorted(batch / ms * 1e3 for ms in by_batch[batch])
+                cell = f"{batch / statistics.median(by_batch[batch]) * 1e3:,.0f}"
+                cells.append(cell + (f" ({rates[0]:,.0f}-{rates[-1]:,.0f})" if len(rates) > 1 else ""))
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        for label in list(curves)[1:]:
+            ratios = [statistics.median(curves[label][b]) / statistics.median(curves[ours_label][b])
+                      for b in args.batch_sizes]
+            print(f"| {ours_label} / {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    record.write(args.json, model=dict(model_fields(config), path=args.model or "random-weight Qwen3 (LOW_BATCH_MODEL)"),
+                 dtype=args.dtype, context_len=args.context_len, decode_steps=args.steps, rounds=args.repeat,
+                 weight_bytes=weight_bytes, floor_ms=floor_ms,
+                 kv_bytes_per_token=2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                 * dtype.itemsize,
+                 series=[dict(label=label, engine=label.split(" ")[0], batch=batch, step_ms=ms)
+                         for label, by_batch in curves.items() for batch, ms in by_batch.items()],
+                 batched_bench=[dict(batch=batch, seconds=s, total_tokens=batch * (args.context_len + BATCHED_BENCH_OUTPUT))
+                                for batch, s in bench_s.items()],
+                 breakdown=[dict(part=label, ms=ms) for label, ms in rows])
     if rows:
         print()
         print(f"Batch-1 decode step by op kind (context {args.context_len}, mean of {args.steps} steps):")

@@ -5,7 +5,9 @@ a replay of fixed token ids, so a step measures exactly what rank 0 does between
 schedule(), postprocess(), incremental detokenization, stop-string matching and building the
 RequestOutputs. Tokens come from a byte-level BPE tokenizer (4,096 tokens) trained here on English
 text, replayed from that text, so texts, merges and partial stop-string matches look like real ones.
-Baseline: the same step with neither streaming nor stop strings (what generate() pays), same run.
+Streamed requests get cumulative outputs (everything so far each step) or delta outputs (only what is new, vLLM's
+RequestOutputKind.DELTA, what `tpengine serve` streams). Baseline: the same step with neither streaming nor stop
+strings (what generate() pays), same run.
 
     .venv/bin/python scripts/bench_outputs.py [--seqs 256] [--steps 200] [--warmup 50]
     .venv/bin/python scripts/bench_outputs.py --quick    # seconds: 6 sequences, 4 steps
@@ -24,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
 from tpengine import LLM, SamplingParams
+from tpengine.sampling_params import RequestOutputKind
 from tpengine.runner.sampler import SamplerOutput
 from tpengine.tiny_model import write_tiny_model
 
@@ -69,9 +72,11 @@ class ReplayExecutor:
         return SamplerOutput(tokens[:num_rows], [None] * num_rows)
 
 
-def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | None, warmup: int, steps: int):
+def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | None, kind: RequestOutputKind,
+          warmup: int, steps: int):
     llm.executor = ReplayExecutor(real_executor, replay)
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 10, ignore_eos=True, stop=stop)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 10, ignore_eos=True, stop=stop,
+                            output_kind=kind)
     ids = [llm.add_request(prompt, params, stream=stream) for prompt in prompts]
     while llm.scheduler.waiting:  # prefill everything first
         llm._step()
@@ -114,12 +119,15 @@ def main(argv=None):
         offsets = [rng.randrange(len(text_ids) - 2 * args.steps) for _ in range(n)]
         replay = [[text_ids[(o + k) % len(text_ids)] for o in offsets] for k in range(args.warmup + args.steps + 64)]
         real = llm.executor
-        cases = [("neither (generate())", False, None), ("streamed", True, None),
-                 ("stop strings", False, STOPS), ("streamed + stop strings", True, STOPS)]
+        cumulative, delta = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
+        cases = [("neither (generate())", False, None, cumulative), ("streamed", True, None, cumulative),
+                 ("stop strings", False, STOPS, cumulative), ("streamed + stop strings", True, STOPS, cumulative),
+                 ("streamed, delta outputs (the server's)", True, None, delta),
+                 ("streamed + stop strings, delta outputs", True, STOPS, delta)]
         results = {}
         for _ in range(2):  # alternate and keep the best of each: a noisy moment hurts no case alone
-            for name, stream, stop in cases:
-                us = bench(llm, real, prompts, replay, stream, stop, args.warmup, args.steps)
+            for name, stream, stop, kind in cases:
+                us = bench(llm, real, prompts, replay, stream, stop, kind, args.warmup, args.steps)
                 results[name] = min(results.get(name, us), us)
     base = results[cases[0][0]]
     print(f"decode step of {n} sequences on rank 0 (schedule + postprocess + outputs), block size {BLOCK_SIZE}, "
@@ -127,7 +135,7 @@ def main(argv=None):
           f"{args.warmup} warm-up\n")
     print("| outputs | µs/step | µs/seq | over the baseline µs/step |")
     print("|---|---:|---:|---:|")
-    for name, _, _ in cases:
+    for name, *_ in cases:
         print(f"| {name} | {results[name]:.1f} | {results[name] / n:.3f} | {results[name] - base:+.1f} |")
 
 

@@ -81,13 +81,14 @@ class Request:
     def output(self) -> RequestOutput:
         """Everything so far (cumulative), or what is new since the last output (delta: only the completions
         with something new); a running completion's text holds back a possible stop-string start."""
-        seqs = self.seqs
-        if self.delta:
-            completions = [c for c in map(self._delta, seqs, self.texts) if c is not None]
-        elif len(seqs) == 1:  # built per streamed request per step: the common case without a zip
-            completions = [self._completion(seqs[0], self.texts[0])]
+        seqs, texts = self.seqs, self.texts
+        if len(seqs) == 1:  # built per streamed request per step: the common case without a loop
+            completion = self._delta(seqs[0], texts[0]) if self.delta else self._completion(seqs[0], texts[0])
+            completions = [completion] if completion is not None else []
+        elif self.delta:
+            completions = [c for c in map(self._delta, seqs, texts) if c is not None]
         else:
-            completions = [self._completion(seq, text) for seq, text in zip(seqs, self.texts)]
+            completions = [self._completion(seq, text) for seq, text in zip(seqs, texts)]
         num_cached = seqs[0].num_prompt_cached_tokens
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.num_unfinished == 0,
@@ -108,23 +109,28 @@ class Request:
     def _delta(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput | None:
         """What is new of one completion since its last output (None: nothing): its new tokens, the text they
         made visible, and its end once, when it comes. Costs what is new, not what came before."""
-        i = seq.index
+        i, num_tokens = seq.index, seq.num_tokens
         finished = seq.finish_reason is not None
         if text is None:
             new_text = None if self.detokenizer is None else ""
         else:
             full = text.text
-            end = len(full) if finished else len(full) - (text.stop.num_held_back if text.stop is not None else 0)
-            new_text = full[self.num_reported_chars[i]:end]
-            self.num_reported_chars[i] = max(end, self.num_reported_chars[i])
+            end = len(full) if finished or text.stop is None else len(full) - text.stop.num_held_back
+            reported = self.num_reported_chars[i]
+            if end > reported:  # the visible text only grows: each visible text is a prefix of the final one
+                new_text = full[reported:end]
+                self.num_reported_chars[i] = end
+            else:
+                new_text = ""
         start = self.num_reported_tokens[i]
-        if start == seq.num_tokens and not new_text and (not finished or self.reported_finished[i]):
+        if start == num_tokens and not new_text and (not finished or self.reported_finished[i]):
             return None
-        self.num_reported_tokens[i] = seq.num_tokens
-        self.reported_finished[i] = finished
+        self.num_reported_tokens[i] = num_tokens
+        if finished:
+            self.reported_finished[i] = True
         if self.logprobs is None:
-            return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, seq.num_tokens, seq.finish_reason,
+            return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
                                               seq.stop_reason)
-        return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, seq.num_tokens, seq.finish_reason,
+        return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
                                           seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
                                           logprob_start=start - seq.num_prompt_tokens)

@@ -15,6 +15,7 @@ import torch
 
 class Platform(Protocol):
     DEFAULT_MAX_NUM_BATCHED_TOKENS: int  # max_num_batched_tokens when the setting is None
+    ONLINE_QUANTIZATION_ACTIVATION: str  # how quantization="int8"|"int4" linears take their input: "float" or "int8"
 
     # --- the runner's, once per rank ---
 

@@ -6,6 +6,7 @@ dispatch and an allocation, which at decode sizes cost more than the arithmetic.
 its C++ op where this machine built it and the tensor suits it (a dtype it takes, rows contiguous), else
 runs the torch code (torch_ops.py), which computes the same values.
 """
+import logging
 import os
 from typing import NamedTuple
 
@@ -14,8 +15,11 @@ import torch.nn.functional as F
 
 from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu import fused_ops
+from tpengine.kernels.cpu import quant_linear as quant_kernel
 from tpengine.platforms import torch_ops
 from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
+
+logger = logging.getLogger("tpengine")
 
 # activations of a 2048-token forward stay in reused heap memory and in cache; one forward over ~10k
 # tokens was ~15% slower (docs/benchmarks.md)
@@ -139,6 +143,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x @ weight^T (+ bias), on packed_weight where pack_linear_weight made one."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if type(packed_weight) is QuantizedLinear:
+        if packed_weight.input_order is not None:
+            x = x.index_select(-1, packed_weight.input_order)
+        return quant_kernel.quant_linear(x, packed_weight.packed, bias)
     if type(packed_weight) is torch_ops.DequantizedWeight:
         return torch_ops.dequantized_linear(x, packed_weight, bias)
     if type(packed_weight) is Bf16Blocks:
@@ -148,10 +156,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 # --- quantized weights -----------------------------------------------------------------------------
 
-def pack_quantized_weight(quantized, dtype: torch.dtype):
-    """A QuantizedWeight as linear() multiplies it."""
+# a float checkpoint quantized at load quantizes each linear's input per token too: the integer dot products
+# are what make int8/int4 weights faster than float32 here (docs/benchmarks.md); float inputs are not
+ONLINE_QUANTIZATION_ACTIVATION = "int8"
+
+
+class QuantizedLinear(NamedTuple):
+    """A quantized weight packed for the C++ int8/int4 linear (kernels/cpu/quant_linear.cpp)."""
+    packed: quant_kernel.PackedQuantWeight
+    input_order: torch.Tensor | None  # act order: the input column each packed column multiplies
+
+
+def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | torch_ops.DequantizedWeight:
+    """A QuantizedWeight as linear() multiplies it: packed for the C++ linear where it is built and takes the
+    weight, else its float value."""
+    contiguous, input_order = quantized.with_contiguous_groups()
+    if dtype in (torch.float32, torch.bfloat16) and quant_kernel.available():
+        try:
+            return QuantizedLinear(quant_kernel.pack(contiguous.qweight, contiguous.scales, contiguous.zeros,
+                                                     contiguous.bits, contiguous.group_size, contiguous.activation),
+                                   input_order)
+        except ValueError as error:  # a group size or zero point the kernel does not take
+            logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
 
 
 def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+    if type(packed_weight) is QuantizedLinear:
+        assert packed_weight.input_order is None, "an embedding table has no act order"
+        return quant_kernel.dequantize_rows(packed_weight.packed, token_ids.flatten()).view(
+            *token_ids.shape, -1).to(dtype)
     return F.embedding(token_ids, packed_weight.weight).to(dtype)

@@ -122,6 +122,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 # --- quantized weights: no CUDA kernel yet, so their float value -----------------------------------
 
+ONLINE_QUANTIZATION_ACTIVATION = "float"
+
 def pack_quantized_weight(quantized, dtype: torch.dtype) -> torch_ops.DequantizedWeight:
     return torch_ops.dequantized_weight(quantized, dtype)
 

@@ -36,12 +36,12 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def online_quantization(config: EngineConfig) -> OnlineQuantization | None:
+def online_quantization(config: EngineConfig, activation: str) -> OnlineQuantization | None:
     """How a float checkpoint's linears are quantized as they load, if the engine is told to."""
     if config.quantization is None:
         return None
     bits = 8 if config.quantization == "int8" else 4
-    return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation="float",
+    return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation,
                               lm_head=config.quantize_lm_head)
 
 
@@ -76,14 +76,15 @@ class ModelRunner:
                 self.model = model_class(hf_config)(hf_config, self.attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
-        quantization, online = quantization_config_of(hf_config), online_quantization(config)
+        quantization = quantization_config_of(hf_config)
+        online = online_quantization(config, self.platform.ONLINE_QUANTIZATION_ACTIVATION)
         load_model(self.model, config.model, quantization, online)
         if rank == 0 and quantization is not None:
             converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
                 if "fp8" in quantization.describe() else ""
             logger.info("quantized checkpoint: %s%s", quantization.describe(), converted)
         elif rank == 0 and online is not None:
-            logger.info("weights quantized at load: %s", config.quantization)
+            logger.info("weights quantized at load: %s, inputs %s", config.quantization, online.activation)
         for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
             if hasattr(module, "prepack"):
                 module.prepack()

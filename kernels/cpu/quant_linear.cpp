@@ -1,0 +1,476 @@
+// y = x W^T (+ b) on an int8 or int4 weight w[o, i] = scale[o, g] * (q[o, i] - zero[o, g]), packed once at load
+// (quant_linear.py's pack) in blocks of 8 output features:
+//   weight [blocks][in_padded / 4][8][4] bytes: a 32-byte "step" holds 4 consecutive inputs of each of the 8
+//     outputs, the layout of x86's 4-way byte dot products (AVX2 maddubs+madd, AVX512-VNNI vpdpbusd): one step
+//     against 4 bytes of x broadcast gives the 8 outputs' partial sums in 8 int32 lanes, with no horizontal sums.
+//     int8: q as is. int4: u = q + 8 in [0, 15], two steps per 32 bytes (the first in the low nibbles).
+//   scales [blocks][groups][8] float32; zeros [blocks][groups][8] int8, zero + 8 for int4 (u's offset) and
+//     zero for int8: what the integer sums subtract per group.
+// Two ways to treat x:
+//   int8: each row quantized on the fly, sx = max|x| / 127, xq = round_half_even(x / sx) in [-127, 127]; per group
+//     the integer sum d = sum(q or u * xq) - zero * sum(xq) is exact in int32, then in float32, each product and
+//     each sum rounded (no FMA: built with -ffp-contract=off):
+//       total = 0; for g in order: total = total + scale[o, g] * float(d_g);  y = total * sx (+ b)
+//     quant_linear.py's reference computes exactly this, so the results are bit-identical.
+//   float: the weight tile is dequantized to float32 (exactly as QuantizedWeight.dequantize) and each output is one
+//     FMA chain over the inputs in order.
+// Either way a row's output is computed alike whatever the other rows or the number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TPENGINE_QUANT_AVX2 1
+#else
+#define TPENGINE_QUANT_AVX2 0
+#endif
+// AVX512-VNNI's vpdpbusd on 256-bit vectors does maddubs + madd + add in one instruction, with the same result
+// here (maddubs never saturates in our ranges). Not run on the AVX2-only machine this was written on.
+#if TPENGINE_QUANT_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TPENGINE_QUANT_VNNI 1
+#else
+#define TPENGINE_QUANT_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK_OUT = 8;     // output features per packed block: one int32 or float lane each
+constexpr int64_t STEP_INPUTS = 4;   // inputs per output in one 32-byte step
+constexpr int64_t STEP_BYTES = 32;
+constexpr int64_t MAX_ROWS = 4;      // rows of x per pass over a block (int8 activations)
+constexpr int64_t MAX_FLOAT_ROWS = 6;
+constexpr int64_t ROW_TILE = 64;     // rows of x kept in cache while a chunk of weight blocks is reused
+
+struct Layout {
+  int64_t out_features, in_features, in_padded, bits, group_columns, num_groups, num_blocks, block_bytes;
+};
+
+// ---------------------------------------------------------------- int8 activations: integer sums per group
+
+struct IntRows {  // R rows of quantized x: xq [rows][in_padded], xsum [rows][groups], sx [rows]
+  const int8_t* xq;
+  const int32_t* xsum;
+  const float* sx;
+  int64_t in_padded, num_groups;
+};
+
+// out[m][0:num_out] for R rows against one block; CORRECT: subtract zero * sum(xq) per group (int4 always)
+template <int64_t R, bool CORRECT>
+void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, IntRows x,
+                    const float* bias, float* out, int64_t num_out) {
+  const int64_t steps_per_group = L.group_columns / STEP_INPUTS;
+  float result[R][BLOCK_OUT];
+#if TPENGINE_QUANT_AVX2
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  __m256 total[R];
+  for (int64_t m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < L.num_groups; ++g) {
+    __m256i acc[R];
+    for (int64_t m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
+    const int64_t first = g * steps_per_group;
+    if (L.bits == 8) {
+      for (int64_t s = first; s < first + steps_per_group; ++s) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
+        const __m256i q_abs = _mm256_abs_epi8(q);  // -128 becomes byte 0x80: 128 read unsigned
+        for (int64_t m = 0; m < R; ++m) {
+          int32_t x4;
+          std::memcpy(&x4, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
+          // |q| * (x * sign(q)) = q * x; a pair sums to at most 2 * 128 * 127 < 2^15: maddubs cannot saturate
+          const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(x4), q);
+#if TPENGINE_QUANT_VNNI
+          acc[m] = _mm256_dpbusd_epi32(acc[m], q_abs, x_signed);
+#else
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, x_signed), ones16));
+#endif
+        }
+      }
+    } else {
+      for (int64_t s = first; s < first + steps_per_group; s += 2) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
+        const __m256i u_low = _mm256_and_si256(packed, low_nibbles);
+        const __m256i u_high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+        for (int64_t m = 0; m < R; ++m) {
+          int32_t x_low, x_high;
+          std::memcpy(&x_low, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
+          std::memcpy(&x_high, x.xq + m * x.in_padded + (s + 1) * STEP_INPUTS, 4);
+#if TPENGINE_QUANT_VNNI
+          acc[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[m], u_low, _mm256_set1_epi32(x_low)), u_high,
+                                       _mm256_set1_epi32(x_high));
+#else
+          // u <= 15: two steps' pair sums add to at most 4 * 15 * 127 in int16
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u_low, _mm256_set1_epi32(x_low)),
+                                                 _mm256_maddubs_epi16(u_high, _mm256_set1_epi32(x_high)));
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs, ones16));
+#endif
+        }
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(scales + g * BLOCK_OUT);
+    __m256i zero;
+    if (CORRECT) zero = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g * BLOCK_OUT)));
+    for (int64_t m = 0; m < R; ++m) {
+      __m256i d = acc[m];
+      if (CORRECT) d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zero, _mm256_set1_epi32(x.xsum[m * x.num_groups + g])));
+      total[m] = _mm256_add_ps(total[m], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(d)));
+    }
+  }
+  for (int64_t m = 0; m < R; ++m) _mm256_storeu_ps(result[m], _mm256_mul_ps(total[m], _mm256_set1_ps(x.sx[m])));
+#else
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t o = 0; o < BLOCK_OUT; ++o) result[m][o] = 0.0f;
+  for (int64_t g = 0; g < L.num_groups; ++g) {
+    for (int64_t m = 0; m < R; ++m) {
+      int32_t acc[BLOCK_OUT] = {};
+      const int8_t* xm = x.xq + m * x.in_padded;
+      for (int64_t i = g * L.group_columns; i < (g + 1) * L.group_columns; ++i) {
+        const int64_t step = i / STEP_INPUTS, j = i % STEP_INPUTS;
+        for (int64_t o = 0; o < BLOCK_OUT; ++o) {
+          int32_t q;
+          if (L.bits == 8) {
+            q = static_cast<int8_t>(w[step * STEP_BYTES + o * STEP_INPUTS + j]);
+          } else {
+            const uint8_t byte = w[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
+            q = step % 2 ? byte >> 4 : byte & 0x0F;
+          }
+          acc[o] += q * xm[i];
+        }
+      }
+      for (int64_t o = 0; o < BLOCK_OUT; ++o) {
+        int32_t d = acc[o];
+        if (CORRECT) d -= static_cast<int32_t>(zeros[g * BLOCK_OUT + o]) * x.xsum[m * x.num_groups + g];
+        result[m][o] = result[m][o] + scales[g * BLOCK_OUT + o] * static_cast<float>(d);
+      }
+    }
+  }
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t o = 0; o < BLOCK_OUT; ++o) result[m][o] = result[m][o] * x.sx[m];
+#endif
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t o = 0; o < num_out; ++o) out[m * L.out_features + o] = bias ? result[m][o] + bias[o] : result[m][o];
+}
+
+template <bool CORRECT>
+void int_block(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, IntRows x,
+               int64_t rows, const float* bias, float* out, int64_t num_out) {
+  for (int64_t m = 0; m < rows; m += MAX_ROWS) {
+    IntRows xm{x.xq + m * x.in_padded, x.xsum + m * x.num_groups, x.sx + m, x.in_padded, x.num_groups};
+    float* om = out + m * L.out_features;
+    switch (std::min(MAX_ROWS, rows - m)) {
+      case 1: int_block_rows<1, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      case 2: int_block_rows<2, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      case 3: int_block_rows<3, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      default: int_block_rows<4, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+    }
+  }
+}
+
+// one row: sx = max|x| / 127, xq = round_half_even(x / sx) clamped to [-127, 127] (all 0 for a zero row), padded
+// with zeros to in_padded; xsum per group
+void quantize_row(const Layout& L, const float* x, int8_t* xq, int32_t* xsum, float* sx) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < L.in_features; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = amax / 127.0f;
+  *sx = scale;
+  if (amax == 0.0f) {
+    std::memset(xq, 0, L.in_padded);
+  } else {
+    for (int64_t i = 0; i < L.in_features; ++i)
+      xq[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / scale))));
+    std::memset(xq + L.in_features, 0, L.in_padded - L.in_features);
+  }
+  for (int64_t g = 0; g < L.num_groups; ++g) {
+    int32_t sum = 0;
+    for (int64_t i = g * L.group_columns; i < (g + 1) * L.group_columns; ++i) sum += xq[i];
+    xsum[g] = sum;
+  }
+}
+
+// ---------------------------------------------------------------- float activations: dequantized tiles
+
+// block b's weights as float32 [in_padded][8], exactly scale * (q - zero) as QuantizedWeight.dequantize
+void dequantize_block(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, float* tile) {
+  const int64_t steps_per_group = L.group_columns / STEP_INPUTS;
+#if TPENGINE_QUANT_AVX2
+  // per 128-bit lane: [o0..o3][j0..j3] bytes to [j0: o0..o3][j1: ...]...; then dwords so each 8 bytes is one input
+  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i halves_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < L.num_groups; ++g) {
+    const __m256 scale = _mm256_loadu_ps(scales + g * BLOCK_OUT);
+    const __m256i zero = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g * BLOCK_OUT)));
+    for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
+      __m256i step;
+      if (L.bits == 8) {
+        step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
+      } else {
+        step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
+        step = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(step, 4) : step, low_nibbles);
+      }
+      step = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(step, by_input), halves_together);
+      const __m128i inputs01 = _mm256_castsi256_si128(step), inputs23 = _mm256_extracti128_si256(step, 1);
+      const __m128i bytes[4] = {inputs01, _mm_srli_si128(inputs01, 8), inputs23, _mm_srli_si128(inputs23, 8)};
+      float* t = tile + s * STEP_INPUTS * BLOCK_OUT;
+      for (int64_t j = 0; j < STEP_INPUTS; ++j) {
+        const __m256i q = _mm256_sub_epi32(_mm256_cvtepi8_epi32(bytes[j]), zero);
+        _mm256_storeu_ps(t + j * BLOCK_OUT, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)));
+      }
+    }
+  }
+#else
+  for (int64_t i = 0; i < L.in_padded; ++i) {
+    const int64_t g = i / L.group_columns, step = i / STEP_INPUTS, j = i % STEP_INPUTS;
+    for (int64_t o = 0; o < BLOCK_OUT; ++o) {
+      int32_t q;
+      if (L.bits == 8) {
+        q = static_cast<int8_t>(w[step * STEP_BYTES + o * STEP_INPUTS + j]);
+      } else {
+        const uint8_t byte = w[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
+        q = step % 2 ? byte >> 4 : byte & 0x0F;
+      }
+      tile[i * BLOCK_OUT + o] = scales[g * BLOCK_OUT + o] * static_cast<float>(q - zeros[g * BLOCK_OUT + o]);
+    }
+  }
+#endif
+}
+
+// out[m][0:8 * NB] for R rows against NB dequantized blocks (tiles in_padded * 8 floats apart)
+template <int64_t R, int64_t NB>
+void float_blocks_rows(const Layout& L, const float* tiles, const float* x, int64_t x_stride, const float* bias,
+                       float* out, int64_t num_out) {
+  float result[R][NB * BLOCK_OUT];
+  const int64_t tile_stride = L.in_padded * BLOCK_OUT;
+#if TPENGINE_QUANT_AVX2
+  __m256 acc[R][NB];
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < L.in_features; ++i) {
+    __m256 w[NB];
+    for (int64_t n = 0; n < NB; ++n) w[n] = _mm256_loadu_ps(tiles + n * tile_stride + i * BLOCK_OUT);
+    for (int64_t m = 0; m < R; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(x + m * x_stride + i);
+      for (int64_t n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(w[n], xv, acc[m][n]);
+    }
+  }
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = 0; n < NB; ++n) _mm256_storeu_ps(result[m] + n * BLOCK_OUT, acc[m][n]);
+#else
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t o = 0; o < NB * BLOCK_OUT; ++o) {
+      const float* t = tiles + o / BLOCK_OUT * tile_stride + o % BLOCK_OUT;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < L.in_features; ++i) sum = std::fma(t[i * BLOCK_OUT], x[m * x_stride + i], sum);
+      result[m][o] = sum;
+    }
+#endif
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t o = 0; o < num_out; ++o) out[m * L.out_features + o] = bias ? result[m][o] + bias[o] : result[m][o];
+}
+
+template <int64_t NB>
+void float_blocks(const Layout& L, const float* tiles, const float* x, int64_t x_stride, int64_t rows,
+                  const float* bias, float* out, int64_t num_out) {
+  for (int64_t m = 0; m < rows; m += MAX_FLOAT_ROWS) {
+    const float* xm = x + m * x_stride;
+    float* om = out + m * L.out_features;
+    switch (std::min(MAX_FLOAT_ROWS, rows - m)) {
+      case 1: float_blocks_rows<1, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 2: float_blocks_rows<2, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 3: float_blocks_rows<3, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 4: float_blocks_rows<4, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 5: float_blocks_rows<5, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      default: float_blocks_rows<6, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- the ops
+
+Layout check_packed(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros, int64_t out_features,
+                    int64_t in_features, int64_t bits, int64_t group_columns) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "quant_linear: the packed weight must be a contiguous uint8 [blocks, bytes per block]");
+  TORCH_CHECK(group_columns > 0 && group_columns % (2 * STEP_INPUTS) == 0,
+              "quant_linear: the packed group size must be a multiple of 8, not ", group_columns);
+  Layout L;
+  L.out_features = out_features;
+  L.in_features = in_features;
+  L.bits = bits;
+  L.group_columns = group_columns;
+  L.num_blocks = weight.size(0);
+  L.block_bytes = weight.size(1);
+  L.in_padded = L.block_bytes * 8 / (BLOCK_OUT * bits);
+  L.num_groups = L.in_padded / group_columns;
+  TORCH_CHECK(L.num_groups * group_columns == L.in_padded && in_features <= L.in_padded &&
+                  in_features > L.in_padded - group_columns,
+              "quant_linear: in_features ", in_features, " does not match the packed weight");
+  TORCH_CHECK(L.num_blocks * BLOCK_OUT >= out_features && out_features > (L.num_blocks - 1) * BLOCK_OUT,
+              "quant_linear: out_features ", out_features, " does not match the packed weight");
+  const std::vector<int64_t> group_shape{L.num_blocks, L.num_groups, BLOCK_OUT};
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == group_shape,
+              "quant_linear: scales must be contiguous float32 [blocks, groups, 8]");
+  TORCH_CHECK(zeros.scalar_type() == at::kChar && zeros.is_contiguous() && zeros.sizes() == group_shape,
+              "quant_linear: zeros must be contiguous int8 [blocks, groups, 8]");
+  return L;
+}
+
+// x: [rows, in] float32 with unit column stride; returns [rows, out] float32
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t out_features, int64_t in_features, int64_t bits,
+                        int64_t group_columns, bool int8_activation, bool correct_zeros,
+                        const c10::optional<at::Tensor>& bias) {
+  const Layout L = check_packed(weight, scales, zeros, out_features, in_features, bits, group_columns);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features && x.stride(1) == 1,
+              "quant_linear: x must be float32 [rows, in_features] with contiguous rows");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "quant_linear: bias must be a contiguous float32 vector of out_features");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = zeros.data_ptr<int8_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float* x_ptr = x.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  const int64_t group_stride = L.num_groups * BLOCK_OUT;
+
+  if (int8_activation) {
+    // the calling thread's buffers, kept between calls: no allocation at decode sizes
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<int32_t> xsum;
+    thread_local std::vector<float> sx;
+    xq.resize(rows * L.in_padded);
+    xsum.resize(rows * L.num_groups);
+    sx.resize(rows);
+    int8_t* xq_ptr = xq.data();
+    int32_t* xsum_ptr = xsum.data();
+    float* sx_ptr = sx.data();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        quantize_row(L, x_ptr + m * x_stride, xq_ptr + m * L.in_padded, xsum_ptr + m * L.num_groups, sx_ptr + m);
+    });
+    // a chunk of blocks (~128 KiB of weight) stays in L2 while every tile of rows passes over it
+    const int64_t chunk = std::max<int64_t>(1, (128 << 10) / L.block_bytes);
+    at::parallel_for(0, L.num_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; c += chunk) {
+        const int64_t c_end = std::min(end, c + chunk);
+        for (int64_t m = 0; m < rows; m += ROW_TILE) {
+          const int64_t tile_rows = std::min(ROW_TILE, rows - m);
+          IntRows xm{xq_ptr + m * L.in_padded, xsum_ptr + m * L.num_groups, sx_ptr + m, L.in_padded, L.num_groups};
+          for (int64_t b = c; b < c_end; ++b) {
+            const int64_t num_out = std::min(BLOCK_OUT, out_features - b * BLOCK_OUT);
+            float* ob = out_ptr + m * out_features + b * BLOCK_OUT;
+            const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
+            if (correct_zeros)
+              int_block<true>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride, xm, tile_rows,
+                              bb, ob, num_out);
+            else
+              int_block<false>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride, xm, tile_rows,
+                               bb, ob, num_out);
+          }
+        }
+      }
+    });
+    return out;
+  }
+
+  // float activations: each thread dequantizes a chunk of blocks (~256 KiB of float32) into its own buffer, then
+  // every tile of rows passes over it
+  const int64_t tile_floats = L.in_padded * BLOCK_OUT;
+  const int64_t chunk = std::max<int64_t>(2, (256 << 10) / (4 * tile_floats));
+  at::parallel_for(0, L.num_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> tiles;
+    tiles.resize(chunk * tile_floats);
+    for (int64_t c = begin; c < end; c += chunk) {
+      const int64_t c_end = std::min(end, c + chunk);
+      for (int64_t b = c; b < c_end; ++b)
+        dequantize_block(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride,
+                         tiles.data() + (b - c) * tile_floats);
+      for (int64_t m = 0; m < rows; m += ROW_TILE) {
+        const int64_t tile_rows = std::min(ROW_TILE, rows - m);
+        for (int64_t b = c; b < c_end;) {
+          const float* t = tiles.data() + (b - c) * tile_floats;
+          float* ob = out_ptr + m * out_features + b * BLOCK_OUT;
+          const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
+          const int64_t num_out = std::min(2 * BLOCK_OUT, out_features - b * BLOCK_OUT);
+          if (b + 1 < c_end) {
+            float_blocks<2>(L, t, x_ptr + m * x_stride, x_stride, tile_rows, bb, ob, num_out);
+            b += 2;
+          } else {
+            float_blocks<1>(L, t, x_ptr + m * x_stride, x_stride, tile_rows, bb, ob, std::min(BLOCK_OUT, num_out));
+            b += 1;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// the float32 [n, in] weight rows `rows` (output features), exactly as QuantizedWeight.dequantize
+at::Tensor quant_dequantize_rows(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& zeros,
+                                 int64_t out_features, int64_t in_features, int64_t bits, int64_t group_columns,
+                                 const at::Tensor& rows) {
+  const Layout L = check_packed(weight, scales, zeros, out_features, in_features, bits, group_columns);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "dequantize_rows: rows must be an int64 vector");
+  const at::Tensor ids = rows.contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k)
+    TORCH_CHECK(id[k] >= 0 && id[k] < out_features, "dequantize_rows: row ", id[k], " is not in [0, ", out_features, ")");
+  at::Tensor out = at::empty({n, in_features}, scales.options());
+  float* out_ptr = out.data_ptr<float>();
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = zeros.data_ptr<int8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t b = id[k] / BLOCK_OUT, o = id[k] % BLOCK_OUT;
+      const uint8_t* wb = w + b * L.block_bytes;
+      const float* sb = s + b * L.num_groups * BLOCK_OUT;
+      const int8_t* zb = z + b * L.num_groups * BLOCK_OUT;
+      float* row = out_ptr + k * in_features;
+      for (int64_t i = 0; i < in_features; ++i) {
+        const int64_t g = i / group_columns, step = i / STEP_INPUTS, j = i % STEP_INPUTS;
+        int32_t q;
+        if (bits == 8) {
+          q = static_cast<int8_t>(wb[step * STEP_BYTES + o * STEP_INPUTS + j]);
+        } else {
+          const uint8_t byte = wb[step / 2 * STEP_BYTES + o * STEP_INPUTS + j];
+          q = step % 2 ? byte >> 4 : byte & 0x0F;
+        }
+        row[i] = sb[g * BLOCK_OUT + o] * static_cast<float>(q - zb[g * BLOCK_OUT + o]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tpengine_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor zeros, int out_features, int in_features, "
+        "int bits, int group_columns, bool int8_activation, bool correct_zeros, Tensor? bias) -> Tensor");
+  m.def("quant_dequantize_rows(Tensor weight, Tensor scales, Tensor zeros, int out_features, int in_features, "
+        "int bits, int group_columns, Tensor rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tpengine_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize_rows", &quant_dequantize_rows);
+}
