@@ -42,12 +42,10 @@ model), measured the same way in the same run, after tpengine's rounds:
     .venv/bin/python scripts/bench_quant.py --quick        # seconds: bench.py's QUICK_MODEL, no llama.cpp
 """
 import argparse
-import datetime
 import gc
 import json
 import os
 import random
-import re
 import shlex
 import subprocess
 import sys
@@ -55,10 +53,11 @@ import time
 
 import torch
 
-# scripts/ is this script's folder, so it is on sys.path
-from bench import QWEN3_0_6B, git_revision, load_average, machine_line, num_params, write_model
-from bench_low_batch import LOW_BATCH_MODEL, decode_step_ms, random_prompts
+from bench import QWEN3_0_6B, machine_line, num_params, write_model  # scripts/ is on sys.path
+from bench_low_batch import LOW_BATCH_MODEL, decode_step_ms
+from decode_baselines import LlamaCppDecode, parse_batched_bench, random_prompts
 from quick import QUICK_MODEL, parse_with_quick
+from results import Record, add_json_flag, load_average
 
 MODELS = {"qwen3-0.6b": QWEN3_0_6B, "small": LOW_BATCH_MODEL}
 MODEL_FOLDERS = {"qwen3-0.6b": "qwen3_0_6b_model", "small": "low_batch_model"}  # in CACHE; bench_low_batch's too
@@ -90,8 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per agreement prompt")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the formats, alternating; best kept")
     p.add_argument("--llamacpp", metavar="BIN", help="llama.cpp's build/bin: also measure its f16, Q8_0, Q4_0")
+    p.add_argument("--llamacpp-formats", nargs="+", choices=[name for name, _ in LLAMA_FORMATS],
+                   default=[name for name, _ in LLAMA_FORMATS])
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's -t")
-    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    add_json_flag(p)
     args = parse_with_quick(p, argv, dict(models=["small"], group_size=32, batch_sizes=[1, 2], context_len=16,
                                           short_prompt_len=8,
                                           steps=2, warm_up_steps=1, throughput_seqs=3, throughput_output=4,
@@ -202,11 +203,11 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[floa
 
 # --- llama.cpp ------------------------------------------------------------------------------------
 
-def gguf_files(bin_dir: str, model_path: str) -> dict[str, str]:
+def gguf_files(bin_dir: str, model_path: str, names) -> dict[str, str]:
     """llama.cpp's f16, Q8_0 and Q4_0 of the checkpoint, converted once and kept beside it."""
     llama_cpp = os.path.dirname(os.path.dirname(os.path.abspath(bin_dir)))  # .../llama.cpp/build/bin
     files = {}
-    for name, _ in LLAMA_FORMATS:
+    for name in ["f16", *names] if "Q4_0" in names else names:  # Q4_0 is quantized from f16
         path = os.path.join(model_path, f"model-{name.lower()}.gguf")
         files[name] = path
         if os.path.exists(path):
@@ -223,39 +224,31 @@ def gguf_files(bin_dir: str, model_path: str) -> dict[str, str]:
     return files
 
 
-# |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-BATCHED_BENCH_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6)
-
-
-def batched_bench(bin_dir: str, gguf: str, context_len: int, new_tokens: int, batches: list[int], threads: int,
-                  shared_prompt: bool) -> dict[int, tuple[float, float]]:
-    """llama-batched-bench's (decode tok/s, total seconds) by batch."""
-    n_ctx = max(batches) * -(-(context_len + new_tokens + 16) // 256) * 256  # too small a context drops batches
+def throughput_seconds(bin_dir: str, gguf: str, prompt_len: int, output_len: int, seqs: int, threads: int) -> float:
+    """llama-batched-bench's total seconds for `seqs` prompts each prefilled (no -pps), each writing output_len."""
+    n_ctx = seqs * -(-(prompt_len + output_len + 16) // 256) * 256  # too small a context drops the batch
     command = [os.path.join(bin_dir, "llama-batched-bench"), "-m", gguf, "-c", str(n_ctx), "-b", "2048",
-               "-ub", "512", "-npp", str(context_len), "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)),
-               "-t", str(threads), "-fa", "off", "-no-kvu", "-nr"] + (["-pps"] if shared_prompt else [])
+               "-ub", "512", "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", str(seqs),
+               "-t", str(threads), "-fa", "off", "-no-kvu", "-nr"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    rows = {}
-    for line in done.stdout.splitlines():
-        match = BATCHED_BENCH_ROW.match(line.strip())
-        if match:
-            rows[int(match.group(3))] = (float(match.group(8)), float(match.group(9)))
-    if done.returncode != 0 or set(rows) != set(batches):
+    rows = parse_batched_bench(done.stdout)
+    if done.returncode != 0 or seqs not in rows:
         raise SystemExit(f"{shlex.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}"
                          f"{done.stderr[-2000:]}")
-    return rows
+    return rows[seqs]["total_s"]
 
 
 def measure_llamacpp(bin_dir: str, model_path: str, args) -> dict[str, dict]:
     results = {}
-    for name, gguf in gguf_files(bin_dir, model_path).items():
-        decode = batched_bench(bin_dir, gguf, args.context_len, args.warm_up_steps + args.steps,
-                               args.batch_sizes, args.threads, shared_prompt=True)
-        result = dict(file_bytes=os.path.getsize(gguf), tok_s={b: decode[b][0] for b in args.batch_sizes})
+    files = gguf_files(bin_dir, model_path, args.llamacpp_formats)
+    for name in args.llamacpp_formats:
+        gguf = files[name]
+        decode = LlamaCppDecode(bin_dir, name, gguf, args.context_len, args.warm_up_steps + args.steps,
+                                args.threads, extra=("-nr",)).step_ms(args.batch_sizes)
+        result = dict(file_bytes=os.path.getsize(gguf), tok_s={b: b / ms * 1e3 for b, ms in decode.items()})
         if args.throughput_seqs:
-            total_s = batched_bench(bin_dir, gguf, args.short_prompt_len, args.throughput_output,
-                                    [args.throughput_seqs], args.threads, shared_prompt=False)
-            result["throughput_s"] = total_s[args.throughput_seqs][1]
+            result["throughput_s"] = throughput_seconds(bin_dir, gguf, args.short_prompt_len, args.throughput_output,
+                                                        args.throughput_seqs, args.threads)
         results[name] = result
         print(f"llama.cpp {name} done; load {load_average()}", file=sys.stderr)
     return results
@@ -263,13 +256,13 @@ def measure_llamacpp(bin_dir: str, model_path: str, args) -> dict[str, dict]:
 
 # --- report ---------------------------------------------------------------------------------------
 
-def table(ours: dict[str, dict], llama: dict[str, dict], args) -> list[str]:
+def table(ours: dict[str, dict], llama: dict[str, dict], args, reference: str) -> list[str]:
     base = ours.get(BASELINE)
     vs = lambda value, of: f" ({value / of:.2f}x)" if of else ""  # noqa: E731
     lines = ["| format (runs in) | resident weights MB | RSS growth at load MB | "
              + " | ".join(f"batch {b} tok/s" for b in args.batch_sizes)
              + (f" | {args.throughput_seqs} seqs output tok/s" if args.throughput_seqs else "")
-             + " | top-1 vs float32: before first divergence, all positions |",
+             + f" | top-1 vs {reference}: before first divergence, all positions |",
              "|---|---:|---:|" + "---:|" * len(args.batch_sizes) + ("---:|" if args.throughput_seqs else "") + "---|"]
     throughput_tokens = args.throughput_seqs * args.throughput_output
     for fmt, r in ours.items():
@@ -331,6 +324,7 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
     rng = random.Random(1)
     vocab = json.load(open(os.path.join(model_path, "config.json")))["vocab_size"]
     prompts = random_prompts(rng, args.agreement_prompts, args.short_prompt_len, vocab)
+    reference = "float32" if "float32" in args.formats else BASELINE  # the oracle; else the dtype closest to it
     ours: dict[str, dict] = {}
     for round_ in range(args.repeat):
         for fmt in args.formats:
@@ -342,23 +336,21 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
             print(f"[round {round_ + 1}/{args.repeat}] {fmt} done; load {load_average()}", file=sys.stderr)
     for r in ours.values():
         r["tok_s"] = {b: b / ms * 1e3 for b, ms in r["step_ms"].items()}
-        if "float32" in ours and "tokens" in r:
-            r["agreement"] = agreement(r["tokens"], ours["float32"]["tokens"])
+        if reference in ours and "tokens" in r:
+            r["agreement"] = agreement(r["tokens"], ours[reference]["tokens"])
     llama = {}
     if args.llamacpp:
         try:
             llama = measure_llamacpp(args.llamacpp, model_path, args)
         except SystemExit as error:  # tpengine's figures still print
             print(f"llama.cpp not measured: {error}", file=sys.stderr)
-    return ours, llama
+    return ours, llama, reference
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    command = shlex.join([os.path.relpath(sys.argv[0]), *(sys.argv[1:] if argv is None else argv)])
-    record = dict(command=command, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  revision=git_revision(), machine=machine_line("cpu", torch.get_num_threads()),
-                  load_average_before=load_average(), models={})
+    record = Record("bench_quant", argv, machine_line("cpu", torch.get_num_threads()))
+    models = {}
     if args.model:
         paths = {os.path.basename(os.path.normpath(args.model)): args.model}
     elif args.quick:
@@ -372,27 +364,23 @@ def main(argv=None) -> None:
     for name, path in paths.items():
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(path)
-        ours, llama = run_model(path, args)
+        ours, llama, reference = run_model(path, args)
         heading = (f"{name}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab "
                    f"{config.vocab_size}, {'tied' if config.tie_word_embeddings else 'untied'} head "
                    f"(~{num_params(config) / 1e6:,.0f}M params)")
-        sections += ["", heading, "", *table(ours, llama, args), "", *aims(ours, llama, args)]
-        record["models"][name] = dict(heading=heading, path=path, tpengine={
+        sections += ["", heading, "", *table(ours, llama, args, reference), "", *aims(ours, llama, args)]
+        models[name] = dict(heading=heading, path=path, tpengine={
             fmt: {k: v for k, v in r.items() if k != "tokens"} for fmt, r in ours.items()}, llama_cpp=llama)
-    record["load_average_after"] = load_average()
-    print(f"command: `{command}`")
-    print(f"machine: {record['machine']}; CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"date {record['date']}, tpengine revision {record['revision']}, load average (1/5/15 min) "
-          f"{record['load_average_before']} before, {record['load_average_after']} after")
+    fields = record.fields
+    print(f"command: `{fields['command']}`")
+    print(f"machine: {fields['machine']}; CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"date {fields['date']}, tpengine revision {fields['revision']}, load average (1/5/15 min) "
+          f"{fields['load_average_before']} before, {load_average()} after")
     print(f"decode: context {args.context_len}, median of {args.steps} steps after {args.warm_up_steps}; throughput: "
           f"{args.throughput_seqs} prompts of {args.short_prompt_len} tokens writing {args.throughput_output} each; "
           f"best of {args.repeat} round(s); (x) = against our bfloat16; int4 groups of {args.group_size}")
     print("\n".join(sections))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    record.write(args.json, models=models)
 
 
 if __name__ == "__main__":
