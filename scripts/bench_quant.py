@@ -335,7 +335,8 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
             best["rss_growth"] = min(best["rss_growth"], r["rss_growth"])
             figures = ", ".join(f"batch {b} {b / ms * 1e3:,.1f} tok/s" for b, ms in r["step_ms"].items())
             print(f"[round {round_ + 1}/{args.repeat}] {fmt} ({r['runs_in']}): weights "
-                  f"{r['weight_bytes'] / 1e6:,.0f} MB, {figures}, throughput {r.get('throughput_s', 0):.1f} s; load {load_average()}", file=sys.stderr)
+                  f"{r['weight_bytes'] / 1e6:,.0f} MB, {figures}, throughput {r.get('throughput_s', 0):.1f} s; "
+                  f"load {load_average()}", file=sys.stderr)
     for r in ours.values():
         r["tok_s"] = {b: b / ms * 1e3 for b, ms in r["step_ms"].items()}
         if reference in ours and "tokens" in r:
