@@ -19,6 +19,7 @@ class ForwardInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor | None    # the rows whose logits are wanted; None: the first num_logits rows
     num_logits: int                     # rows sampled: every decode row, then each sampled chunk's last row
+                                        # (a verify row's last num_draft_tokens + 1)
 
 
 class InputBuilder:
@@ -87,7 +88,9 @@ class InputBuilder:
             seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             num_decode_tokens=num_decode, decode=decode)
         logits_rows = list(range(len(step.decode_seq_ids)))
-        logits_rows += [num_decode + end - 1 for chunk, end in zip(step.prefill, cu_q[1:]) if chunk.sampled]
+        for chunk, end in zip(step.prefill, cu_q[1:]):
+            if chunk.sampled:  # its last row, or a verify row's every row from its last token on
+                logits_rows.extend(range(num_decode + end - 1 - chunk.num_draft_tokens, num_decode + end))
         num_logits = len(logits_rows)
         if logits_rows:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
