@@ -30,7 +30,8 @@ def speculation(rng: random.Random) -> dict:
 def whole(message, rows):
     """The same step with every row's whole table, on ranks that first drop every table they hold."""
     return msgspec.structs.replace(message, reset_tables=True, released=[], appended_seq_ids=[], appended_block_ids=[],
-                               truncated_seq_ids=[], truncated_num_blocks=[], new_tables=[BlockTable(seq.seq_id, list(seq.block_table)) for seq in rows])
+                               truncated_seq_ids=[], truncated_num_blocks=[],
+                               new_tables=[BlockTable(seq.seq_id, list(seq.block_table)) for seq in rows])
 
 
 def assert_same_inputs(a, b) -> None:

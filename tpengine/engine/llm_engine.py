@@ -413,12 +413,14 @@ class LLMEngine:
         try:
             while len(outputs) < len(requests):
                 started = time.perf_counter()
+                generated = self.generation_tokens_total
                 reports, plan = self._step()
                 elapsed = time.perf_counter() - started
                 if plan is not None and plan.num_prefill_tokens:
                     prefill_rate = plan.num_prefill_tokens / elapsed
-                if plan is not None and plan.num_decode:
-                    decode_rate = plan.num_decode / elapsed
+                if plan is not None and (plan.num_decode or plan.num_verify_tokens):
+                    # tokens generated: a verify row's accepted drafts count
+                    decode_rate = (self.generation_tokens_total - generated) / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
                 for request, output in reports:

@@ -5,7 +5,7 @@ Two policies: "mixed" (vLLM's) gives every running sequence its next token first
 the token budget with prompt chunks, so decodes never stall behind a long prompt; "prefill_first"
 (nano-vllm's) runs a prefill step whenever a prompt waits and decodes only when none does.
 
-Speculative decoding (a proposer given): a running sequence whose request allows it (proposer.speculates)
+Speculative decoding (a proposer given): a running sequence whose request allows it (engine/proposer.py)
 gets, instead of a decode row, a verify row: its last token and up to num_speculative_tokens proposed
 tokens (drafts), each with a slot, computed as one prompt-like chunk whose every row is sampled. Sampling a
 row exactly as it would be sampled without speculation and keeping the drafts up to the first that differs
@@ -102,7 +102,7 @@ class Scheduler:
     @property
     def scheduled(self) -> list[Sequence]:
         """The sequences of the step in flight (scheduled, not yet postprocessed), in row order: decode rows,
-        then prompt chunks. The ledger's side of the plan; the ranks see only its message."""
+        then prompt chunks, then verify rows. The ledger's side of the plan; the ranks see only its message."""
         if self._in_flight is None:
             return []
         decode, verify, prefill, _ = self._in_flight
@@ -219,9 +219,9 @@ class Scheduler:
     def _forget_step_in_flight(self) -> None:
         """The last step never reached postprocess (interrupted, say by Ctrl-C in generate): undo it. Its
         prompts give their blocks back and wait again (prefix hits recover what the cache holds; a copy it
-        planned may never have run), its decode and verify rows give back the blocks they opened; and since no one
-        knows which of its block-table changes the ranks applied, every rank drops every table and takes
-        each sequence's whole table when it next runs."""
+        planned may never have run), its decode and verify rows give back the blocks they opened (drafts'
+        included); and since no one knows which of its block-table changes the ranks applied, every rank
+        drops every table and takes each sequence's whole table when it next runs."""
         decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
         for seq in decode + verify:
