@@ -116,3 +116,28 @@ def test_inputs_from_the_tables_a_rank_keeps_equal_inputs_from_whole_tables(monk
         assert scheduler.num_drafts > 0  # verify rows ran
     # the tables a rank keeps hold no sequence that left (the releases of the last steps wait for a next one)
     assert set(incremental.block_tables.tables) <= set(scheduler._released)
+
+
+def test_a_verify_row_runs_as_decode_queries_over_its_growing_context_and_is_sampled_after_the_prompts():
+    from tpengine.distributed.messages import PrefillChunk, StepMessage
+    builder = InputBuilder(4, torch.device("cpu"))
+    # seq 1 decodes its 6th token; seq 2 has 5 tokens cached and verifies its last token and 2 drafts
+    # (positions 5..7, across its blocks 1 and 2); seq 3 prefills a 3-token prompt
+    step = StepMessage([1], [11], [6], [PrefillChunk(3, [31, 32, 33], 0, True),
+                                        PrefillChunk(2, [21, 22, 23], 5, True, 2)],
+                       new_tables=[BlockTable(1, [0, 1]), BlockTable(2, [2, 3, 4]), BlockTable(3, [5])])
+    inputs = builder.prepare(step)
+    assert inputs.input_ids.tolist()[:4] == [11, 21, 22, 23] and inputs.input_ids.tolist()[-3:] == [31, 32, 33]
+    assert inputs.positions.tolist()[:4] == [5, 5, 6, 7]
+    decode = inputs.meta.decode
+    assert decode.context_lens.tolist()[:4] == [6, 6, 7, 8]
+    assert decode.slot_mapping.tolist()[:4] == [1 * 4 + 1, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3]
+    num_decode = inputs.meta.num_decode_tokens  # padding rows included
+    # sampled in the plan's order: the decode row, the prompt's last row, then the verify row's three
+    assert inputs.num_logits == 5
+    assert inputs.logits_rows.tolist()[:5] == [0, num_decode + 2, 1, 2, 3]
+    # without a prompt the step is a decode step, sampled in row order
+    inputs = builder.prepare(StepMessage([1], [12], [7], [PrefillChunk(2, [23, 24], 7, True, 1)]))
+    assert not inputs.meta.is_prefill and inputs.logits_rows is None and inputs.num_logits == 3
+    assert inputs.meta.context_lens.tolist()[:3] == [7, 8, 9]
+    assert inputs.meta.slot_mapping.tolist()[:3] == [1 * 4 + 2, 3 * 4 + 3, 4 * 4 + 0]

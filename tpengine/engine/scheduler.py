@@ -7,7 +7,7 @@ the token budget with prompt chunks, so decodes never stall behind a long prompt
 
 Speculative decoding (a proposer given): a running sequence whose request allows it (engine/proposer.py)
 gets, instead of a decode row, a verify row: its last token and up to num_speculative_tokens proposed
-tokens (drafts), each with a slot, computed as one prompt-like chunk whose every row is sampled. Sampling a
+tokens (drafts), each with a slot, sent as one chunk whose every row is sampled. Sampling a
 row exactly as it would be sampled without speculation and keeping the drafts up to the first that differs
 from its row's token is rejection sampling for a proposal that is one token for sure: a draft x is kept
 with probability p(x), else the row's token follows p without x. So greedy and seeded requests get the very
