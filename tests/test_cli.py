@@ -48,6 +48,15 @@ def test_generate_json_matches_transformers(tied_model, capsys):
     assert [o["token_ids"] for o in outputs] == expected
 
 
+def test_generate_with_ngram_speculation_matches_transformers(tied_model, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    assert main(["generate", "--model", tied_model, "--max-tokens", "24", "--ignore-eos", "--json", "--quiet",
+                 "--block-size", "16", "--speculative-config", spec, "Hello Hello Hello", "ab ab ab ab"]) == 0
+    outputs = _json_lines(capsys.readouterr().out)
+    expected = hf_greedy(tied_model, [o["prompt_token_ids"] for o in outputs], 24)
+    assert [o["token_ids"] for o in outputs] == expected
+
+
 def test_prompts_from_a_file(tied_model, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("first prompt\n\nsecond prompt\n")
@@ -94,6 +103,9 @@ def test_default_model_from_stdin_at_tp_2_says_it_is_the_tiny_model(tmp_path):
     (["--json", "--stream", "hi"], "not allowed with"),
     (["--n", "0", "hi"], "n must be >= 1"),
     (["--stop", "", "hi"], "stop strings must not be empty"),
+    (["--speculative-config", "ngram", "hi"], "argument --speculative-config: not JSON"),
+    (["--speculative-config", '{"model": "/draft", "num_speculative_tokens": 2}', "hi"],
+     "a draft model (\"model\") is not implemented yet"),
 ])
 def test_user_mistakes_print_one_error_line_and_exit_2(tied_model, capsys, argv, message):
     try:

@@ -139,6 +139,19 @@ def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool
                         help="input features per int4 scale (default 128)")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
                         help="with --quantization: keep the LM head and embedding in floats")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
+                             '4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} (default: none)')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _engine_kwargs(args) -> dict:
@@ -149,7 +162,7 @@ def _engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
                 quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                quantize_lm_head=args.quantize_lm_head)
+                quantize_lm_head=args.quantize_lm_head, speculative_config=args.speculative_config)
 
 
 def _read_lines(stream) -> list[str]:

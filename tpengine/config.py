@@ -11,6 +11,52 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 ONLINE_QUANTIZATIONS = ("int8", "int4")  # a float checkpoint quantized at load (tpengine/models/loader.py)
+SPECULATIVE_METHODS = ("ngram",)  # proposers the engine has (engine/proposer.py)
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True):
+    """Speculative decoding, as vLLM's speculative_config: each step a speculating request's next
+    num_speculative_tokens tokens are proposed and verified in one forward (engine/scheduler.py)."""
+    method: str
+    num_speculative_tokens: int
+    # n-gram: the longest suffix of prompt_lookup_max..prompt_lookup_min tokens found earlier in the
+    # sequence proposes the tokens that followed it there
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> "SpeculativeConfig":
+        """vLLM's dict, checked: unknown keys and the proposers not built yet are refused by name."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        if "model" in spec and spec["model"] not in (None, "ngram", "[ngram]"):
+            raise ValueError("speculative_config: a draft model (\"model\") is not implemented yet; "
+                             "use {\"method\": \"ngram\", ...}")
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        method = spec.get("method") or ("ngram" if spec.get("model") else None)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        if lookup_min is None and lookup_max is None:
+            lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif lookup_min is None:
+            lookup_min = lookup_max
+        elif lookup_max is None:
+            lookup_max = lookup_min
+        config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"),
+                     prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is more than "
+                             f"prompt_lookup_max={config.prompt_lookup_max}")
+        return config
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -46,6 +92,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = True
+    # speculative decoding: vLLM's dict (validate makes it a SpeculativeConfig), or None for none
+    speculative_config: SpeculativeConfig | None = None
 
     def validate(self, hf_config: HFConfig) -> None:
         """Raise ValueError for settings that can never work, before any process starts."""
@@ -63,6 +111,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         block_size = self.kvcache_block_size
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")

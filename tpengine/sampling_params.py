@@ -3,6 +3,7 @@ import json as jsonlib
 import math
 import numbers
 import struct
+from copy import copy
 from dataclasses import dataclass
 from enum import Enum
 
@@ -261,7 +262,7 @@ class SamplingRecord:
     and its token list, which the ledger only appends to: penalties read it, min_tokens counts it, and
     its length is the position a seeded draw depends on. The sampler reads this, never a Sequence."""
 
-    __slots__ = ("params", "stop_token_ids", "token_ids", "num_prompt_tokens", "plain", "grammar")
+    __slots__ = ("params", "stop_token_ids", "token_ids", "num_prompt_tokens", "plain", "grammar", "offset")
 
     def __init__(self, params: SamplingParams, stop_token_ids: frozenset[int], token_ids: list[int],
                  num_prompt_tokens: int):
@@ -275,6 +276,16 @@ class SamplingRecord:
                           or params.logit_bias is not None or params.structured_outputs is not None)
         # its grammar's matcher (structured outputs), which masks its logits and takes each sampled token
         self.grammar = None
+        # how many tokens past the sequence's next one the row samples: a verify row's draft positions
+        # (speculative decoding), whose seeded draws depend on the position they sample
+        self.offset = 0
+
+    def ahead(self, offset: int) -> "SamplingRecord":
+        """The record of the row that samples offset tokens past the next one. Only for requests without
+        penalties or min_tokens (engine/proposer.py: speculates), which read the tokens before the row."""
+        record = copy(self)
+        record.offset = offset
+        return record
 
     @property
     def min_tokens_pending(self) -> bool:

@@ -1,9 +1,11 @@
 """/metrics: vLLM's names under tpengine:, parsed by prometheus_client, moving by exact counts."""
 import asyncio
+from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import BLOCK_SIZE
+from tpengine.entrypoints.metrics import Metrics
 
 NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
          "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
@@ -81,3 +83,24 @@ def test_a_cancelled_non_streamed_call_is_aborted(server, async_client):
     asyncio.run(start_then_cancel())
     server.wait_for_metric("tpengine:num_requests_running", 0.0, model_name="tiny")
     assert read_counters(server)["abort"] - before["abort"] == 1
+
+
+def test_speculative_decoding_counters_carry_vllms_names_and_move_by_the_engines_counts():
+    metrics = Metrics("tiny")
+
+    def engine(drafts, draft_tokens, accepted, per_pos):
+        return SimpleNamespace(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
+                               num_preemptions=0, generation_tokens_total=0,
+                               spec_decode_stats=dict(num_drafts=drafts, num_draft_tokens=draft_tokens,
+                                                      num_accepted_tokens=accepted,
+                                                      num_accepted_tokens_per_pos=per_pos))
+
+    metrics.record_engine_state(engine(2, 6, 3, [2, 1, 0]))
+    metrics.record_engine_state(engine(5, 14, 7, [4, 2, 1]))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in text_string_to_metric_families(metrics.exposition().decode())
+               for s in family.samples if s.name.endswith("_total")}
+    assert samples[("tpengine:spec_decode_num_drafts_total", None)] == 5
+    assert samples[("tpengine:spec_decode_num_draft_tokens_total", None)] == 14
+    assert samples[("tpengine:spec_decode_num_accepted_tokens_total", None)] == 7
+    assert [samples[("tpengine:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)] == [4, 2, 1]

@@ -10,6 +10,9 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]        # only the tokens scheduled this step (a chunk, after any cached prefix)
     num_cached_tokens: int      # tokens before the chunk whose K/V is already in the cache
     sampled: bool               # the chunk reaches the sequence's last token: its last row is sampled
+    # a verify row (speculative decoding): the sequence's last token, then this many proposed tokens, every
+    # row sampled (the last num_draft_tokens + 1)
+    num_draft_tokens: int = 0
 
 
 class BlockTable(msgspec.Struct, array_like=True, gc=False):
@@ -30,14 +33,18 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
 
     Every rank keeps the block table of each running sequence between steps (runner/block_tables.py),
     so a step carries only what changed: the tables of sequences that left (finished, aborted or
-    preempted) to drop, whole tables of sequences (re)scheduled, and the block a running sequence's
-    next token opens. Applied in that order.
+    preempted) to drop, whole tables of sequences (re)scheduled, and the blocks a running sequence's
+    next tokens open. Applied in that order, after cutting the tables whose rejected draft tokens'
+    blocks were freed.
     """
     decode_seq_ids: list[int]
     decode_tokens: list[int]            # each decode row's token: its sequence's last
     decode_context_lens: list[int]      # tokens each decode row attends to, its own included
     prefill: list[PrefillChunk]
     reset_tables: bool = False          # drop every table first (the last step was interrupted)
+    # truncated_seq_ids[i]'s table keeps its first truncated_num_blocks[i] blocks (rejected drafts' freed)
+    truncated_seq_ids: list[int] = []
+    truncated_num_blocks: list[int] = []
     released: list[int] = []            # sequences whose tables every rank drops, before the rest
     new_tables: list[BlockTable] = []
     appended_seq_ids: list[int] = []    # appended_block_ids[i] becomes the last block of appended_seq_ids[i]

@@ -17,7 +17,7 @@ import xxhash
 
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence
-from tpengine.paging import opens_block
+from tpengine.paging import blocks_for, opens_block
 
 
 class Block:
@@ -259,9 +259,22 @@ class BlockManager:
         seq.block_table.append(block_id)
         return block_id
 
-    def release_last_block(self, seq: Sequence) -> None:
-        """Take back the block may_append gave seq (its step never ran)."""
-        self._release(seq.block_table.pop())
+    def grow(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Give seq the blocks its slots up to num_tokens need (a verify row's draft tokens: they get slots
+        before they are tokens of seq); returns the new blocks' ids. The caller checked they are free."""
+        new_block_ids = [self._allocate_block() for _ in range(blocks_for(num_tokens, self.block_size)
+                                                                  - len(seq.block_table))]
+        seq.block_table.extend(new_block_ids)
+        return new_block_ids
+
+    def shrink(self, seq: Sequence, num_blocks: int) -> None:
+        """Give back seq's blocks after its first num_blocks: those that hold only rejected draft tokens'
+        slots. They were never hashed (only accepted tokens enter the chain), so they go back as fresh."""
+        assert num_blocks <= len(seq.block_table)
+        while len(seq.block_table) > num_blocks:
+            block_id = seq.block_table.pop()
+            assert self.blocks[block_id].hash == -1 and self.blocks[block_id].ref_count == 1
+            self._release(block_id)
 
     # --- registration ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from tpengine.config import EngineConfig
 from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.inputs import parse_prompt, prompt_list
+from tpengine.engine.proposer import make_proposer
 from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
@@ -66,7 +67,10 @@ class LLMEngine:
                 num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
                 max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
-                enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy)
+                enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
+                proposer=None if config.speculative_config is None else make_proposer(config.speculative_config),
+                num_speculative_tokens=0 if config.speculative_config is None
+                else config.speculative_config.num_speculative_tokens)
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise
@@ -81,7 +85,6 @@ class LLMEngine:
         self._awaiting_grammar: list[Request] = []
         self._num_constrained_requests = 0
         self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
-        self.generation_tokens_total = 0    # tokens sampled
 
     # --- metrics (cheap: read by a server every scrape) ---------------------------------------------
 
@@ -112,6 +115,22 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def generation_tokens_total(self) -> int:
+        """Tokens sampled into sequences (a verify row's accepted drafts included)."""
+        return self.scheduler.num_output_tokens
+
+    @property
+    def spec_decode_stats(self) -> dict[str, int | list[int]] | None:
+        """Speculative decoding's counters (vLLM's spec_decode_* names), None without speculation: verify
+        rows with drafts, drafts, accepted drafts, and accepted drafts by position in their row."""
+        scheduler = self.scheduler
+        if scheduler.proposer is None:
+            return None
+        return dict(num_drafts=scheduler.num_drafts, num_draft_tokens=scheduler.num_draft_tokens,
+                    num_accepted_tokens=scheduler.num_accepted_tokens,
+                    num_accepted_tokens_per_pos=list(scheduler.num_accepted_tokens_per_pos))
 
     @property
     def max_request_len(self) -> int:
@@ -309,8 +328,9 @@ class LLMEngine:
             return [], None
         sampled = self.executor.execute(plan)
         self.prompt_tokens_total += plan.num_prefill_tokens
+        # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
+        # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
         seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids)
-        self.generation_tokens_total += len(seqs)
         if self._num_constrained_requests:
             self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
@@ -393,12 +413,14 @@ class LLMEngine:
         try:
             while len(outputs) < len(requests):
                 started = time.perf_counter()
+                generated = self.generation_tokens_total
                 reports, plan = self._step()
                 elapsed = time.perf_counter() - started
                 if plan is not None and plan.num_prefill_tokens:
                     prefill_rate = plan.num_prefill_tokens / elapsed
-                if plan is not None and plan.num_decode:
-                    decode_rate = plan.num_decode / elapsed
+                if plan is not None and (plan.num_decode or plan.num_verify_tokens):
+                    # tokens generated: a verify row's accepted drafts count
+                    decode_rate = (self.generation_tokens_total - generated) / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
                 for request, output in reports:

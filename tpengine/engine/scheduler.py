@@ -3,13 +3,23 @@ records); preempts by recompute.
 
 Two policies: "mixed" (vLLM's) gives every running sequence its next token first and fills the rest of
 the token budget with prompt chunks, so decodes never stall behind a long prompt; "prefill_first"
-(nano-vllm's) runs a prefill step whenever a prompt waits and decodes only when none does."""
+(nano-vllm's) runs a prefill step whenever a prompt waits and decodes only when none does.
+
+Speculative decoding (a proposer given): a running sequence whose request allows it (engine/proposer.py)
+gets, instead of a decode row, a verify row: its last token and up to num_speculative_tokens proposed
+tokens (drafts), each with a slot, sent as one chunk whose every row is sampled. Sampling a
+row exactly as it would be sampled without speculation and keeping the drafts up to the first that differs
+from its row's token is rejection sampling for a proposal that is one token for sure: a draft x is kept
+with probability p(x), else the row's token follows p without x. So greedy and seeded requests get the very
+tokens they get without speculation, and every request the same distribution. Postprocess appends the kept
+drafts and the first differing token, and frees the blocks that hold only rejected drafts."""
 from collections import deque
 from itertools import islice
 
 from tpengine.config import SCHEDULING_POLICIES
 from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
+from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
@@ -30,7 +40,8 @@ MIN_SHARED_TOKENS_TO_WAIT = 32
 class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
-                 enable_prefix_caching: bool = True, scheduling_policy: str = "mixed"):
+                 enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -52,6 +63,19 @@ class Scheduler:
         self._appended_block_ids: list[int] = []
         self._reset_tables = False
         self._resend_decode_tables = False  # after a reset, until every running sequence has its table again
+        self._truncated_seq_ids: list[int] = []    # tables cut since the last message (rejected drafts' blocks)
+        self._truncated_num_blocks: list[int] = []
+        # speculative decoding: the proposer and how many drafts a verify row takes at most
+        assert (proposer is None) == (num_speculative_tokens == 0)
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        # its counters (vLLM's spec_decode_* metrics): verify rows with drafts, drafts, accepted drafts, and
+        # accepted drafts by position in their row
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        self.num_output_tokens = 0  # tokens appended to sequences by postprocess (verify rows append several)
 
     # --- read-only counters, for metrics ----------------------------------------------------------
 
@@ -78,11 +102,11 @@ class Scheduler:
     @property
     def scheduled(self) -> list[Sequence]:
         """The sequences of the step in flight (scheduled, not yet postprocessed), in row order: decode rows,
-        then prompt chunks. The ledger's side of the plan; the ranks see only its message."""
+        then prompt chunks, then verify rows. The ledger's side of the plan; the ranks see only its message."""
         if self._in_flight is None:
             return []
-        decode, prefill, _ = self._in_flight
-        return decode + prefill
+        decode, verify, prefill, _ = self._in_flight
+        return decode + prefill + verify
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -112,6 +136,7 @@ class Scheduler:
         seq.sampling = SamplingRecord(seq.sampling_params, seq.eos_and_stop_token_ids, seq.token_ids,
                                       seq.num_prompt_tokens)
         seq.arrival_step = self.num_steps
+        seq.speculates = self.proposer is not None and speculates(seq.sampling_params)
         self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
@@ -126,14 +151,21 @@ class Scheduler:
             # decodes first, so a long prompt never stalls them; prompt chunks take what is left
             decode = self._schedule_decode() if self.running else []
             token_budget = self.max_num_batched_tokens - len(decode)
+            if self.proposer is not None:
+                token_budget -= sum(len(seq.draft_token_ids) for seq in decode)
             prefill = self._schedule_prefill(token_budget) if self.waiting and token_budget > 0 else []
         if not (decode or prefill):  # nothing queued: the pending table changes wait for a step that runs
             return StepPlan(StepMessage([], [], [], []), [], 0)
-        plan = self._plan(decode, prefill)
-        self._in_flight = decode, prefill, plan.message
+        verify = []
+        if self.proposer is not None:
+            verify = [seq for seq in decode if seq.draft_token_ids]
+            if verify:
+                decode = [seq for seq in decode if not seq.draft_token_ids]
+        plan = self._plan(decode, verify, prefill)
+        self._in_flight = decode, verify, prefill, plan.message
         return plan
 
-    def _plan(self, decode: list[Sequence], prefill: list[Sequence]) -> StepPlan:
+    def _plan(self, decode: list[Sequence], verify: list[Sequence], prefill: list[Sequence]) -> StepPlan:
         """The step as a value: every rank's message, and the sampled rows' records (in row order)."""
         chunks, new_tables, sampling = [], [], [seq.sampling for seq in decode]
         num_prefill_tokens = 0
@@ -147,23 +179,33 @@ class Scheduler:
             if not seq.on_workers:  # admitted, re-admitted after a preemption, or forked: its whole table
                 new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
                 seq.on_workers = True
+        num_verify_tokens = 0
+        for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
+            drafts = seq.draft_token_ids
+            chunks.append(PrefillChunk(seq.seq_id, [seq.last_token, *drafts], seq.num_cached_tokens, True,
+                                       len(drafts)))
+            num_verify_tokens += 1 + len(drafts)
+            sampling.append(seq.sampling)
+            sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))
         # a decode row's table is on the workers (sent when the sequence was prefilled), unless they dropped
         # them all (an interrupted step): then each takes its whole table when it next runs
         if self._resend_decode_tables:
-            self._resend_tables_of(decode, new_tables)
+            self._resend_tables_of(decode + verify, new_tables)
         message = StepMessage(
             [seq.seq_id for seq in decode], [seq.last_token for seq in decode], [seq.num_tokens for seq in decode],
             chunks, released=self._released, new_tables=new_tables, appended_seq_ids=self._appended_seq_ids,
             appended_block_ids=self._appended_block_ids,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
-            reset_tables=self._reset_tables)
+            reset_tables=self._reset_tables, truncated_seq_ids=self._truncated_seq_ids,
+            truncated_num_blocks=self._truncated_num_blocks)
         self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
+        self._truncated_seq_ids, self._truncated_num_blocks = [], []
         self._reset_tables = False
-        return StepPlan(message, sampling, num_prefill_tokens)
+        return StepPlan(message, sampling, num_prefill_tokens, num_verify_tokens)
 
     def _resend_tables_of(self, decode: list[Sequence], new_tables: list[BlockTable]) -> None:
-        """After the ranks dropped every table: whole tables for the decode rows that lack theirs (the block
-        their token opens included, so it is not appended again)."""
+        """After the ranks dropped every table: whole tables for the decode rows that lack theirs (the blocks
+        their tokens open included, so they are not appended again)."""
         resent = {seq.seq_id for seq in decode if not seq.on_workers}
         for seq in decode:
             if seq.seq_id in resent:
@@ -177,16 +219,16 @@ class Scheduler:
     def _forget_step_in_flight(self) -> None:
         """The last step never reached postprocess (interrupted, say by Ctrl-C in generate): undo it. Its
         prompts give their blocks back and wait again (prefix hits recover what the cache holds; a copy it
-        planned may never have run), its decode rows give back the block they opened; and since no one
-        knows which of its block-table changes the ranks applied, every rank drops every table and takes
-        each sequence's whole table when it next runs."""
-        decode, prefill, message = self._in_flight
+        planned may never have run), its decode and verify rows give back the blocks they opened (drafts'
+        included); and since no one knows which of its block-table changes the ranks applied, every rank
+        drops every table and takes each sequence's whole table when it next runs."""
+        decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
-        opened = set(message.appended_seq_ids)
-        for seq in decode:
+        for seq in decode + verify:
+            assert seq.num_cached_tokens == seq.num_tokens - 1, "a running sequence computes its last token"
             seq.num_scheduled_tokens = 0
-            if seq.seq_id in opened:
-                self.block_manager.release_last_block(seq)
+            seq.draft_token_ids = []
+            self.block_manager.shrink(seq, blocks_for(seq.num_cached_tokens, self.block_manager.block_size))
         for seq in reversed(prefill):
             seq.num_scheduled_tokens = 0
             if seq.status == SequenceStatus.RUNNING:
@@ -201,6 +243,7 @@ class Scheduler:
         for seq in (*self.running, *self.waiting):
             seq.on_workers = False
         self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
+        self._truncated_seq_ids, self._truncated_num_blocks = [], []
         self._reset_tables = self._resend_decode_tables = True
 
     def _schedule_prefill(self, token_budget: int) -> list[Sequence]:
@@ -324,7 +367,10 @@ class Scheduler:
         block_size = self.block_manager.block_size
         running = self.running
         scheduled: list[Sequence] = []
-        for _ in range(min(len(running), self.max_num_seqs, self.max_num_batched_tokens)):
+        num_rows = min(len(running), self.max_num_seqs, self.max_num_batched_tokens)
+        # draft tokens take only what the budget leaves once every row has its own token
+        spare_tokens = self.max_num_batched_tokens - num_rows if self.proposer is not None else 0
+        for _ in range(num_rows):
             if not running:
                 break  # preemptions emptied the queue
             seq = running.popleft()
@@ -332,9 +378,30 @@ class Scheduler:
             if seq.num_tokens % block_size == 1 and not self._append_block(seq):
                 break  # seq preempted itself: nothing else was running
             seq.num_scheduled_tokens = 1
+            if spare_tokens and seq.speculates:
+                spare_tokens -= self._propose(seq, spare_tokens)
             scheduled.append(seq)
         running.extendleft(reversed(scheduled))
         return scheduled
+
+    def _propose(self, seq: Sequence, spare_tokens: int) -> int:
+        """Give seq its draft tokens for this step, with their slots; returns how many. Drafts never reach
+        past the sequence's length limit, and never take a free block that the next token of a running
+        sequence not yet scheduled may need: speculation never preempts."""
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1)
+        drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
+        if not drafts:
+            return 0
+        spare_blocks = max(block_manager.num_free_blocks - len(self.running), 0)
+        room = (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens  # slots it may have
+        drafts = drafts[:room]
+        for block_id in block_manager.grow(seq, seq.num_tokens + len(drafts)):
+            self._appended_seq_ids.append(seq.seq_id)
+            self._appended_block_ids.append(block_id)
+        seq.draft_token_ids = drafts
+        return len(drafts)
 
     def _append_block(self, seq: Sequence) -> bool:
         """Give seq the block its next token opens, preempting from the tail of running while the
@@ -365,9 +432,9 @@ class Scheduler:
 
     def postprocess(self, plan: StepPlan, token_ids: list[int]) -> tuple[list[Sequence], list[Sequence]]:
         """Account for the step `plan` just ran and append its sampled tokens (one per sampled row, in
-        plan.sampling's order); returns the sequences that got a token, in that order, and those that
-        finished."""
-        decode, prefill, _ = self._in_flight
+        plan.sampling's order); returns the sequences that got a token (decode rows, prompts, verify rows: a
+        verify row's sequence may get several), and those that finished."""
+        decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
         block_manager = self.block_manager
         if block_manager.block_copies:
@@ -384,8 +451,15 @@ class Scheduler:
             if num_cached_tokens == seq.num_tokens:
                 completed.append(seq)
         sampled = decode + completed if completed else decode
-        assert len(sampled) == len(token_ids) == len(plan.sampling), "tokens and sampled rows disagree"
+        assert len(token_ids) == len(plan.sampling), "tokens and sampled rows disagree"
         finished = []
+        self.num_output_tokens += len(sampled)
+        if verify:
+            assert len(sampled) + plan.num_verify_tokens == len(token_ids), "tokens and verify rows disagree"
+            self._accept(verify, token_ids[len(sampled):], finished)
+            token_ids = token_ids[:len(sampled)]
+        else:
+            assert len(sampled) == len(token_ids), "tokens and sampled rows disagree"
         for seq, token_id in zip(sampled, token_ids):
             if seq.num_scheduled_tokens:  # a decode row (a chunk's counters moved above): its K/V is cached
                 num_cached_tokens = seq.num_cached_tokens + 1
@@ -415,7 +489,67 @@ class Scheduler:
         for seq in prefill:
             if seq.block_table:  # not finished: its partly written last block can serve others
                 block_manager.index_written_tail(seq)
-        return sampled, finished
+        return (sampled + verify if verify else sampled), finished
+
+    def _accept(self, verify: list[Sequence], token_ids: list[int], finished: list[Sequence]) -> None:
+        """Append each verify row's tokens: its drafts up to the first that differs from its row's sampled
+        token, then that token (or the one after the last draft): stopping at the first that ends the
+        sequence. Only those tokens' K/V counts as cached and enters the hash chain; blocks that hold only
+        rejected drafts' slots go back."""
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        row = 0
+        for seq in verify:
+            drafts = seq.draft_token_ids
+            seq.draft_token_ids = []
+            samples = token_ids[row:row + len(drafts) + 1]
+            row += len(drafts) + 1
+            num_accepted = 0
+            while num_accepted < len(drafts) and samples[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+            for pos in range(num_accepted):
+                self.num_accepted_tokens_per_pos[pos] += 1
+            # the accepted drafts are their rows' samples; the next sample is verification's own token
+            num_tokens = seq.num_tokens
+            reason, stop_reason = None, None
+            new_tokens = samples[:num_accepted + 1]
+            for i, token_id in enumerate(new_tokens):
+                if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
+                    new_tokens, reason = new_tokens[:i], "abort"
+                    break
+                # the decode rows' finish tests (postprocess), per token
+                if (token_id in seq.eos_and_stop_token_ids
+                        and num_tokens + i + 1 - seq.num_prompt_tokens >= seq.min_tokens):
+                    new_tokens, reason = new_tokens[:i + 1], "stop"
+                    stop_reason = token_id if token_id in seq.sampling_params.stop_token_ids else None
+                    break
+                if num_tokens + i + 1 >= seq.max_num_tokens:
+                    new_tokens, reason = new_tokens[:i + 1], "length"
+                    break
+            seq.token_ids.extend(new_tokens)
+            seq.num_tokens += len(new_tokens)
+            if new_tokens:
+                seq.last_token = new_tokens[-1]
+            self.num_output_tokens += len(new_tokens)
+            # cached now: the row's first token and the accepted drafts that became tokens of seq
+            seq.num_scheduled_tokens = 1 + min(num_accepted, len(new_tokens))
+            num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
+                block_manager.hash_blocks(seq)
+            seq.num_cached_tokens = num_cached_tokens
+            seq.num_scheduled_tokens = 0
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+                finished.append(seq)
+                continue
+            num_blocks = blocks_for(num_cached_tokens, block_size)
+            if num_blocks < len(seq.block_table):
+                block_manager.shrink(seq, num_blocks)
+                self._truncated_seq_ids.append(seq.seq_id)
+                self._truncated_num_blocks.append(num_blocks)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a running sequence now and free its blocks (also for a stop string the engine matched)."""

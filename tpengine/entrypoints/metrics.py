@@ -53,6 +53,23 @@ class Metrics:
         self.e2e_request_latency = make(Histogram, "e2e_request_latency_seconds",
                                         "Arrival to the last token.", buckets=E2E_BUCKETS)
         self._num_preemptions_seen = self._generation_tokens_seen = 0
+        # speculative decoding (vLLM's spec_decode_*), made once the engine reports its counters
+        self._spec_decode: dict | None = None
+        self._spec_decode_seen: dict | None = None
+        self._model_name = model_name
+
+    def _spec_decode_counters(self, num_positions: int) -> dict:
+        def make(name, documentation):
+            return Counter(f"tpengine:{name}", documentation, ["model_name"],
+                           registry=self.registry).labels(self._model_name)
+        per_pos = Counter("tpengine:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted draft tokens by their position in a verify row.", ["model_name", "position"],
+                          registry=self.registry)
+        return dict(num_drafts=make("spec_decode_num_drafts", "Verify rows with draft tokens."),
+                    num_draft_tokens=make("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+                    num_accepted_tokens=make("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+                    num_accepted_tokens_per_pos=[per_pos.labels(self._model_name, str(i))
+                                                 for i in range(num_positions)])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,6 +87,24 @@ class Metrics:
             if total != getattr(self, seen):
                 counter.inc(total - getattr(self, seen))
                 setattr(self, seen, total)
+        stats = engine.spec_decode_stats
+        if stats is not None:
+            self._record_spec_decode(stats)
+
+    def _record_spec_decode(self, stats: dict) -> None:
+        if self._spec_decode is None:
+            self._spec_decode = self._spec_decode_counters(len(stats["num_accepted_tokens_per_pos"]))
+            self._spec_decode_seen = dict(stats, num_accepted_tokens_per_pos=[0] * len(
+                stats["num_accepted_tokens_per_pos"]), num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0)
+        seen = self._spec_decode_seen
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if stats[name] != seen[name]:
+                self._spec_decode[name].inc(stats[name] - seen[name])
+        for counter, total, before in zip(self._spec_decode["num_accepted_tokens_per_pos"],
+                                          stats["num_accepted_tokens_per_pos"], seen["num_accepted_tokens_per_pos"]):
+            if total != before:
+                counter.inc(total - before)
+        self._spec_decode_seen = stats
 
     def record_output(self, output: RequestOutput, times: RequestTimes, now: float) -> None:
         if not times.seen:  # as vLLM counts them: the whole prompt, cached part included, once

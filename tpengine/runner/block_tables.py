@@ -10,10 +10,13 @@ class BlockTables:
         self.tables: dict[int, list[int]] = {}
 
     def update(self, step: StepMessage) -> None:
-        """Apply what the step changed: drop the sequences that left, take whole tables, append blocks."""
+        """Apply what the step changed: cut tables, drop the sequences that left, take whole tables, append
+        blocks."""
         tables = self.tables
         if step.reset_tables:
             tables.clear()
+        for seq_id, num_blocks in zip(step.truncated_seq_ids, step.truncated_num_blocks):
+            del tables[seq_id][num_blocks:]
         for seq_id in step.released:
             del tables[seq_id]
         for table in step.new_tables:

@@ -18,7 +18,8 @@ class ForwardInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor | None    # the rows whose logits are wanted; None: the first num_logits rows
-    num_logits: int                     # rows sampled: every decode row, then each sampled chunk's last row
+    num_logits: int                     # rows sampled: every decode row, each sampled chunk's last row, then
+                                        # every row of each verify row
 
 
 class InputBuilder:
@@ -48,20 +49,37 @@ class InputBuilder:
         num_padding = self.row_bucket(num_rows) - num_rows
         decode_tables = [tables[seq_id] for seq_id in step.decode_seq_ids]
         context_lens = step.decode_context_lens
-        input_ids = step.decode_tokens + [0] * num_padding
+        input_ids = step.decode_tokens
+        chunks = step.prefill
+        num_verify_rows = 0
+        if any(chunk.num_draft_tokens for chunk in chunks):
+            # A verify row runs as decode queries, one per token, each over its context so far (the K/V of
+            # the tokens before it is stored first, as a decode row's own): the decode kernel serves them,
+            # and a step of decode and verify rows alone stays a decode step.
+            verify = [chunk for chunk in chunks if chunk.num_draft_tokens]
+            chunks = [chunk for chunk in chunks if not chunk.num_draft_tokens]
+            context_lens, input_ids = list(context_lens), list(input_ids)
+            for chunk in verify:
+                table = tables[chunk.seq_id]
+                num_verify_rows += len(chunk.token_ids)
+                input_ids += chunk.token_ids
+                start = chunk.num_cached_tokens
+                context_lens += range(start + 1, start + len(chunk.token_ids) + 1)
+                decode_tables += [table] * len(chunk.token_ids)
+        input_ids = input_ids + [0] * num_padding
         positions = [n - 1 for n in context_lens] + [0] * num_padding
-        slot_mapping = [table[-1] * block_size + (n - 1) % block_size
+        slot_mapping = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size
                         for table, n in zip(decode_tables, context_lens)] + [-1] * num_padding
         if num_padding:
             context_lens = context_lens + [0] * num_padding
             decode_tables += [[0]] * num_padding
         decode = self._decode_metadata(slot_mapping, context_lens, decode_tables) if context_lens else None
         num_decode = len(input_ids)  # padding rows included
-        if not step.prefill:
+        if not chunks:  # sampled in row order: the decode rows, then the verify rows
             return ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
-                                 len(step.decode_seq_ids))
+                                 len(step.decode_seq_ids) + num_verify_rows)
         seqlens_q, seqlens_k, prefill_tables = [], [], []
-        for chunk in step.prefill:
+        for chunk in chunks:
             table = tables[chunk.seq_id]
             prefill_tables.append(table)
             start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
@@ -82,12 +100,14 @@ class InputBuilder:
             is_prefill=True,
             slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
             block_tables=self._block_tables(prefill_tables),
-            has_cached_prefix=any(chunk.num_cached_tokens for chunk in step.prefill),
+            has_cached_prefix=any(chunk.num_cached_tokens for chunk in chunks),
             cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
             seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             num_decode_tokens=num_decode, decode=decode)
-        logits_rows = list(range(len(step.decode_seq_ids)))
-        logits_rows += [num_decode + end - 1 for chunk, end in zip(step.prefill, cu_q[1:]) if chunk.sampled]
+        num_decode_rows = len(step.decode_seq_ids)
+        logits_rows = list(range(num_decode_rows))
+        logits_rows += [num_decode + end - 1 for chunk, end in zip(chunks, cu_q[1:]) if chunk.sampled]
+        logits_rows += range(num_decode_rows, num_decode_rows + num_verify_rows)  # sampled after the prompts
         num_logits = len(logits_rows)
         if logits_rows:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)

@@ -129,11 +129,13 @@ class Sampler:
 
     def _uniforms(self, records) -> torch.Tensor:
         """One float64 draw in [0, 1) per row, on the host: a seeded row's from its (seed, position), the
-        others from the engine's generator."""
+        others from the engine's generator. A verify row samples as it would if its drafts were accepted
+        and it were a decode row: same draw, same token, so a seeded request's tokens do not depend on
+        speculation."""
         uniform = torch.rand(len(records), dtype=torch.float64, generator=self.generator)
         for row, record in enumerate(records):
             if record.params.seed is not None:
-                uniform[row] = seeded_uniform(record.params.seed, len(record.token_ids))
+                uniform[row] = seeded_uniform(record.params.seed, len(record.token_ids) + record.offset)
         return uniform
 
     def warm_up(self, logits: torch.Tensor) -> SamplerOutput:

@@ -1,0 +1,70 @@
+"""Speculative decoding's proposers: guesses of a sequence's next tokens, which one forward then verifies
+(engine/scheduler.py plans the verify rows, postprocess keeps the accepted tokens).
+
+A proposer only guesses; verification alone decides the tokens, so a bad guess costs time, never a
+different token. Which requests may speculate is decided here too (speculates), in one place.
+"""
+from array import array
+from typing import Protocol
+
+from tpengine.config import SpeculativeConfig
+from tpengine.sampling_params import SamplingParams
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's tokens can be verified exactly a few at a time. Penalties and min_tokens read the
+    tokens before each one, logprobs and structured outputs are kept per step, stop strings are matched per
+    step: such requests decode one token a step."""
+    return not (params.has_penalties or params.min_tokens or params.logprobs is not None
+                or params.structured_outputs is not None or params.stop)
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer (an n-gram lookup now; a draft model or EAGLE head later)."""
+
+    def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        """At most max_num_tokens guesses of the tokens that follow token_ids (none is fine)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram"): the longest suffix of the sequence, prompt_lookup_max down to
+    prompt_lookup_min tokens, that occurred before; the tokens that followed its latest occurrence, repeated
+    as a loop where they reach the sequence's end."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        num_tokens = len(token_ids)
+        if max_num_tokens <= 0 or num_tokens <= self.min_n:
+            return []
+        # bytes.rfind searches in C; a hit must start on a token boundary (4 bytes)
+        data = array("i", token_ids).tobytes()
+        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
+            suffix = data[-4 * n:]
+            end = 4 * (num_tokens - 1)  # the occurrence must end before the last token: something follows it
+            while True:
+                at = data.rfind(suffix, 0, end)
+                if at < 0:
+                    break
+                if at % 4 == 0:
+                    return _continuation(token_ids, at // 4 + n, max_num_tokens)
+                end = at + 4 * n - 1  # a hit across token boundaries: look further back
+        return []
+
+
+def _continuation(token_ids: list[int], start: int, max_num_tokens: int) -> list[int]:
+    """Up to max_num_tokens tokens from start on; past the end, the ones from start again: the suffix that
+    matched at start - n continues as it did (a loop of period len(token_ids) - start)."""
+    proposal = token_ids[start:start + max_num_tokens]
+    period = len(token_ids) - start
+    while len(proposal) < max_num_tokens:
+        proposal.append(proposal[len(proposal) - period])
+    return proposal
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    assert config.method == "ngram", "SpeculativeConfig.from_dict admits only the methods built"
+    return NgramProposer(config)
