@@ -84,9 +84,9 @@ class Case:
         if self.is_prefill:
             for seq in self.ours:
                 seq.on_workers = False  # admitted this step: its whole table goes with it
-            plan = self.scheduler._plan([], self.ours)
+            plan = self.scheduler._plan([], [], self.ours)
         else:  # running: the workers hold its table from earlier steps
-            plan = self.scheduler._plan(self.ours, [])
+            plan = self.scheduler._plan(self.ours, [], [])
         return encode(plan.message)
 
     def encode_simple(self) -> bytes:
