@@ -86,16 +86,7 @@ class GrammarCompiler:
         return xgr.Grammar.from_ebnf(spec.grammar)
 
     def _compile(self, spec: StructuredOutputsParams):
-        kind = spec.kind
-        if kind == "json":
-            return self._compiler.compile_grammar(json_schema_grammar(spec.json, **self._json_format(spec)))
-        if kind == "json_object":
-            return self._compiler.compile_builtin_json_grammar()
-        if kind == "regex":
-            return self._compiler.compile_regex(spec.regex)
-        if kind == "choice":
-            return self._compiler.compile_regex(choice_regex(spec.choice))
-        return self._compiler.compile_grammar(spec.grammar)
+        return self._compiler.compile_grammar(self._grammar(spec))  # xgrammar caches by the grammar's text
 
     @staticmethod
     def _json_format(spec: StructuredOutputsParams) -> dict:
