@@ -141,16 +141,21 @@ class Server:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def server(tied_model):
-    """One tp=1 server on the tiny tied model (byte tokenizer, ChatML template), shared by the tests."""
-    server = Server("--model", tied_model, "--block-size", str(BLOCK_SIZE), "--max-model-len", "512",
-                    "--num-kvcache-blocks", "256")
+def running_server(model: str, *flags: str):
+    """A fixture's tp=1 server on model with the suite's cache settings and flags; it must stop cleanly (0)."""
+    server = Server("--model", model, "--block-size", str(BLOCK_SIZE), "--max-model-len", "512",
+                    "--num-kvcache-blocks", "256", *flags)
     yield server
     try:
         assert server.stop() == 0
     finally:
         server.kill_leftovers()
+
+
+@pytest.fixture(scope="session")
+def server(tied_model):
+    """One tp=1 server on the tiny tied model (byte tokenizer, ChatML template), shared by the tests."""
+    yield from running_server(tied_model)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.entrypoints.conftest import BLOCK_SIZE, Server
+from tests.entrypoints.conftest import running_server
 from tests.structured.test_structured_outputs import SCHEMAS
 
 TOOLS = [
@@ -29,13 +29,7 @@ HERMES_CALL = r'<tool_call>\{"name": "get_time", "arguments": \{"tz": "(UTC|CET|
 
 @pytest.fixture(scope="module")
 def tool_server(tied_model):
-    server = Server("--model", tied_model, "--block-size", str(BLOCK_SIZE), "--max-model-len", "512",
-                    "--num-kvcache-blocks", "256", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield server
-    try:
-        assert server.stop() == 0
-    finally:
-        server.kill_leftovers()
+    yield from running_server(tied_model, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture
@@ -181,13 +175,9 @@ def test_bad_tools_and_grammars_get_400_naming_the_field(tool_server, body, para
 
 @pytest.fixture(scope="module")
 def reasoning_server(thinking_model):
-    server = Server("--model", thinking_model, "--block-size", str(BLOCK_SIZE), "--max-model-len", "256",
-                    "--num-kvcache-blocks", "64", "--reasoning-parser", "deepseek_r1")
-    yield server
-    try:
-        assert server.stop() == 0
-    finally:
-        server.kill_leftovers()
+    # a later flag overrides the suite's value
+    yield from running_server(thinking_model, "--max-model-len", "256", "--num-kvcache-blocks", "64",
+                              "--reasoning-parser", "deepseek_r1")
 
 
 @pytest.mark.parametrize("stream", [False, True])
