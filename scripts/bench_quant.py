@@ -109,8 +109,10 @@ def parse_args(argv=None):
 # --- tpengine -------------------------------------------------------------------------------------
 
 def engine_kwargs(fmt: str, args) -> dict:
-    if fmt in ("int8", "int4"):
+    if fmt == "int4":
         return dict(dtype=args.quantized_dtype, quantization=fmt, quantization_group_size=args.group_size)
+    if fmt == "int8":  # one scale per output channel: no group size
+        return dict(dtype=args.quantized_dtype, quantization=fmt)
     return dict(dtype=fmt)
 
 

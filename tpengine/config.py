@@ -141,6 +141,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint, but "
                                  f"{self.model!r} is already quantized (its config.json has a quantization_config)")
             positive("quantization_group_size")
+        # settings of online quantization that would do nothing are refused, not ignored
+        if self.quantization != "int4" and self.quantization_group_size != 128:
+            raise ValueError(f"quantization_group_size={self.quantization_group_size} applies to quantization='int4' "
+                             f"only, not quantization={self.quantization!r}")
+        if self.quantization is None and not self.quantize_lm_head:
+            raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only; none is set")
         tp = self.tensor_parallel_size
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         if heads % tp:

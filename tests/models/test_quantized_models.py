@@ -103,6 +103,8 @@ def test_online_quantization_can_leave_the_head_in_floats(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("settings,message", [
     (dict(quantization="int3"), "quantization must be one of"),
+    (dict(quantization="int8", quantization_group_size=32), "applies to quantization='int4' only"),
+    (dict(quantize_lm_head=False), "quantize_lm_head=False applies to quantization"),
     (dict(quantization="int4", quantization_group_size=48), "quantization_group_size=48 must divide the model's hidden_size=64"),
     # o_proj reads 192 features, 96 per rank at tp 2: a group of 64 would straddle the ranks
     (dict(quantization="int4", quantization_group_size=64, tensor_parallel_size=2),

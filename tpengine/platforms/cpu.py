@@ -170,8 +170,8 @@ class QuantizedLinear(NamedTuple):
 def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | torch_ops.DequantizedWeight:
     """A QuantizedWeight as linear() multiplies it: packed for the C++ linear where it is built and takes the
     weight, else its float value."""
-    contiguous, input_order = quantized.with_contiguous_groups()
     if dtype in (torch.float32, torch.bfloat16) and quant_kernel.available():
+        contiguous, input_order = quantized.with_contiguous_groups()
         try:
             return QuantizedLinear(quant_kernel.pack(contiguous.qweight, contiguous.scales, contiguous.zeros,
                                                      contiguous.bits, contiguous.group_size, contiguous.activation),
