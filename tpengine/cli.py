@@ -141,7 +141,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool
                         help="with --quantization: keep the LM head and embedding in floats")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
-                             '4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} (default: none)')
+                             '4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, or a draft model with the '
+                             'model\'s vocabulary: {"model": "PATH", "num_speculative_tokens": 4} (default: none)')
 
 
 def _json_object(text: str) -> dict:

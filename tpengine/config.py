@@ -4,14 +4,14 @@ A record: it imports nothing of the engine, the runner or the models, and neithe
 """
 import msgspec
 
-from tpengine.hf_config import HFConfig, head_dim_of, tensor_parallel_sizes
+from tpengine.hf_config import HFConfig, head_dim_of, load_hf_config, tensor_parallel_sizes
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 ONLINE_QUANTIZATIONS = ("int8", "int4")  # a float checkpoint quantized at load (tpengine/models/loader.py)
-SPECULATIVE_METHODS = ("ngram",)  # proposers the engine has (engine/proposer.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers the engine has (engine/proposer.py, runner/drafter.py)
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
 
 
@@ -22,24 +22,40 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     num_speculative_tokens: int
     # n-gram: the longest suffix of prompt_lookup_max..prompt_lookup_min tokens found earlier in the
     # sequence proposes the tokens that followed it there
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    # draft_model: a checkpoint with the target's vocabulary, sharded over the same ranks (runner/drafter.py)
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, spec: dict) -> "SpeculativeConfig":
-        """vLLM's dict, checked: unknown keys and the proposers not built yet are refused by name."""
+        """vLLM's dict, checked: unknown keys, and keys of the other method, are refused by name."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-        if "model" in spec and spec["model"] not in (None, "ngram", "[ngram]"):
-            raise ValueError("speculative_config: a draft model (\"model\") is not implemented yet; "
-                             "use {\"method\": \"ngram\", ...}")
         known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-        method = spec.get("method") or ("ngram" if spec.get("model") else None)
+        model = spec.get("model")
+        if model in ("ngram", "[ngram]"):  # vLLM's older spelling of the n-gram method
+            model = None
+            spec = {**spec, "method": spec.get("method") or "ngram"}
+        method = spec.get("method") or ("draft_model" if model is not None else None)
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config: method 'draft_model' needs \"model\", the draft checkpoint's "
+                                 f"path, got {model!r}")
+            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(spec))
+            if lookup:
+                raise ValueError(f"speculative_config: {lookup} apply to method 'ngram' only, not 'draft_model'")
+            config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"), model=model)
+            config._check_positive("num_speculative_tokens")
+            return config
+        if model is not None:
+            raise ValueError(f"speculative_config: \"model\" ({model!r}) is a draft checkpoint, which method "
+                             f"{method!r} does not take")
         lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         if lookup_min is None and lookup_max is None:
             lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
@@ -50,13 +66,16 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
         config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"),
                      prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+            config._check_positive(name)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is more than "
                              f"prompt_lookup_max={config.prompt_lookup_max}")
         return config
+
+    def _check_positive(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -147,19 +166,35 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"only, not quantization={self.quantization!r}")
         if self.quantization is None and not self.quantize_lm_head:
             raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only; none is set")
+        self._check_tensor_parallel(hf_config, "the model")
+        if self.quantization == "int4":
+            self._check_groups(hf_config)
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self._check_draft(hf_config)
+
+    def _check_tensor_parallel(self, hf_config: HFConfig, whose: str) -> None:
         tp = self.tensor_parallel_size
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         if heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {heads} attention heads")
+            raise ValueError(f"tensor_parallel_size={tp} must divide {whose}'s {heads} attention heads")
         if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} and the model's {kv_heads} KV heads must divide one another")
+            raise ValueError(f"tensor_parallel_size={tp} and {whose}'s {kv_heads} KV heads must divide one another")
         for name, size in tensor_parallel_sizes(hf_config).items():
             if size % tp:
-                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={size}")
-        if self.quantization == "int4":
-            self._check_groups(hf_config)
+                raise ValueError(f"tensor_parallel_size={tp} must divide {whose}'s {name}={size}")
 
-    def _check_groups(self, hf_config: HFConfig) -> None:
+    def _check_draft(self, hf_config: HFConfig) -> None:
+        """The draft model is sharded over the engine's ranks and reads the target's token ids."""
+        path = self.speculative_config.model
+        draft = load_hf_config(path)  # ValueError naming the file or field at fault
+        if draft.vocab_size != hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {path!r} has a vocabulary of {draft.vocab_size} "
+                             f"tokens, the model {hf_config.vocab_size}: a draft must share the model's vocabulary")
+        self._check_tensor_parallel(draft, f"the draft model {path!r}")
+        if self.quantization == "int4" and not draft.quantization_config:  # a float draft is quantized as the model
+            self._check_groups(draft, f"the draft model {path!r}")
+
+    def _check_groups(self, hf_config: HFConfig, whose: str = "the model") -> None:
         """Every linear's input features, and every row-parallel rank's share of them, in whole int4 groups."""
         group, tp = self.quantization_group_size, self.tensor_parallel_size
         inputs = {"hidden_size": (hf_config.hidden_size, 1),  # q/k/v, gate/up: every rank reads all of them
@@ -168,6 +203,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name, (size, shards) in inputs.items():
             if (size // shards) % group:
                 per_rank = f", {size // shards} per rank at tensor_parallel_size={tp}," if shards > 1 else ""
-                raise ValueError(f"quantization_group_size={group} must divide the model's {name}={size}{per_rank} "
+                raise ValueError(f"quantization_group_size={group} must divide {whose}'s {name}={size}{per_rank} "
                                  "for int4 groups of whole input features")
 

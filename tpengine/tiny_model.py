@@ -5,6 +5,7 @@ Written with transformers itself (`Qwen3ForCausalLM(config).save_pretrained`, ..
 from a seed, so no download is ever needed. The text such a model writes is meaningless.
 """
 import os
+import shutil
 
 from tpengine.cache import cache_dir
 
@@ -95,4 +96,26 @@ def default_model_path() -> str:
         except OSError:  # another process got there first
             import shutil
             shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def write_layer_draft(model: str, path: str, num_layers: int) -> str:
+    """Write a draft model for speculative decoding made of a checkpoint's own first num_layers decoder layers,
+    with its embedding, final norm and LM head (a layer-skipped self-draft): it shares the vocabulary and
+    tokenizer, and on random weights, where each layer moves the residual stream little, mostly agrees with
+    the whole model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if not 1 <= num_layers <= draft.config.num_hidden_layers:
+        raise ValueError(f"num_layers={num_layers} must be 1 to the model's {draft.config.num_hidden_layers} layers")
+    draft.model.layers = draft.model.layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    if getattr(draft.config, "layer_types", None) is not None:
+        draft.config.layer_types = draft.config.layer_types[:num_layers]
+    draft.save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(model):  # the tokenizer's files
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copy(os.path.join(model, name), path)
     return path

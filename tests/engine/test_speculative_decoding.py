@@ -1,16 +1,18 @@
 """Speculative decoding in the ledger: n-gram proposals, verify rows, rejection sampling and the block
 ledger under random accept/reject, driven by a Markov-chain "model" whose next-token distribution depends
 on the last token only (so every sampled row's logits are known exactly); config and refusals."""
+import dataclasses
 import random
 
+import msgspec
 import pytest
 import torch
 
 from tests.engine.test_scheduler import BS, make_scheduler, new_seq
 from tpengine.config import SpeculativeConfig
-from tpengine.distributed.messages import BlockTable
+from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.engine.block_manager import compute_block_hash
-from tpengine.engine.proposer import NgramProposer
+from tpengine.engine.proposer import DraftModelProposer, NgramProposer
 from tpengine.engine.sequence import SequenceStatus
 from tpengine.paging import blocks_for
 from tpengine.runner.block_tables import BlockTables
@@ -41,8 +43,24 @@ def sampled_row_tokens(plan) -> list[int]:
     return tokens
 
 
-def run(scheduler, transitions: torch.Tensor, sampler: Sampler, check=None) -> int:
-    """Run every queued sequence to its end with the chain as the model; returns the steps taken."""
+def drafted_on_ranks(message: StepMessage, draft: torch.Tensor) -> tuple[StepMessage, list[int]]:
+    """What the ranks' draft model does with a step (runner/drafter.py), a chain's argmax as the draft: each
+    verify row that carries only its last token gets its drafts, greedily one after another."""
+    prefill, drafts = [], []
+    for chunk in message.prefill:
+        if chunk.num_draft_tokens and len(chunk.token_ids) == 1:
+            proposed = [chunk.token_ids[0]]
+            for _ in range(chunk.num_draft_tokens):
+                proposed.append(int(draft[proposed[-1]].argmax()))
+            chunk = PrefillChunk(chunk.seq_id, proposed, chunk.num_cached_tokens, True, chunk.num_draft_tokens)
+            drafts += proposed[1:]
+        prefill.append(chunk)
+    return msgspec.structs.replace(message, prefill=prefill), drafts
+
+
+def run(scheduler, transitions: torch.Tensor, sampler: Sampler, check=None, draft: torch.Tensor | None = None) -> int:
+    """Run every queued sequence to its end with the chain as the model (and draft's argmax as the draft model's,
+    for a proposer on the ranks); returns the steps taken."""
     log_transitions = transitions.log()
     tables = BlockTables()
     steps = 0
@@ -53,10 +71,14 @@ def run(scheduler, transitions: torch.Tensor, sampler: Sampler, check=None) -> i
         on_workers = {seq.seq_id: seq.block_table for seq in (*scheduler.running, *scheduler.waiting)
                       if seq.on_workers}
         assert tables.tables == on_workers
+        drafts = []
+        if scheduler.proposer is not None and scheduler.proposer.on_ranks:
+            message, drafts = drafted_on_ranks(plan.message, draft)
+            plan = dataclasses.replace(plan, message=message)
         tokens = sampled_row_tokens(plan)
         assert len(tokens) == len(plan.sampling)
         sampled = sampler(log_transitions[tokens], plan.sampling).token_ids if tokens else []
-        scheduler.postprocess(plan, sampled)
+        scheduler.postprocess(plan, sampled, drafts)
         if check is not None:
             check(scheduler, tables)
         steps += 1
@@ -85,10 +107,12 @@ def test_ngram_matches_only_whole_tokens():
 
 # --- verification ---------------------------------------------------------------------------
 
-def test_greedy_and_seeded_sampled_sequences_get_the_same_tokens_with_and_without_speculation():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_and_seeded_sampled_sequences_get_the_same_tokens_with_and_without_speculation(method):
     transitions = markov_chain(0)
+    draft = markov_chain(10)  # another chain: its argmax agrees with the model's on some tokens only
     outputs = {}
-    for spec in (None, ngram()):
+    for spec in (None, ngram() if method == "ngram" else draft_model()):
         scheduler = make_scheduler(scheduling_policy="mixed", num_kvcache_blocks=40,
                                    **speculation(spec))
         seqs = []
@@ -97,7 +121,7 @@ def test_greedy_and_seeded_sampled_sequences_get_the_same_tokens_with_and_withou
                                     top_p=0.9 if i % 4 == 1 else 1.0, max_tokens=30, ignore_eos=True)
             seqs.append(new_seq([i % VOCAB, (i * 7) % VOCAB, 1], params))
             scheduler.add(seqs[-1])
-        run(scheduler, transitions, Sampler(seed=5))
+        run(scheduler, transitions, Sampler(seed=5), draft=draft)
         outputs[spec is None] = [seq.completion_token_ids for seq in seqs]
         if spec is not None:
             assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens  # both outcomes happened
@@ -107,7 +131,12 @@ def test_greedy_and_seeded_sampled_sequences_get_the_same_tokens_with_and_withou
 def speculation(spec: SpeculativeConfig | None) -> dict:
     if spec is None:
         return {}
-    return dict(proposer=NgramProposer(spec), num_speculative_tokens=spec.num_speculative_tokens)
+    proposer = DraftModelProposer() if spec.method == "draft_model" else NgramProposer(spec)
+    return dict(proposer=proposer, num_speculative_tokens=spec.num_speculative_tokens)
+
+
+def draft_model(k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig.from_dict({"model": "/a/draft", "num_speculative_tokens": k})
 
 
 def test_speculative_sampling_follows_the_distribution_plain_sampling_does():
@@ -161,14 +190,17 @@ def check_ledger(scheduler, tables: BlockTables) -> None:
             assert bm.blocks[block_id].hash == -1  # the partly filled block is never in the chain
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_ledger_stays_consistent_under_random_accept_reject_preemption_and_abort(seed):
+@pytest.mark.parametrize("seed, method", [(0, "ngram"), (1, "ngram"), (2, "ngram"), (3, "ngram"),
+                                          (0, "draft_model"), (1, "draft_model")])
+def test_ledger_stays_consistent_under_random_accept_reject_preemption_and_abort(seed, method):
     """A small cache (preemptions), prefix sharing, stop tokens, random aborts between steps; greedy rows of
-    a chain give long accepted runs, sampled ones rejections."""
+    a chain give long accepted runs, sampled ones rejections (a draft model: the chain's own argmax, so
+    greedy rows accept every draft)."""
     rng = random.Random(seed)
     transitions = markov_chain(seed)
+    spec = ngram(k=5) if method == "ngram" else draft_model(k=5)
     scheduler = make_scheduler(scheduling_policy="mixed", num_kvcache_blocks=24, max_num_seqs=6,
-                               max_num_batched_tokens=24, **speculation(ngram(k=5)))
+                               max_num_batched_tokens=24, **speculation(spec))
     sampler = Sampler(seed=seed)
     queued = []
     for i in range(20):
@@ -185,7 +217,7 @@ def test_ledger_stays_consistent_under_random_accept_reject_preemption_and_abort
         if rng.random() < 0.05 and scheduler.running:
             scheduler.abort(rng.choice(list(scheduler.running)).seq_id)
 
-    run(scheduler, transitions, sampler, check)
+    run(scheduler, transitions, sampler, check, draft=transitions)
     assert scheduler.num_preemptions > 0 and scheduler.num_accepted_tokens > 0
     assert all(seq.status == SequenceStatus.FINISHED for seq in queued)
     for seq in queued:
@@ -215,7 +247,11 @@ def test_an_interrupted_verify_step_gives_back_its_draft_blocks_and_runs_again()
 # --- config ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec, message", [
-    ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft model"),
+    ({"model": "/some/draft"}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "method 'draft_model' needs \"model\""),
+    ({"model": "/some/draft", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+     "['prompt_lookup_max'] apply to method 'ngram' only"),
+    ({"method": "ngram", "model": "/some/draft", "num_speculative_tokens": 3}, "which method 'ngram' does not take"),
     ({"method": "eagle", "num_speculative_tokens": 3}, "method must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown keys ['lookahead']"),
@@ -225,6 +261,13 @@ def test_an_interrupted_verify_step_gives_back_its_draft_blocks_and_runs_again()
 def test_speculative_configs_the_engine_cannot_run_are_refused_by_name(spec, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_draft_model_config_is_vllms():
+    assert SpeculativeConfig.from_dict({"model": "/a/draft", "num_speculative_tokens": 2}) == SpeculativeConfig(
+        method="draft_model", num_speculative_tokens=2, model="/a/draft")
+    assert SpeculativeConfig.from_dict({"method": "draft_model", "model": "/a/draft", "num_speculative_tokens": 2}) \
+        == SpeculativeConfig.from_dict({"model": "/a/draft", "num_speculative_tokens": 2})
 
 
 def test_ngram_config_takes_vllms_defaults():

@@ -1,11 +1,12 @@
 """Speculative decoding end to end on the tiny random model (whose greedy runs fall into loops: the n-gram
-proposer's home ground): greedy tokens equal transformers' at tp 1 and 2, block sizes 16 and 256, with
-chunked prefill, prefix hits and preemption; every other request gets the tokens it gets without
-speculation."""
+proposer's home ground) and with draft models (a layer of it, or another shape with its vocabulary): greedy
+tokens equal transformers' at tp 1 and 2, block sizes 16 and 256, with chunked prefill, prefix hits and
+preemption; every other request gets the tokens it gets without speculation."""
 import pytest
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
+from tpengine.tiny_model import write_layer_draft, write_tiny_model
 
 VOCAB = TP_MODEL["vocab_size"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -78,3 +79,80 @@ def test_every_request_gets_the_tokens_it_gets_without_speculation(tiny_model, t
                         for o in outputs])
     assert results[0] == results[1]
     assert results[1][2][0][0][-1] == greedy[12] and results[1][2][0][1] == "stop"
+
+
+# --- a draft model ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layer_draft(tiny_model, tmp_path_factory) -> str:
+    """tiny_model's first layer with its embedding, norm and head: agrees with it on some tokens."""
+    return write_layer_draft(tiny_model, str(tmp_path_factory.mktemp("layer_draft")), 1)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """Another shape altogether (hidden 32, one layer, 2 heads of 16), the same vocabulary."""
+    return write_tiny_model(str(tmp_path_factory.mktemp("other_draft")), seed=9, vocab_size=VOCAB, hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def draft(path: str, k: int = 4) -> dict:
+    return {"model": path, "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("tp, block_size", [(1, 16), (1, 256), (2, 16), (2, 256)])
+def test_greedy_with_a_draft_model_equals_transformers_with_chunked_prefill_and_prefix_hits(
+        tiny_model, layer_draft, tp, block_size):
+    prompts = prompts_with_a_loop(tp + 10)
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=block_size, max_num_batched_tokens=48,
+             max_model_len=256, speculative_config=draft(layer_draft)) as llm:
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix hits: the draft's K/V is in those blocks too
+        stats = llm.spec_decode_stats
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in second] == expected
+    assert sum(o.num_cached_tokens for o in second) > 0
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_a_draft_that_is_the_model_has_every_draft_accepted_through_preemptions(tiny_model):
+    """Every draft kept: the last one's K/V, which no draft forward writes, comes from the verify forward."""
+    prompts = prompts_with_a_loop(17) + random_prompts(18, [30, 50], VOCAB)
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=256,
+             speculative_config=draft(tiny_model, 3)) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        stats = llm.spec_decode_stats
+        assert llm.num_preemptions > 0 and llm.kv_cache_usage == 0.0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_request_gets_the_tokens_it_gets_without_a_draft_model(tiny_model, other_draft, tp):
+    loop_prompt = prompts_with_a_loop(3)[-1]
+    greedy = hf_greedy(tiny_model, [loop_prompt], 30)[0]
+    params = mixed_requests(expected_stop=greedy[12])
+    prompts = [loop_prompt] * len(params)
+    results = []
+    for spec in (None, draft(other_draft)):
+        with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=256,
+                 speculative_config=spec) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            if spec is not None:
+                assert llm.spec_decode_stats["num_draft_tokens"] > 0
+        results.append([[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
+                        for o in outputs])
+    assert results[0] == results[1]
+
+
+def test_draft_models_the_engine_cannot_run_are_refused_by_name(tiny_model, other_draft, tmp_path):
+    small_vocab = write_tiny_model(str(tmp_path / "small_vocab"), **{**TP_MODEL, "vocab_size": 600})
+    with pytest.raises(ValueError, match="has a vocabulary of 600 tokens, the model 1003"):
+        LLM(tiny_model, speculative_config=draft(small_vocab))
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the draft model .* 2 attention heads"):
+        LLM(tiny_model, tensor_parallel_size=4, speculative_config=draft(other_draft))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(tiny_model, speculative_config=draft(str(tmp_path / "missing")))

@@ -48,6 +48,11 @@ class LLMEngine:
         config.max_model_len, capped = max_model_len_of(hf_config, config.max_model_len)
         if capped:
             logger.info(capped)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
+            config.max_model_len, capped = max_model_len_of(load_hf_config(spec.model), config.max_model_len)
+            if capped:
+                logger.info("draft model: %s", capped)
         self.config = config
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
@@ -330,7 +335,7 @@ class LLMEngine:
         self.prompt_tokens_total += plan.num_prefill_tokens
         # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
         # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
-        seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids)
+        seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids, sampled.draft_token_ids)
         if self._num_constrained_requests:
             self._advance_grammars(seqs)
         touched: dict[int, Request] = {}

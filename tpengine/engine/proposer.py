@@ -19,11 +19,20 @@ def speculates(params: SamplingParams) -> bool:
                 or params.structured_outputs is not None or params.stop)
 
 
+# a draft the ledger leaves to the ranks' draft model (runner/drafter.py): the verify row carries only its
+# number, and the tokens come back with the step's sampled ones
+DRAFTED_ON_RANKS = -1
+
+
 class Proposer(Protocol):
-    """What the scheduler asks of a proposer (an n-gram lookup now; a draft model or EAGLE head later)."""
+    """What the scheduler asks of a proposer: an n-gram lookup here on the ledger, or a model on the ranks (a
+    draft model now; an EAGLE or MTP head would be another)."""
+
+    on_ranks: bool  # its drafts are made on the ranks within the verifying step: propose returns placeholders
 
     def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
-        """At most max_num_tokens guesses of the tokens that follow token_ids (none is fine)."""
+        """At most max_num_tokens guesses of the tokens that follow token_ids (none is fine); DRAFTED_ON_RANKS
+        for each guess the ranks make."""
         ...
 
 
@@ -31,6 +40,8 @@ class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): the longest suffix of the sequence, prompt_lookup_max down to
     prompt_lookup_min tokens, that occurred before; the tokens that followed its latest occurrence, repeated
     as a loop where they reach the sequence's end."""
+
+    on_ranks = False
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n = config.prompt_lookup_min
@@ -65,6 +76,18 @@ def _continuation(token_ids: list[int], start: int, max_num_tokens: int) -> list
     return proposal
 
 
+class DraftModelProposer:
+    """A draft model (vLLM's "draft_model"): every speculating sequence gets the most drafts it may have, which
+    the ranks' draft model proposes greedily in the step that verifies them (runner/drafter.py)."""
+
+    on_ranks = True
+
+    def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
+        return [DRAFTED_ON_RANKS] * max_num_tokens
+
+
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "draft_model":
+        return DraftModelProposer()
     assert config.method == "ngram", "SpeculativeConfig.from_dict admits only the methods built"
     return NgramProposer(config)

@@ -7,7 +7,8 @@ the token budget with prompt chunks, so decodes never stall behind a long prompt
 
 Speculative decoding (a proposer given): a running sequence whose request allows it (engine/proposer.py)
 gets, instead of a decode row, a verify row: its last token and up to num_speculative_tokens proposed
-tokens (drafts), each with a slot, sent as one chunk whose every row is sampled. Sampling a
+tokens (drafts), each with a slot, sent as one chunk whose every row is sampled (a draft model's drafts are
+made on the ranks within the step: the chunk carries their number, and they come back with the tokens). Sampling a
 row exactly as it would be sampled without speculation and keeping the drafts up to the first that differs
 from its row's token is rejection sampling for a proposal that is one token for sure: a draft x is kept
 with probability p(x), else the row's token follows p without x. So greedy and seeded requests get the very
@@ -180,10 +181,11 @@ class Scheduler:
                 new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
                 seq.on_workers = True
         num_verify_tokens = 0
+        drafted_on_ranks = self.proposer is not None and self.proposer.on_ranks
         for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
             drafts = seq.draft_token_ids
-            chunks.append(PrefillChunk(seq.seq_id, [seq.last_token, *drafts], seq.num_cached_tokens, True,
-                                       len(drafts)))
+            token_ids = [seq.last_token] if drafted_on_ranks else [seq.last_token, *drafts]
+            chunks.append(PrefillChunk(seq.seq_id, token_ids, seq.num_cached_tokens, True, len(drafts)))
             num_verify_tokens += 1 + len(drafts)
             sampling.append(seq.sampling)
             sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))
@@ -430,10 +432,12 @@ class Scheduler:
             seq.on_workers = False
             self._released.append(seq.seq_id)
 
-    def postprocess(self, plan: StepPlan, token_ids: list[int]) -> tuple[list[Sequence], list[Sequence]]:
+    def postprocess(self, plan: StepPlan, token_ids: list[int],
+                    draft_token_ids: list[int] = ()) -> tuple[list[Sequence], list[Sequence]]:
         """Account for the step `plan` just ran and append its sampled tokens (one per sampled row, in
         plan.sampling's order); returns the sequences that got a token (decode rows, prompts, verify rows: a
-        verify row's sequence may get several), and those that finished."""
+        verify row's sequence may get several), and those that finished. draft_token_ids: the verify rows'
+        drafts, row after row, when the ranks' draft model proposed them."""
         decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
         block_manager = self.block_manager
@@ -456,6 +460,12 @@ class Scheduler:
         self.num_output_tokens += len(sampled)
         if verify:
             assert len(sampled) + plan.num_verify_tokens == len(token_ids), "tokens and verify rows disagree"
+            if self.proposer.on_ranks:
+                assert len(draft_token_ids) == plan.num_verify_tokens - len(verify), "drafts and verify rows disagree"
+                at = 0
+                for seq in verify:
+                    seq.draft_token_ids = draft_token_ids[at:at + len(seq.draft_token_ids)]
+                    at += len(seq.draft_token_ids)
             self._accept(verify, token_ids[len(sampled):], finished)
             token_ids = token_ids[:len(sampled)]
         else:

@@ -43,6 +43,11 @@ class InputBuilder:
     def prepare(self, step: StepMessage) -> ForwardInputs:
         """Update the block tables with the step's changes, then build its inputs."""
         self.block_tables.update(step)
+        return self.build(step)
+
+    def build(self, step: StepMessage) -> ForwardInputs:
+        """The inputs of a step whose block-table changes are applied already (prepare, or a draft model's
+        decode rows within a step: runner/drafter.py)."""
         tables = self.block_tables.tables
         block_size = self.block_size
         num_rows = step.num_rows

@@ -49,6 +49,36 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / (1 << 30):.2f} GiB"
 
 
+def attention_layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "k_cache")]
+
+
+def kv_block_bytes(attention_layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
+    layer = attention_layers[0]
+    return len(attention_layers) * block_size * 2 * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+
+
+def allocate_kv_cache(attention_layers: list[torch.nn.Module], num_blocks: int, block_size: int,
+                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One tensor for every layer's K and V, [2, layers, blocks, block_size, kv_heads, head_dim], each layer given
+    its views. CUDA: zeroed once, so no stale NaN bit pattern in an unwritten slot reaches a masked-out
+    product (0 * NaN) in the torch backend; CPU: not touched up front."""
+    layer = attention_layers[0]
+    shape = (2, len(attention_layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+    allocate = torch.zeros if device.type == "cuda" else torch.empty
+    kv_cache = allocate(shape, dtype=dtype, device=device)
+    for i, layer in enumerate(attention_layers):
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+    return kv_cache
+
+
+def free_kv_cache(attention_layers: list[torch.nn.Module]) -> torch.Tensor:
+    empty = torch.tensor([])
+    for layer in attention_layers:
+        layer.k_cache = layer.v_cache = empty
+    return empty
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, group: TensorParallelGroup, device: torch.device,
                  sampler: Sampler | None = None):
@@ -68,27 +98,16 @@ class ModelRunner:
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
             logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device), building_model_for(group):
-                self.attention_backend = make_backend(self.backend_name)
-                self.model = model_class(hf_config)(hf_config, self.attention_backend)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        quantization = quantization_config_of(hf_config)
-        online = online_quantization(config, self.platform.ONLINE_QUANTIZATION_ACTIVATION)
-        load_model(self.model, config.model, quantization, online)
-        if rank == 0 and quantization is not None:
-            converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
-                if "fp8" in quantization.describe() else ""
-            logger.info("quantized checkpoint: %s%s", quantization.describe(), converted)
-        elif rank == 0 and online is not None:
-            logger.info("weights quantized at load: %s, inputs %s", config.quantization, online.activation)
-        for module in self.model.modules():  # the linears' weights in the form their platform multiplies fastest
-            if hasattr(module, "prepack"):
-                module.prepack()
-        self.attention_layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        self.attention_backend = make_backend(self.backend_name)
+        self.model = self.load(config.model, hf_config, self.attention_backend)
+        self.attention_layers = attention_layers_of(self.model)
+        # speculative decoding with a draft model: its shard on this rank, and its own KV cache in the same blocks
+        self.drafter = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from tpengine.runner.drafter import Drafter
+            draft_hf_config = load_hf_config(spec.model)
+            self.drafter = Drafter(self.load(spec.model, draft_hf_config, make_backend(self.backend_name)), group)
         # CUDA: what the largest prefill and one step's sampling need beyond the weights, kept free
         # when the cache is sized
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
@@ -110,12 +129,40 @@ class ModelRunner:
                 logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
                             "host): decode runs eagerly", self.backend_name)
 
+    def load(self, path: str, hf_config, attention_backend) -> torch.nn.Module:
+        """This rank's shard of a checkpoint (the model, or a draft model), loaded, quantized as the engine is
+        told (a float checkpoint) or as its config says, and prepacked."""
+        config, rank = self.config, self.rank
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device), building_model_for(self.group):
+                model = model_class(hf_config)(hf_config, attention_backend)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        quantization = quantization_config_of(hf_config)
+        online = None if quantization is not None else online_quantization(
+            config, self.platform.ONLINE_QUANTIZATION_ACTIVATION)
+        load_model(model, path, quantization, online)
+        if rank == 0 and quantization is not None:
+            converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
+                if "fp8" in quantization.describe() else ""
+            logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(), converted)
+        elif rank == 0 and online is not None:
+            logger.info("%s: weights quantized at load: %s, inputs %s", path, config.quantization, online.activation)
+        for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
+            if hasattr(module, "prepack"):
+                module.prepack()
+        return model
+
     # --- KV cache -------------------------------------------------------------------------------
 
     def _block_bytes(self) -> int:
-        layer = self.attention_layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
-        return len(self.attention_layers) * self.block_size * per_token
+        """One block's K/V on this rank: the model's layers', and the draft model's, which uses the same blocks."""
+        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        if self.drafter is not None:
+            block_bytes += kv_block_bytes(self.drafter.attention_layers, self.block_size, self.dtype)
+        return block_bytes
 
     def _max_num_blocks_per_seq(self) -> int:
         return blocks_for(self.max_model_len, self.block_size)
@@ -164,24 +211,22 @@ class ModelRunner:
         return max(0, min(useful, int(budget) // block_bytes)), None
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        # CUDA: zeroed once, so no stale NaN bit pattern in an unwritten slot reaches a masked-out product
-        # (0 * NaN) in the torch backend; CPU: as before, not touched up front
-        allocate = torch.zeros if self.device.type == "cuda" else torch.empty
         try:
-            self.kv_cache = allocate(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype,
+                                              self.device)
+            if self.drafter is not None:
+                self.drafter.kv_cache = allocate_kv_cache(self.drafter.attention_layers, num_blocks, self.block_size,
+                                                          self.dtype, self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError included: the sizing above misjudged what is free
+            self._free_kv_cache()
             size = num_blocks * self._block_bytes()
             raise ValueError(f"could not allocate a KV cache of {num_blocks} blocks ({_gib(size)}) on "
                              f"{self.device}: {e}") from None
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
     def _free_kv_cache(self) -> None:
-        self.kv_cache = torch.tensor([])
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = self.kv_cache
+        self.kv_cache = free_kv_cache(self.attention_layers)
+        if self.drafter is not None:
+            self.drafter.kv_cache = free_kv_cache(self.drafter.attention_layers)
 
     def _warm_up(self) -> int:
         """Run the largest step the limits allow (building every kernel it needs); return its activation
@@ -219,7 +264,7 @@ class ModelRunner:
         step = StepMessage([], [], [], chunks, new_tables=tables)
         inputs = InputBuilder(self.block_size, self.device).prepare(step)  # its own tables: none stay behind
         self._allocate_kv_cache(num_blocks)
-        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        cache_bytes = num_blocks * self._block_bytes()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.arange(config.max_num_seqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden_states[rows])
@@ -241,9 +286,10 @@ class ModelRunner:
         """Copy the heads of cached blocks into the blocks that reuse them (prefix hits that end inside a
         block, n > 1 completions forking their prompt): plain rows of the cache tensor, the same on every
         attention backend, done before any pass of the step writes or reads the cache."""
-        kv_cache = self.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
-        for copy in step.block_copies:
-            kv_cache[:, :, copy.dst, :copy.num_tokens] = kv_cache[:, :, copy.src, :copy.num_tokens]
+        for kv_cache in (self.kv_cache, *([self.drafter.kv_cache] if self.drafter is not None else [])):
+            # [2, layers, blocks, block_size, kv_heads, head_dim]
+            for copy in step.block_copies:
+                kv_cache[:, :, copy.dst, :copy.num_tokens] = kv_cache[:, :, copy.src, :copy.num_tokens]
 
     # --- execution ------------------------------------------------------------------------------
 
@@ -254,8 +300,15 @@ class ModelRunner:
         of the vocabulary. Other ranks get None."""
         if step.block_copies:
             self.copy_blocks(step)
-        inputs = self.inputs.prepare(step)
+        self.inputs.block_tables.update(step)
+        draft_token_ids = []
+        if self.drafter is not None:
+            # verify rows whose drafts the draft model proposes here, on every rank, before the model verifies
+            step, draft_token_ids = self.drafter.propose(step, self.inputs)
+        inputs = self.inputs.build(step)
         input_ids, positions, meta, num_logits = inputs.input_ids, inputs.positions, inputs.meta, inputs.num_logits
+        if self.drafter is not None:  # the draft model's K/V follows the model's: every token of every step
+            self.drafter.mirror(input_ids, positions, meta)
         graphs = self.cuda_graphs
         if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
             hidden_states = self.model(input_ids, positions, meta)[inputs.logits_rows]
@@ -264,13 +317,16 @@ class ModelRunner:
         else:
             hidden_states = self.model(input_ids, positions, meta)
         if not num_logits:  # only chunks that end short of their prompts: nothing to sample
-            return None if sampling is None else SamplerOutput([], [])
+            return None if sampling is None else SamplerOutput([], [], draft_token_ids)
         # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0,
         # unless every rank samples its own slice
         if step.temperatures:
             token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
                                               step.temperatures, step.uniforms, self.group,
                                               self.model.lm_head.vocab_start_idx)
-            return None if token_ids is None else SamplerOutput(token_ids, [None] * num_logits)
+            return None if token_ids is None else SamplerOutput(token_ids, [None] * num_logits, draft_token_ids)
         logits = self.model.compute_logits(hidden_states, num_rows=num_logits)
-        return None if logits is None else self.sampler(logits, sampling)
+        if logits is None:
+            return None
+        output = self.sampler(logits, sampling)
+        return output._replace(draft_token_ids=draft_token_ids) if draft_token_ids else output

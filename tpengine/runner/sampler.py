@@ -33,6 +33,8 @@ def seeded_uniform(seed: int, position: int) -> float:
 class SamplerOutput(NamedTuple):
     token_ids: list[int]                          # -1 for a row with no finite distribution (NaN logits)
     logprobs: list[dict[int, float] | None]       # per row: token id -> log-probability, None unless asked
+    # the verify rows' drafts that a draft model proposed on the ranks this step, row after row
+    draft_token_ids: list[int] = []
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -266,6 +268,22 @@ def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], unifo
     cpu_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, group.rank, vocab_start, tokens)
     group.all_reduce(tokens)  # each row's token comes from one rank; the others add 0
     return tokens.long().tolist() if group.rank == 0 else None
+
+
+def greedy_on_every_rank(logits: torch.Tensor, group, vocab_start: int) -> list[int]:
+    """Each row's argmax over the whole vocabulary, on every rank, from each rank's own slice of the logits
+    (columns vocab_start onwards): one all-reduce of every rank's maxima and their tokens, then the first
+    rank with the largest, so the lowest token id among equal maxima, as argmax. Collective when tp > 1."""
+    values, token_ids = logits.max(dim=-1)
+    if group.size == 1:
+        return token_ids.tolist()
+    # float64 holds a float32 maximum and a token id exactly; x + 0 is x, so every rank gets every rank's
+    shared = torch.zeros(2, group.size, logits.size(0), dtype=torch.float64, device=logits.device)
+    shared[0, group.rank] = values
+    shared[1, group.rank] = token_ids + vocab_start
+    group.all_reduce(shared)
+    best = shared[0].argmax(dim=0, keepdim=True)
+    return shared[1].gather(0, best)[0].long().tolist()
 
 
 def _kernel_rows(records, random_rows: list[int], uniform: torch.Tensor) -> tuple[list[float], list[float], list[int]]:

@@ -1,0 +1,62 @@
+"""Speculative decoding's draft model on one rank: a small checkpoint with the model's vocabulary, sharded over
+the same ranks, that proposes a verify row's drafts inside the step that verifies them.
+
+Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables, prefix
+hits and block copies serve both, and no block is ever allocated for the draft model alone. It runs every
+step's forward after the model's inputs (mirror), so its cache holds every token the model's holds, the
+verify rows' included; a verify row's drafts then take one decode forward each, from the row's last token
+(propose). Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
+message: they reach the ledger with rank 0's sampled tokens.
+
+Sharded rather than whole on each rank (tp = 1 per rank): the same layers, loader and collectives serve it,
+its weights and cache take 1/tp of the memory on each rank, and a forward costs 1/tp of the compute; its
+all-reduces add a latency per layer, which a draft a few layers deep keeps small.
+"""
+import msgspec
+import torch
+
+from tpengine.distributed.messages import PrefillChunk, StepMessage
+from tpengine.runner.inputs import InputBuilder
+from tpengine.runner.model_runner import attention_layers_of
+from tpengine.runner.sampler import greedy_on_every_rank
+
+
+class Drafter:
+    def __init__(self, model: torch.nn.Module, group):
+        self.model = model
+        self.group = group
+        self.attention_layers = attention_layers_of(model)
+        self.kv_cache = torch.tensor([])  # the model runner allocates it with the model's: the same blocks
+
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Run the step's forward for its K/V alone (no logits): the draft model's cache keeps up with the model's."""
+        self.model(input_ids, positions, meta)
+
+    def propose(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, list[int]]:
+        """The step with every verify row that left its drafts to the draft model (PrefillChunk: a last token
+        alone) given them, and those drafts, row after row. The block tables are the step's already: the ledger
+        gave each row slots for its drafts."""
+        wanted = [i for i, chunk in enumerate(step.prefill) if chunk.num_draft_tokens and len(chunk.token_ids) == 1]
+        if not wanted:
+            return step, []
+        chunks = [step.prefill[i] for i in wanted]
+        drafts: list[list[int]] = [[] for _ in chunks]
+        tokens = [chunk.token_ids[0] for chunk in chunks]
+        # forward j: the rows that want more than j drafts, each over its context so far (its last token at
+        # position num_cached_tokens, then its drafts); the row's token after it is its next draft
+        for j in range(max(chunk.num_draft_tokens for chunk in chunks)):
+            rows = [r for r, chunk in enumerate(chunks) if chunk.num_draft_tokens > j]
+            decode = StepMessage([chunks[r].seq_id for r in rows], [tokens[r] for r in rows],
+                                 [chunks[r].num_cached_tokens + 1 + j for r in rows], [])
+            forward = inputs.build(decode)
+            hidden_states = self.model(forward.input_ids, forward.positions, forward.meta)
+            logits = self.model.compute_logits(hidden_states, False, len(rows))
+            for r, token in zip(rows, greedy_on_every_rank(logits.float(), self.group,
+                                                           self.model.lm_head.vocab_start_idx)):
+                drafts[r].append(token)
+                tokens[r] = token
+        prefill = list(step.prefill)
+        for i, chunk, proposed in zip(wanted, chunks, drafts):
+            prefill[i] = PrefillChunk(chunk.seq_id, [chunk.token_ids[0], *proposed], chunk.num_cached_tokens, True,
+                                      len(proposed))
+        return msgspec.structs.replace(step, prefill=prefill), [t for proposed in drafts for t in proposed]
