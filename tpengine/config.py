@@ -26,16 +26,24 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
     prompt_lookup_max: int = 0
     # draft_model: a checkpoint with the target's vocabulary, sharded over the same ranks (runner/drafter.py)
     model: str | None = None
+    # vLLM's: steps of this many running rows or more take no drafts
+    disable_by_batch_size: int | None = None
+    # per batch size, draft only where steps with drafts have measured faster (engine/draft_policy.py)
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, spec: dict) -> "SpeculativeConfig":
         """vLLM's dict, checked: unknown keys, and keys of the other method, are refused by name."""
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size", "adaptive"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        policy = {name: spec[name] for name in ("disable_by_batch_size", "adaptive") if spec.get(name) is not None}
+        if "adaptive" in policy and not isinstance(policy["adaptive"], bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {policy['adaptive']!r}")
         model = spec.get("model")
         if model in ("ngram", "[ngram]"):  # vLLM's older spelling of the n-gram method
             model = None
@@ -50,8 +58,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
             lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(spec))
             if lookup:
                 raise ValueError(f"speculative_config: {lookup} apply to method 'ngram' only, not 'draft_model'")
-            config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"), model=model)
-            config._check_positive("num_speculative_tokens")
+            config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"), model=model,
+                         **policy)
+            config._check_numbers()
             return config
         if model is not None:
             raise ValueError(f"speculative_config: \"model\" ({model!r}) is a draft checkpoint, which method "
@@ -64,18 +73,20 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
         elif lookup_max is None:
             lookup_max = lookup_min
         config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"),
-                     prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            config._check_positive(name)
+                     prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max, **policy)
+        config._check_numbers("prompt_lookup_min", "prompt_lookup_max")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min={config.prompt_lookup_min} is more than "
                              f"prompt_lookup_max={config.prompt_lookup_max}")
         return config
 
-    def _check_positive(self, name: str) -> None:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+    def _check_numbers(self, *names: str) -> None:
+        if self.disable_by_batch_size is not None:
+            names += ("disable_by_batch_size",)
+        for name in ("num_speculative_tokens", *names):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -9,7 +9,9 @@ from tpengine import LLM, SamplingParams
 from tpengine.tiny_model import write_layer_draft, write_tiny_model
 
 VOCAB = TP_MODEL["vocab_size"]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# adaptive off: every step drafts, so the counters these tests check do not hang on step times
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
@@ -98,7 +100,17 @@ def other_draft(tmp_path_factory) -> str:
 
 
 def draft(path: str, k: int = 4) -> dict:
-    return {"model": path, "num_speculative_tokens": k}
+    return {"model": path, "num_speculative_tokens": k, "adaptive": False}
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_greedy_equals_transformers_whichever_steps_the_adaptive_policy_drafts_in(tiny_model, layer_draft, spec):
+    prompts = prompts_with_a_loop(21) + random_prompts(22, [3, 9, 27], VOCAB)
+    expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    config = {**NGRAM, "adaptive": True} if spec == "ngram" else {"model": layer_draft, "num_speculative_tokens": 3}
+    with LLM(tiny_model, kvcache_block_size=16, max_model_len=256, speculative_config=config) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 @pytest.mark.parametrize("tp, block_size", [(1, 16), (1, 256), (2, 16), (2, 256)])

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from tpengine.config import EngineConfig
 from tpengine.engine.detokenizer import Detokenizer
+from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.proposer import make_proposer
 from tpengine.engine.request import Request
@@ -73,9 +74,9 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
                 max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
-                proposer=None if config.speculative_config is None else make_proposer(config.speculative_config),
-                num_speculative_tokens=0 if config.speculative_config is None
-                else config.speculative_config.num_speculative_tokens)
+                proposer=None if spec is None else make_proposer(spec),
+                num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+                draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive))
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise
@@ -326,16 +327,20 @@ class LLMEngine:
         """One step; its outputs (with their requests) and its plan (None when nothing was queued)."""
         if self._awaiting_grammar:  # wait a moment for a grammar only when nothing else could run
             self._admit_awaiting(AWAIT_GRAMMAR_S if self.scheduler.is_finished() else 0.0)
-        plan = self.scheduler.schedule()
+        scheduler = self.scheduler
+        started = time.perf_counter()
+        num_output_tokens = scheduler.num_output_tokens
+        plan = scheduler.schedule()
         if not plan:
             # only requests that fit the cache alone are added (check_fits), so with work queued something runs
-            assert self.scheduler.is_finished(), "queued requests but nothing schedulable"
+            assert scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], None
         sampled = self.executor.execute(plan)
         self.prompt_tokens_total += plan.num_prefill_tokens
         # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
         # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
-        seqs, finished = self.scheduler.postprocess(plan, sampled.token_ids, sampled.draft_token_ids)
+        seqs, finished = scheduler.postprocess(plan, sampled.token_ids, sampled.draft_token_ids)
+        scheduler.observe_step(plan, scheduler.num_output_tokens - num_output_tokens, time.perf_counter() - started)
         if self._num_constrained_requests:
             self._advance_grammars(seqs)
         touched: dict[int, Request] = {}

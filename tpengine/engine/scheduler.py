@@ -20,6 +20,7 @@ from itertools import islice
 from tpengine.config import SCHEDULING_POLICIES
 from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage
 from tpengine.engine.block_manager import BlockManager, PrefixMatch
+from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
@@ -42,7 +43,8 @@ class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
-                 proposer: Proposer | None = None, num_speculative_tokens: int = 0):
+                 proposer: Proposer | None = None, num_speculative_tokens: int = 0,
+                 draft_policy: DraftPolicy | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -70,6 +72,8 @@ class Scheduler:
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        # which steps take drafts (the engine's measures step times; without one, every step does)
+        self.draft_policy = draft_policy or DraftPolicy(adaptive=False)
         # its counters (vLLM's spec_decode_* metrics): verify rows with drafts, drafts, accepted drafts, and
         # accepted drafts by position in their row
         self.num_drafts = 0
@@ -370,8 +374,11 @@ class Scheduler:
         running = self.running
         scheduled: list[Sequence] = []
         num_rows = min(len(running), self.max_num_seqs, self.max_num_batched_tokens)
-        # draft tokens take only what the budget leaves once every row has its own token
-        spare_tokens = self.max_num_batched_tokens - num_rows if self.proposer is not None else 0
+        # draft tokens take only what the budget leaves once every row has its own token, in steps where
+        # drafts pay
+        spare_tokens = 0
+        if self.proposer is not None and num_rows and self.draft_policy.drafts_pay(num_rows):
+            spare_tokens = self.max_num_batched_tokens - num_rows
         for _ in range(num_rows):
             if not running:
                 break  # preemptions emptied the queue
@@ -560,6 +567,14 @@ class Scheduler:
                 block_manager.shrink(seq, num_blocks)
                 self._truncated_seq_ids.append(seq.seq_id)
                 self._truncated_num_blocks.append(num_blocks)
+
+    def observe_step(self, plan: StepPlan, num_new_tokens: int, seconds: float) -> None:
+        """How long a step took from its plan to its tokens, for the draft policy: one of decode and verify
+        rows alone."""
+        if self.proposer is not None and not plan.num_prefill_tokens:
+            num_verify_rows = sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)
+            self.draft_policy.observe(plan.num_decode + num_verify_rows, bool(num_verify_rows), num_new_tokens,
+                                      seconds)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a running sequence now and free its blocks (also for a stop string the engine matched)."""
