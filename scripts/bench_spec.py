@@ -358,7 +358,7 @@ def aims(best: dict, verify: dict, args) -> list[str]:
         check(verify_ms / plain_ms <= VERIFY_COST_AIM,
               f"a verify step of k + 1 = {args.num_spec_tokens + 1} tokens at batch 1 <= {VERIFY_COST_AIM}x a plain "
               f"decode step (context {args.context_len}): {verify_ms:.3f} vs {plain_ms:.3f} ms = "
-              f"{verify_ms / plain_ms:.2f}x")
+              f"{verify_ms / plain_ms:.3f}x")
     large = [(key, run) for key, run in best.items() if key[0] != PLAIN and key[2] >= LARGE_BATCH]
     if large:
         ratios = [(run["tok_s"] / best[run["baseline"], workload, batch]["tok_s"], name, workload, batch)
