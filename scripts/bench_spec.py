@@ -7,12 +7,13 @@ Models (random weights, written once and cached in ~/.cache/tpengine-bench/, or 
 - draft (for the draft-model rows): the target cut to its first --draft-layers decoder layers, with the
   target's own embedding, final norm and LM head (safetensors + config.json with num_hidden_layers N, the
   target's tokenizer and generation files copied): a layer-skipped self-draft. On random weights every layer
-  moves the argmax a long way, so it agrees with the target on few tokens (the run prints how many:
-  teacher-forced top-1 agreement on the target's greedy continuations, through transformers).
+  moves the argmax a long way, so it agrees with the target on almost no token (0% with 1 or 2 of
+  LOW_BATCH_MODEL's 6 layers; the run prints it: teacher-forced top-1 agreement on the target's greedy
+  continuations, through transformers).
   --damp-skipped-layers S runs the draft rows against a copy of the target whose layers past the draft's
   have o_proj and down_proj scaled by S (same shapes, so the same cost per step): at S=0.03 those layers
-  barely move the residual stream and the draft agrees on most tokens, a stand-in for a well-matched trained
-  draft. Those rows then get a plain baseline of their own, on that copy.
+  barely move the residual stream and the draft agrees on 82-86% of tokens, a stand-in for a well-matched
+  trained draft. Those rows then get a plain baseline of their own, on that copy.
 
 Workloads, greedy, ignore_eos, max(batch sizes) prompts of --context-len tokens each (the same for every batch
 size and every round), each writing --output-len tokens after its first (max_tokens = output_len + 1):
@@ -52,7 +53,7 @@ proposer measured).
 The draft-model rows need the engine's draft proposer (speculative_config={"model": DRAFT, ...}); an
 engine that refuses it (ValueError) gets a line saying the rows were skipped and why, and the rest runs.
 
-    .venv/bin/python scripts/bench_spec.py                              # a few minutes on 2 idle cores
+    .venv/bin/python scripts/bench_spec.py                              # 4.5 minutes on 2 shared cores
     .venv/bin/python scripts/bench_spec.py --repeat 5 --json /tmp/spec.json
     .venv/bin/python scripts/bench_spec.py --draft-layers 2 --damp-skipped-layers 0.03
     .venv/bin/python scripts/bench_spec.py --quick                      # seconds: QUICK_MODEL
