@@ -42,8 +42,8 @@ Verify cost: through the plain engine's model runner (tp 1), for each batch size
 context_len) and a verify step (k + 1 rows each, the sequence's token and k drafts, at positions context_len
 onwards): each rewrites the same KV slots, so every repetition runs at the very same context. runner.execute
 is timed whole (inputs, forward, LM head, greedy sampling), median of --verify-steps after 3 warm-up steps;
-the round with the fastest plain step is kept. (The CPU pads a forward's rows to a bucket, platforms/cpu.py:
-a batch-1 verify row of 5 tokens runs as 6 rows.)
+the round with the fastest plain step is kept. (The CPU pads a forward's rows to a bucket, platforms/cpu.py: up
+to 8 rows exactly, so a batch-1 verify row of 5 tokens runs as 5 rows; 80 rows at batch 16 run as 96.)
 
 Aims (issue 28), each printed met or not with its numbers: n-gram at batch 1 at least 2x plain decode where
 acceptance is high (the repeat workload); a verify forward of k + 1 = 5 tokens at batch 1 at most 1.3x a
@@ -77,6 +77,7 @@ from bench_quant import CACHE, MODEL_FOLDERS
 from decode_baselines import random_prompts
 from quick import QUICK_MODEL, parse_with_quick
 from results import Record, add_json_flag, load_average
+from tpengine.tiny_model import write_layer_draft
 
 WORKLOADS = ("repeat", "random")
 PLAIN, NGRAM, DRAFT = "plain", "n-gram", "draft model"
@@ -158,19 +159,14 @@ def read_config(model_path: str) -> dict:
 
 def write_draft(target: str, folder: str, num_layers: int) -> str:
     """The target's first num_layers decoder layers with its embedding, final norm and LM head, in folder
-    (kept there: a folder with config.json is taken as written)."""
+    (tpengine.tiny_model.write_layer_draft; kept there: a folder with config.json is taken as written)."""
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    config = read_config(target)
-    if num_layers >= config["num_hidden_layers"]:
-        raise SystemExit(f"--draft-layers {num_layers}: the target has only {config['num_hidden_layers']} layers")
-    tensors = {key: t for key, t in load_tensors(target).items()
-               if not (m := LAYER_KEY.match(key)) or int(m[1]) < num_layers}
-    config["num_hidden_layers"] = num_layers
-    if isinstance(config.get("layer_types"), list):  # one entry per layer
-        config["layer_types"] = config["layer_types"][:num_layers]
+    num_target_layers = read_config(target)["num_hidden_layers"]
+    if num_layers >= num_target_layers:
+        raise SystemExit(f"--draft-layers {num_layers}: the target has only {num_target_layers} layers")
     print(f"wrote the {num_layers}-layer self-draft to {folder}", file=sys.stderr)
-    return save_checkpoint(folder, tensors, config, target)
+    return write_layer_draft(target, folder, num_layers)
 
 
 def write_damped_target(target: str, folder: str, num_layers: int, scale: float) -> str:

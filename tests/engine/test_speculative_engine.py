@@ -64,19 +64,20 @@ def mixed_requests(expected_stop: int) -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_request_gets_the_tokens_it_gets_without_speculation(tiny_model, tp):
+@pytest.mark.parametrize("tp, method", [(1, "ngram"), (2, "ngram"), (1, "draft_model"), (2, "draft_model")])
+def test_every_request_gets_the_tokens_it_gets_without_speculation(tiny_model, request, tp, method):
     loop_prompt = prompts_with_a_loop(3)[-1]
     greedy = hf_greedy(tiny_model, [loop_prompt], 30)[0]
     params = mixed_requests(expected_stop=greedy[12])
     prompts = [loop_prompt] * len(params)
     results = []
-    for spec in (None, NGRAM):
+    for spec in (None, NGRAM if method == "ngram" else draft(request.getfixturevalue("other_draft"))):
         with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=256,
                  speculative_config=spec) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            if spec is not None:
-                assert llm.spec_decode_stats["num_accepted_tokens"] > 0
+            if spec is not None:  # another model's drafts are right only by chance
+                stats = llm.spec_decode_stats
+                assert stats["num_draft_tokens"] > 0 and (method != "ngram" or stats["num_accepted_tokens"] > 0)
         results.append([[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
                         for o in outputs])
     assert results[0] == results[1]
@@ -140,24 +141,6 @@ def test_a_draft_that_is_the_model_has_every_draft_accepted_through_preemptions(
         assert llm.num_preemptions > 0 and llm.kv_cache_usage == 0.0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_every_request_gets_the_tokens_it_gets_without_a_draft_model(tiny_model, other_draft, tp):
-    loop_prompt = prompts_with_a_loop(3)[-1]
-    greedy = hf_greedy(tiny_model, [loop_prompt], 30)[0]
-    params = mixed_requests(expected_stop=greedy[12])
-    prompts = [loop_prompt] * len(params)
-    results = []
-    for spec in (None, draft(other_draft)):
-        with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=16, max_model_len=256,
-                 speculative_config=spec) as llm:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            if spec is not None:
-                assert llm.spec_decode_stats["num_draft_tokens"] > 0
-        results.append([[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs]
-                        for o in outputs])
-    assert results[0] == results[1]
 
 
 def test_draft_models_the_engine_cannot_run_are_refused_by_name(tiny_model, other_draft, tmp_path):

@@ -38,12 +38,12 @@ def set_up_rank(device: torch.device, num_ranks: int) -> None:
 
 
 def row_bucket(num_rows: int) -> int:
-    """The rows a CPU forward is padded to: up to 4 exactly, then a power of two or 3/4 of one (6, 8, 12, 16,
-    24, ...). oneDNN builds and keeps a kernel for every row count a linear sees (about 0.6 MB each, up to
-    1,024 of them), so a server whose batches took every size grew by hundreds of MB; padding to these sizes
-    keeps the kernels to a few dozen, for at most a third more rows (idle ones, in a decode batch: the
-    weights are read once either way)."""
-    if num_rows <= 4:
+    """The rows a CPU forward is padded to: up to 8 exactly (a batch-1 verify row of 4 or 6 drafts runs
+    unpadded), then a power of two or 3/4 of one (12, 16, 24, ...). oneDNN builds and keeps a kernel for every
+    row count a linear sees (about 0.6 MB each, up to 1,024 of them), so a server whose batches took every size
+    grew by hundreds of MB; padding to these sizes keeps the kernels to a few dozen, for at most a third more
+    rows (idle ones, in a decode batch: the weights are read once either way)."""
+    if num_rows <= 8:
         return num_rows
     power = 1 << (num_rows - 1).bit_length()
     return power * 3 // 4 if num_rows <= power * 3 // 4 else power
