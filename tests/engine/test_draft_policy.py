@@ -16,11 +16,13 @@ def simulate(policy: DraftPolicy, num_rows: int, rate_with: float, rate_without:
 
 def test_drafts_where_they_are_faster_and_not_where_they_are_slower_per_batch_class():
     policy = DraftPolicy()
-    steps = 20 * EXPLORE_EVERY
-    assert simulate(policy, 1, rate_with=60.0, rate_without=30.0, steps=steps) >= steps - steps // EXPLORE_EVERY - 1
-    assert simulate(policy, 16, rate_with=10.0, rate_without=14.0, steps=steps) <= steps // EXPLORE_EVERY + 1
+    steps = 20 * EXPLORE_EVERY  # far apart: the slower way runs one step in 4 * EXPLORE_EVERY
+    assert simulate(policy, 1, rate_with=60.0, rate_without=30.0, steps=steps) >= steps - steps // EXPLORE_EVERY // 4 - 1
+    assert simulate(policy, 16, rate_with=10.0, rate_without=14.0, steps=steps) <= steps // EXPLORE_EVERY // 4 + 1
+    # close: one step in EXPLORE_EVERY
+    assert simulate(policy, 64, rate_with=10.0, rate_without=10.5, steps=steps) == steps // EXPLORE_EVERY + 1
     # batch class 1 kept its own figures
-    assert sum(policy.drafts_pay(1) for _ in range(EXPLORE_EVERY)) == EXPLORE_EVERY - 1
+    assert sum(policy.drafts_pay(1) for _ in range(4 * EXPLORE_EVERY)) == 4 * EXPLORE_EVERY - 1
 
 
 def test_the_policy_follows_a_workload_whose_drafts_stop_paying():

@@ -5,12 +5,14 @@ are measured.
 
 For each class of batch sizes (powers of two), the output tokens per second per row of steps with drafts and
 of steps without are followed as moving averages; a step takes drafts when those steps have been the faster,
-and one step in EXPLORE_EVERY of its class does the other, so both figures stay current as the workload
-changes. Only steps without prompt chunks are measured (a prefill's cost is another matter). The tokens are
+and one step in EXPLORE_EVERY of its class does the other (one in 4x as many when the other is far behind), so
+both figures stay current as the workload changes. Only steps without prompt chunks are measured (a prefill's cost is another matter). The tokens are
 the same either way (verification is exact): this decides speed only.
 """
 
-EXPLORE_EVERY = 16   # one step in this many of a batch class runs the way that has been slower
+EXPLORE_EVERY = 16   # one step in this many of a batch class runs the way that has been slower...
+FAR_APART = 0.1      # ...and one in 4x as many while it has been slower by more than this fraction: a clear
+                     # loser costs less to keep watching, and one step that changes the order is enough
 SMOOTHING = 0.2      # weight of a new step in its moving average
 
 
@@ -34,7 +36,9 @@ class DraftPolicy:
         if with_drafts is None or without is None:  # measure each way once first, drafts first
             return with_drafts is None
         faster = with_drafts >= without
-        return faster != (step % EXPLORE_EVERY == 0)
+        every = EXPLORE_EVERY if abs(with_drafts - without) < FAR_APART * max(with_drafts, without) \
+            else 4 * EXPLORE_EVERY
+        return faster != (step % every == 0)
 
     def observe(self, num_rows: int, drafted: bool, num_new_tokens: int, seconds: float) -> None:
         """A step of num_rows decode or verify rows (no prompt chunk), with drafts or without, appended
