@@ -151,3 +151,27 @@ def test_draft_models_the_engine_cannot_run_are_refused_by_name(tiny_model, othe
         LLM(tiny_model, tensor_parallel_size=4, speculative_config=draft(other_draft))
     with pytest.raises(ValueError, match="config.json"):
         LLM(tiny_model, speculative_config=draft(str(tmp_path / "missing")))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stop_strings_end_a_speculating_request_where_they_end_it_without_speculation(tied_model, method):
+    """A verify row's tokens are matched one at a time: the request ends at the token that completes the stop
+    string, with the text, tokens and reasons it has without speculation (stop strings cut from the model's own
+    greedy text, so they do occur: inside its loops, where drafts are accepted)."""
+    prompts = ["abcabcabcabc", "hello hello hello hello"]
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(tied_model, kvcache_block_size=16, max_model_len=256) as llm:
+        texts = [o.outputs[0].text for o in llm.generate(prompts, plain, use_tqdm=False)]
+    requests = [(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text[at:at + 2]],
+                                        include_stop_str_in_output=include))
+                for prompt, text in zip(prompts, texts) for at in (4, 12, 20) for include in (False, True)]
+    results = []
+    for spec in (None, NGRAM if method == "ngram" else draft(tied_model)):
+        with LLM(tied_model, kvcache_block_size=16, max_model_len=256, speculative_config=spec) as llm:
+            outputs = llm.generate([p for p, _ in requests], [params for _, params in requests], use_tqdm=False)
+            if spec is not None:
+                assert llm.spec_decode_stats["num_accepted_tokens"] > 0
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                         o.outputs[0].stop_reason) for o in outputs])
+    assert results[0] == results[1]
+    assert sum(reason == "stop" for _, _, reason, _ in results[0]) >= len(requests) // 2

@@ -359,16 +359,18 @@ class LLMEngine:
             request = requests[seq.request_id]
             if seq.finish_reason is not None:  # finished in this step
                 if request.per_step and seq.finish_reason != "abort":
-                    stop = request.on_token(seq, logprobs[i])
-                    if stop is not None:  # its last token (max_tokens) completed a stop string
-                        seq.finish_reason, seq.stop_reason = "stop", stop
+                    found = request.on_token(seq, logprobs[i])
+                    if found is not None:  # a token up to its last (max_tokens, a stop token) completed a stop string
+                        self.scheduler.truncate(seq, found[1])
+                        seq.finish_reason, seq.stop_reason = "stop", found[0]
                 self._process_finished(seq, touched)
             elif request.per_step:
-                stop = request.on_token(seq, logprobs[i])
-                if stop is None:
+                found = request.on_token(seq, logprobs[i])
+                if found is None:
                     touched[request.request_id] = request
                 else:
-                    self.scheduler.finish(seq, "stop", stop)  # frees its blocks now
+                    self.scheduler.truncate(seq, found[1])  # a verify row's tokens after the stop string's
+                    self.scheduler.finish(seq, "stop", found[0])  # frees its blocks now
                     self._process_finished(seq, touched)
 
     def _advance_grammars(self, seqs: list[Sequence]) -> None:

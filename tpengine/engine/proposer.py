@@ -13,10 +13,11 @@ from tpengine.sampling_params import SamplingParams
 
 def speculates(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified exactly a few at a time. Penalties and min_tokens read the
-    tokens before each one, logprobs and structured outputs are kept per step, stop strings are matched per
-    step: such requests decode one token a step."""
+    tokens before each one, logprobs and structured outputs are kept per step: such requests decode one token
+    a step. Stop strings are matched token by token over a verify row's tokens, and the sequence cut at the
+    one that completes a match (engine/request.py, Scheduler.truncate)."""
     return not (params.has_penalties or params.min_tokens or params.logprobs is not None
-                or params.structured_outputs is not None or params.stop)
+                or params.structured_outputs is not None)
 
 
 # a draft the ledger leaves to the ranks' draft model (runner/drafter.py): the verify row carries only its

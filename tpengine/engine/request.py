@@ -45,8 +45,10 @@ class Request:
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
-    def on_token(self, seq: Sequence, logprobs: dict[int, float] | None) -> str | None:
-        """seq got a token this step (it may have finished with it); returns a stop string it now ends with."""
+    def on_token(self, seq: Sequence, logprobs: dict[int, float] | None) -> tuple[str, int] | None:
+        """seq got a token this step, or several (a verify row's; it may have finished with them); returns a
+        stop string its text now contains and how many tokens of seq reach the one that completed it: a
+        sequence that got several ends there, as it would have one token a step."""
         if self.logprobs is not None and logprobs is not None:
             self.logprobs[seq.index].append(logprobs)
             self.cumulative_logprobs[seq.index] += logprobs[seq.last_token]
@@ -55,8 +57,18 @@ class Request:
         if text is None:
             return None
         end = seq.num_tokens if seq.finish_reason is None else self._text_end(seq)
-        start, self.num_decoded[index] = self.num_decoded[index], end
-        return text.append(seq.token_ids, start, end, seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
+        start = self.num_decoded[index]
+        if text.stop is None or end - start <= 1:
+            self.num_decoded[index] = end
+            stop = text.append(seq.token_ids, start, end, seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
+            return None if stop is None else (stop, seq.num_tokens)
+        for num_tokens in range(start + 1, end + 1):  # one token at a time, as without speculation
+            self.num_decoded[index] = num_tokens
+            stop = text.append(seq.token_ids, num_tokens - 1, num_tokens,
+                               num_tokens - seq.num_prompt_tokens >= seq.min_tokens)
+            if stop is not None:
+                return stop, num_tokens
+        return None
 
     def on_finish(self, seq: Sequence) -> None:
         """seq finished (by any reason): complete its text."""

@@ -576,6 +576,20 @@ class Scheduler:
             self.draft_policy.observe(plan.num_decode + num_verify_rows, bool(num_verify_rows), num_new_tokens,
                                       seconds)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop seq's tokens after its first num_tokens (a verify row's past a stop string the engine matched,
+        just before it finishes seq): it ends where it would have ended one token a step. Their K/V stays
+        valid for the blocks the prefix cache registered, which hash the tokens they hold."""
+        dropped = seq.num_tokens - num_tokens
+        if dropped <= 0:
+            return
+        assert num_tokens > seq.num_prompt_tokens, "only sampled tokens are dropped"
+        del seq.token_ids[num_tokens:]
+        seq.num_tokens = num_tokens
+        seq.last_token = seq.token_ids[-1]
+        seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens - 1)
+        self.num_output_tokens -= dropped
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a running sequence now and free its blocks (also for a stop string the engine matched)."""
         seq.status = SequenceStatus.FINISHED
