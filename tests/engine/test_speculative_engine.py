@@ -153,6 +153,21 @@ def test_draft_models_the_engine_cannot_run_are_refused_by_name(tiny_model, othe
         LLM(tiny_model, speculative_config=draft(str(tmp_path / "missing")))
 
 
+def test_a_draft_model_with_fewer_positions_bounds_requests_and_a_float_draft_is_quantized_with_the_model(
+        tiny_model, tmp_path):
+    short = write_tiny_model(str(tmp_path / "short"), **{**TP_MODEL, "max_position_embeddings": 96})
+    prompts = prompts_with_a_loop(5)[:3]
+    with LLM(tiny_model, max_model_len=256, speculative_config=draft(short)) as llm:
+        assert llm.max_model_len == 96
+    outputs = []
+    for spec in (None, draft(tiny_model)):  # int8 weights and inputs on both: the same tokens either way
+        with LLM(tiny_model, quantization="int8", max_model_len=256, speculative_config=spec) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+            if spec is not None:
+                assert llm.spec_decode_stats["num_accepted_tokens"] > 0
+    assert outputs[0] == outputs[1]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_stop_strings_end_a_speculating_request_where_they_end_it_without_speculation(tied_model, method):
     """A verify row's tokens are matched one at a time: the request ends at the token that completes the stop
