@@ -1,10 +1,12 @@
 """/metrics: vLLM's names under tpengine:, parsed by prometheus_client, moving by exact counts."""
 import asyncio
+import json
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.conftest import BLOCK_SIZE
+from tests.entrypoints.conftest import BLOCK_SIZE, running_server
 from tpengine.entrypoints.metrics import Metrics
 
 NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
@@ -104,3 +106,22 @@ def test_speculative_decoding_counters_carry_vllms_names_and_move_by_the_engines
     assert samples[("tpengine:spec_decode_num_draft_tokens_total", None)] == 14
     assert samples[("tpengine:spec_decode_num_accepted_tokens_total", None)] == 7
     assert [samples[("tpengine:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(3)] == [4, 2, 1]
+
+
+def test_a_server_with_a_draft_model_streams_the_tokens_it_writes_without_and_counts_its_drafts(server, tied_model):
+    """`serve --speculative-config` with a draft model (the model itself: its drafts are mostly right): a
+    completion, streamed and not, is the one the suite's server writes without speculation; /metrics counts."""
+    body = {"model": "tiny", "prompt": "abcabcabcabc", "max_tokens": 24, "temperature": 0.0}
+    status, expected = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    spec = json.dumps({"model": tied_model, "num_speculative_tokens": 3, "adaptive": False})
+    with contextmanager(running_server)(tied_model, "--speculative-config", spec) as speculating:
+        status, got = speculating.request("POST", "/v1/completions", body)
+        assert status == 200 and got["choices"][0]["text"] == expected["choices"][0]["text"]
+        status, stream = speculating.request("POST", "/v1/completions", {**body, "stream": True})
+        chunks = [json.loads(line[len("data: "):]) for line in stream.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected["choices"][0]["text"]
+        drafts = speculating.metric("tpengine:spec_decode_num_draft_tokens_total", model_name="tiny")
+        accepted = speculating.metric("tpengine:spec_decode_num_accepted_tokens_total", model_name="tiny")
+        assert 0 < accepted <= drafts
