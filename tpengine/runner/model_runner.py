@@ -300,12 +300,13 @@ class ModelRunner:
         of the vocabulary. Other ranks get None."""
         if step.block_copies:
             self.copy_blocks(step)
-        self.inputs.block_tables.update(step)
         draft_token_ids = []
-        if self.drafter is not None:
-            # verify rows whose drafts the draft model proposes here, on every rank, before the model verifies
+        if self.drafter is None:
+            inputs = self.inputs.prepare(step)
+        else:  # between the tables' update and the inputs, the draft model proposes the verify rows' drafts
+            self.inputs.block_tables.update(step)
             step, draft_token_ids = self.drafter.propose(step, self.inputs)
-        inputs = self.inputs.build(step)
+            inputs = self.inputs.build(step)
         input_ids, positions, meta, num_logits = inputs.input_ids, inputs.positions, inputs.meta, inputs.num_logits
         if self.drafter is not None:  # the draft model's K/V follows the model's: every token of every step
             self.drafter.mirror(input_ids, positions, meta)
