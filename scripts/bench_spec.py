@@ -45,6 +45,10 @@ is timed whole (inputs, forward, LM head, greedy sampling), median of --verify-s
 the round with the fastest plain step is kept. (The CPU pads a forward's rows to a bucket, platforms/cpu.py: up
 to 8 rows exactly, so a batch-1 verify row of 5 tokens runs as 5 rows; 80 rows at batch 16 run as 96.)
 
+Whole generate: each round also times one llm.generate() of each workload's prompts all at once (prefill
+included) on every engine: the batch as a user runs it, long enough for the draft policy (engine/draft_policy.py)
+to settle after the batch sizes before it taught it otherwise; the speed-up is against the engine's plain baseline.
+
 Aims (issue 28), each printed met or not with its numbers: n-gram at batch 1 at least 2x plain decode where
 acceptance is high (the repeat workload); a verify forward of k + 1 = 5 tokens at batch 1 at most 1.3x a
 plain decode step; at batch 16 speculation never worse than plain by more than 5% (every workload, every
@@ -276,6 +280,16 @@ def decode(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
     return run
 
 
+def generate_seconds(llm, prompts: list[list[int]], output_len: int) -> float:
+    """Wall time of one llm.generate() of every prompt at once (prefill included): what a user of a batch
+    sees, over long enough for the draft policy to settle whatever the batch before taught it."""
+    from tpengine import SamplingParams
+
+    started = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len + 1, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - started
+
+
 # --- verify cost ----------------------------------------------------------------------------------
 
 def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
@@ -421,7 +435,7 @@ def main(argv=None) -> None:
         target, draft_target, draft, label = target_paths(args, tmp)
         config = AutoConfig.from_pretrained(target)
         engines, skipped = start_engines(args, target, draft_target, draft)
-        runs, verify = {}, {}  # every round's figures
+        runs, verify, whole = {}, {}, {}  # every round's figures
         try:
             prompts = {workload: workload_prompts(workload, args, config.vocab_size) for workload in args.workloads}
             names = list(engines)
@@ -434,6 +448,10 @@ def main(argv=None) -> None:
                             run = decode(llm, prompts[workload], batch, args.output_len)
                             run.update(tok_s=run["tokens"] / run["seconds"], baseline=baseline)
                             runs.setdefault((name, workload, batch), []).append(run)
+                for workload in args.workloads:  # every prompt at once, generate() timed whole
+                    for name in order:
+                        whole.setdefault((name, workload), []).append(
+                            generate_seconds(engines[name][0], prompts[workload], args.output_len))
                 for batch in args.batch_sizes:
                     verify.setdefault(batch, []).append(verify_cost_ms(engines[PLAIN][0], batch, args))
                 figures = ", ".join(f"{name} {workload} batch {batch} {rounds[-1]['tok_s']:,.1f}"
@@ -444,6 +462,7 @@ def main(argv=None) -> None:
                 agreement = draft_agreement(draft_target, draft,
                                             {workload: pool[:4] for workload, pool in prompts.items()}, args.output_len)
         finally:
+            engines_baseline = {name: baseline for name, (_, baseline) in engines.items()}
             for llm, _ in engines.values():
                 llm.shutdown()
     best = {key: min(rounds, key=lambda run: run["seconds"]) for key, rounds in runs.items()}
@@ -478,6 +497,17 @@ def main(argv=None) -> None:
         print()
         print("\n".join(table(DRAFT, best)))
     print()
+    print(f"Whole generate() of each workload's {max(args.batch_sizes)} prompts at once ({args.output_len + 1} "
+          f"tokens each, prefill included), best of {args.repeat}:")
+    print()
+    print("| workload | configuration | seconds | baseline seconds | speed-up |")
+    print("|---|---|---:|---:|---:|")
+    for (name, workload), rounds in whole.items():
+        baseline = engines_baseline[name]
+        if name != baseline:
+            base = min(whole[baseline, workload])
+            print(f"| {workload} | {name} | {min(rounds):.2f} | {base:.2f} | {base / min(rounds):.2f}x |")
+    print()
     print(f"Verify cost: runner.execute of one step at context {args.context_len}, median of {args.verify_steps}:")
     print()
     print(f"| batch | plain decode step ms | verify step ms ({k + 1} rows a sequence) | verify / plain |")
@@ -498,6 +528,8 @@ def main(argv=None) -> None:
                               seconds=run["seconds"], tokens=run["tokens"], steps=run["steps"], stats=run["stats"],
                               same_tokens=run["token_ids"] == runs[run["baseline"], workload, batch][0]["token_ids"])
                          for (name, workload, batch), rounds in runs.items() for run in rounds],
+                 generate=[dict(config=name, workload=workload, baseline=engines_baseline[name], seconds=seconds)
+                           for (name, workload), rounds in whole.items() for seconds in rounds],
                  verify_cost=[dict(batch=batch, plain_ms=plain_ms, verify_ms=verify_ms)
                               for batch, rounds in verify.items() for plain_ms, verify_ms in rounds],
                  aims=lines)

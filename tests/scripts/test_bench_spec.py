@@ -15,12 +15,15 @@ def test_bench_spec_quick_reports_ngram_rows_verify_cost_and_the_aims(quick_mode
             assert re.search(rf"^\| {workload} \| {batch} \| [\d,.]+ \| [\d,.]+ \| [\d.]+x \| (\d+%|-) \| ([\d.]+|-) "
                              r"\| yes \|$", out, re.MULTILINE), out
     assert re.search(r"^\| 1 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.MULTILINE), out
+    for workload in ("repeat", "random"):  # whole generate() against the plain engine
+        assert re.search(rf"^\| {workload} \| n-gram \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.MULTILINE), out
     assert re.search(r"^- (met|NOT met): a verify step of k \+ 1 = 5 tokens at batch 1", out, re.MULTILINE), out
     assert re.search(r"^- (met|NOT met): n-gram at batch 1 >= 2.0x plain decode", out, re.MULTILINE), out
     # the draft-model rows run once the engine takes a draft model; until then a line says why not
     assert "draft-model rows skipped: the engine refuses" in out or "draft model (a 1-layer self-draft, k = 4):" in out
     record = json.loads(path.read_text())
     assert record["benchmark"] == "bench_spec" and {"command", "machine", "load_average_before"} <= set(record)
+    assert {(run["config"], run["workload"]) for run in record["generate"]} >= {("plain", "repeat"), ("n-gram", "random")}
     assert {(run["config"], run["workload"], run["batch"]) for run in record["decode"]} >= {
         ("plain", "repeat", 1), ("n-gram", "repeat", 1), ("plain", "random", 2), ("n-gram", "random", 2)}
     assert all(run["same_tokens"] and run["tokens"] == 2 * 8 for run in record["decode"])  # 2 prompts, 8 tokens each
