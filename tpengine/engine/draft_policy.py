@@ -5,9 +5,10 @@ are measured.
 
 For each class of batch sizes (powers of two), the output tokens per second per row of steps with drafts and
 of steps without are followed as moving averages; a step takes drafts when those steps have been the faster,
-and one step in EXPLORE_EVERY of its class does the other (one in 4x as many when the other is far behind), so
-both figures stay current as the workload changes. Only steps without prompt chunks are measured (a prefill's cost is another matter). The tokens are
-the same either way (verification is exact): this decides speed only.
+and one step in EXPLORE_EVERY of its class does the other (one in 4x as many when the other is far behind),
+so both figures stay current as the workload changes. Only steps without prompt chunks are measured (a
+prefill's cost is another matter). The tokens are the same either way (verification is exact): this decides
+speed only.
 """
 
 EXPLORE_EVERY = 16   # one step in this many of a batch class runs the way that has been slower...
