@@ -158,7 +158,7 @@ def attention_bandwidth(recorder: DecodeRecorder, clock: Clock, repeats: int) ->
     q = torch.randn(meta.context_lens.numel(), layer.num_heads, layer.head_dim, dtype=runner.dtype,
                     device=runner.device)
     with torch.inference_mode():
-        ms = clock.time_ms(lambda: layer.backend.decode(q, layer.k_cache, layer.v_cache, meta, layer.scale), repeats)
+        ms = clock.time_ms(lambda: layer.backend.decode(q, layer.k_cache, layer.v_cache, meta, layer.params), repeats)
     kv_bytes = 2 * int(meta.context_lens.sum()) * layer.num_kv_heads * layer.head_dim * layer.k_cache.element_size()
     return ms, kv_bytes
 

@@ -308,14 +308,26 @@ def rope_parameters_of(config: HFConfig) -> RopeParameters:
                           original_max_position=int(original), **optional)
 
 
-def sliding_window_of(config: HFConfig) -> int | None:
-    """The attention window of the checkpoint's sliding-window layers, or None when every layer attends fully."""
+def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:
+    """The attention window of one layer, or None where it attends to every earlier position."""
     if config.sliding_window is None:
         return None
-    if config.layer_types is not None:  # Qwen2, Qwen3: which layers slide is spelled out
-        return config.sliding_window if "sliding_attention" in config.layer_types else None
+    if config.layer_types is not None:  # Qwen2, Qwen3, Gemma: which layers slide is spelled out
+        return config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
     # Mistral and Qwen3-MoE slide in every layer whenever a window is set
     return config.sliding_window
+
+
+def sliding_window_of(config: HFConfig) -> int | None:
+    """The attention window of the checkpoint's sliding-window layers, or None when every layer attends fully."""
+    windows = {layer_sliding_window(config, i) for i in range(config.num_hidden_layers)} - {None}
+    assert len(windows) <= 1, "one window per checkpoint"
+    return windows.pop() if windows else None
+
+
+def every_layer_slides(config: HFConfig) -> bool:
+    """Whether no layer reads a key older than the window: the ledger may then free the blocks behind it."""
+    return all(layer_sliding_window(config, i) is not None for i in range(config.num_hidden_layers))
 
 
 def max_positions_of(config: HFConfig) -> int:
@@ -327,18 +339,10 @@ def max_positions_of(config: HFConfig) -> int:
     return config.max_position_embeddings
 
 
-def max_model_len_of(config: HFConfig, requested: int) -> tuple[int, str | None]:
-    """The longest sequence the engine may run, and a line saying why when the model's window shortened it.
-
-    Attention here always sees the whole sequence; within a sliding window that is exactly what the
-    model computes, so a window shorter than the request caps the length instead of changing tokens.
-    """
-    limit = min(requested, max_positions_of(config))
-    window = sliding_window_of(config)
-    if window is not None and window < limit:
-        return window, (f"max_model_len capped from {limit} to the model's sliding_window={window}: "
-                        "attention beyond the window is not implemented")
-    return limit, None
+def max_model_len_of(config: HFConfig, requested: int) -> int:
+    """The longest sequence the engine may run: the request, bounded by the positions the model encodes.
+    A sliding window bounds nothing: its layers attend within it at any length."""
+    return min(requested, max_positions_of(config))
 
 
 def quantization_config_of(config: HFConfig):

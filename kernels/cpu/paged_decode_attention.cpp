@@ -66,7 +66,8 @@ inline void add_scaled(float* acc, const c10::BFloat16* v, float p, int64_t head
 
 template <typename scalar_t>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale) {
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, int64_t window,
+                   float softcap, const float* sink_ptr) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
@@ -89,7 +90,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   for (int64_t seq = 0; seq < batch; ++seq) {
     TORCH_CHECK(lens[seq] >= 0 && lens[seq] <= max_blocks * block_size, "context length ", lens[seq],
                 " of sequence ", seq, " is outside 0..", max_blocks * block_size, " (its block table's capacity)");
-    for (int64_t i = 0; i < (lens[seq] + block_size - 1) / block_size; ++i) {
+    const int64_t first_block = window > 0 ? std::max<int64_t>(0, lens[seq] - window) / block_size : 0;
+    for (int64_t i = first_block; i < (lens[seq] + block_size - 1) / block_size; ++i) {
       const int32_t block = tables[seq * max_blocks + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " in sequence ", seq,
                   "'s table is outside the cache's ", num_blocks, " blocks");
@@ -112,32 +114,39 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         const scalar_t* src = q_ptr + seq * q_seq + h * q_head;
         for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      // scores[h * context_len + t]: query head h against token t; query head h reads KV head h / group
-      scores.resize(num_heads * context_len);
+      // the keys this query sees: the last `window` of its context (blocks before them are never read)
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t n_keys = context_len - first;
+      // scores[h * n_keys + t]: query head h against key first + t; query head h reads KV head h / group
+      scores.resize(num_heads * n_keys);
       const int32_t* table = tables + seq * max_blocks;
-      for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t n = std::min(block_size, context_len - start);
+      for (int64_t start = first - first % block_size; start < context_len; start += block_size) {
+        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, context_len - start);
         const scalar_t* keys = k_ptr + table[start / block_size] * k_block;
-        for (int64_t t = 0; t < n; ++t)
+        for (int64_t t = lo; t < hi; ++t)
           for (int64_t h = 0; h < num_heads; ++h)
-            scores[h * context_len + start + t] =
+            scores[h * n_keys + start + t - first] =
                 dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
-        float* s = &scores[h * context_len];
-        const float peak = *std::max_element(s, s + context_len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < context_len; ++t) sum += (s[t] = std::exp(s[t] - peak));
+        float* s = &scores[h * n_keys];
+        if (softcap > 0.f)
+          for (int64_t t = 0; t < n_keys; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+        // a sink is one more logit in the softmax, with no value row
+        float peak = *std::max_element(s, s + n_keys);
+        if (sink_ptr) peak = std::max(peak, sink_ptr[h]);
+        float sum = sink_ptr ? std::exp(sink_ptr[h] - peak) : 0.f;
+        for (int64_t t = 0; t < n_keys; ++t) sum += (s[t] = std::exp(s[t] - peak));
         inv_sum[h] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t n = std::min(block_size, context_len - start);
+      for (int64_t start = first - first % block_size; start < context_len; start += block_size) {
+        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, context_len - start);
         const scalar_t* values = v_ptr + table[start / block_size] * v_block;
-        for (int64_t t = 0; t < n; ++t)
+        for (int64_t t = lo; t < hi; ++t)
           for (int64_t h = 0; h < num_heads; ++h)
             add_scaled(&acc[h * head_dim], values + t * v_row + (h / group) * v_head,
-                       scores[h * context_len + start + t], head_dim);
+                       scores[h * n_keys + start + t - first], head_dim);
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         scalar_t* o = o_seq_ptr + h * o_head;
@@ -149,7 +158,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                            const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [batch, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
@@ -164,8 +174,16 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "block tables must be contiguous");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "one block table and context length per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  const float* sink_ptr = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
+                "sinks must be a contiguous float32 tensor of one logit per query head");
+    sink_ptr = sinks->data_ptr<float>();
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale));
+    decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale),
+                            window, static_cast<float>(softcap), sink_ptr);
   });
 }
 
@@ -173,7 +191,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(tpengine_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, int window, float softcap, Tensor? sinks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpengine_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

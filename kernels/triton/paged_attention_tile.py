@@ -28,6 +28,12 @@ def _dot(a, b):
 
 
 @triton.jit
+def _tanh(x):
+    # tl has no tanh on every backend: 1 - 2 / (exp(2x) + 1), exact at both ends
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def attend_paged_kv_tile(
     acc,  # [M, BLOCK_D] fp32 running numerator
     m_i,  # [M] fp32 running row max (log2 domain)
@@ -42,15 +48,18 @@ def attend_paged_kv_tile(
     start_n,  # first key position of this tile
     kv_len,  # keys in the sequence; positions >= kv_len are never read
     row_limit,  # [M] int: row r attends to positions < row_limit[r] <= kv_len
+    row_start,  # [M] int: and to positions >= row_start[r] (its sliding window; 0 without one)
     qk_scale,  # softmax scale * log2(e), so exp2 can replace exp
+    softcap,  # > 0: scores become softcap * tanh(scores / softcap), in the log2 domain here
     offs_d,
     d_mask,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < kv_len
-    # Masked so that block-table entries past the sequence's blocks (garbage) are never used.
+    n_mask = (offs_n < kv_len) & (offs_n >= tl.min(row_start, axis=0))
+    # Masked so that block-table entries past the sequence's blocks, or before every row's window (blocks the
+    # ledger may have freed), are never used.
     block = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     offs_kv = block * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_offset
     kv_ptrs = offs_kv[:, None] + offs_d[None, :]
@@ -59,11 +68,15 @@ def attend_paged_kv_tile(
     v = tl.load(v_cache + kv_ptrs, mask=kv_mask, other=0.0)
 
     s = _dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(offs_n[None, :] < row_limit[:, None], s, float("-inf"))
-    # Every row sees key 0 in its first tile, so m_new is finite and exp2 never sees -inf - -inf.
+    if softcap > 0:  # qk_scale carries log2(e): cap the natural-log scores, then return to log2
+        s = softcap * LOG2E * _tanh(s / (softcap * LOG2E))
+    visible = (offs_n[None, :] < row_limit[:, None]) & (offs_n[None, :] >= row_start[:, None])
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    # A row may have seen no key yet (its window starts later): exp2 must not see -inf - -inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return acc, m_new, l_i

@@ -17,7 +17,10 @@ def _paged_decode_kernel(
     v_cache,
     block_tables,
     context_lens,
+    sinks,
     qk_scale,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -32,6 +35,7 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # One program per (sequence, kv head): the group's query heads share each K/V tile load.
     seq = tl.program_id(0)
@@ -45,15 +49,22 @@ def _paged_decode_kernel(
     qo_mask = (offs_g < GROUP_SIZE)[:, None] & d_mask[None, :]
     q_tile = tl.load(q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:  # the sink is the softmax's first term: exp2(sink - m_i) = 1, and no value
+        m_i = tl.load(sinks + heads, mask=offs_g < GROUP_SIZE, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_G], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     row_limit = tl.zeros([BLOCK_G], tl.int32) + kv_len
-    for start_n in range(0, kv_len, BLOCK_N):
+    # a sliding window: keys before kv_len - window are never read (the loop starts at their tile)
+    first_key = tl.maximum(kv_len - tl.where(window > 0, window, kv_len), 0)
+    row_start = tl.zeros([BLOCK_G], tl.int32) + first_key
+    for start_n in range(first_key - first_key % BLOCK_N, kv_len, BLOCK_N):
         acc, m_i, l_i = attend_paged_kv_tile(
             acc, m_i, l_i, q_tile, k_cache, v_cache,
             block_tables + seq * stride_bt, kv_head * stride_kv_head, stride_block, stride_slot,
-            start_n, kv_len, row_limit, qk_scale, offs_d, d_mask,
+            start_n, kv_len, row_limit, row_start, qk_scale, softcap, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N,
         )
 
@@ -70,11 +81,17 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens[b] cached tokens.
 
     q: [batch, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: int32 [batch, max_num_blocks]; context_lens: int32 [batch].
+    window > 0: only the last `window` of them (the blocks before are never read); softcap > 0: scores become
+    softcap * tanh(scores / softcap); sinks: [num_heads] logits, one more softmax term each, with no value.
     Returns [batch, num_heads, head_dim] in q's dtype (zeros where context_lens[b] == 0).
     """
     batch, num_heads, head_dim = q.shape
@@ -86,11 +103,11 @@ def paged_decode_attention(
 
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(batch, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E,
+        out, q, k_cache, v_cache, block_tables, context_lens, sinks if sinks is not None else q,
+        scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size,
-        BLOCK_G=dot_block(group_size), BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N,
+        BLOCK_G=dot_block(group_size), BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
     )
     return out

@@ -23,7 +23,10 @@ def _paged_prefill_kernel(
     cu_seqlens_q,
     cu_seqlens_k,
     block_tables,
+    sinks,
     qk_scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -38,6 +41,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # One program per (query tile, sequence, query head).
     tile = tl.program_id(0)
@@ -60,21 +64,29 @@ def _paged_prefill_kernel(
         q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0
     )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the sink is the softmax's first term: exp2(sink - m_i) = 1, and no value
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks + head).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Causal: query i sees keys [0, prefix_len + i]; clamp so padding rows stay in range.
     row_limit = tl.minimum(prefix_len + offs_m + 1, seqlen_k)
     kv_end = tl.minimum(prefix_len + start_m + BLOCK_M, seqlen_k)
-    for start_n in range(0, kv_end, BLOCK_N):
+    # a sliding window: query i sees keys from prefix_len + i - window + 1; the tile's first row sees the earliest
+    span = tl.where(window > 0, window, seqlen_k)  # no window: one that reaches key 0 from every row
+    row_start = tl.maximum(prefix_len + offs_m - span + 1, 0)
+    kv_start = tl.maximum(prefix_len + start_m - span + 1, 0)
+    for start_n in range(kv_start - kv_start % BLOCK_N, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_paged_kv_tile(
             acc, m_i, l_i, q_tile, k_cache, v_cache,
             block_tables + seq * stride_bt, (head // GROUP_SIZE) * stride_kv_head, stride_block, stride_slot,
-            start_n, seqlen_k, row_limit, qk_scale, offs_d, d_mask,
+            start_n, seqlen_k, row_limit, row_start, qk_scale, softcap, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N,
         )
 
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows may see no key
     o_ptrs = out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=qo_mask)
 
@@ -88,12 +100,17 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_seqlen_q: int,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over all its cached keys.
 
     q: [total_q, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     cu_seqlens_q, cu_seqlens_k: int32 [batch + 1]; block_tables: int32 [batch, max_num_blocks].
-    Query i of sequence b attends to keys [0, seqlen_k - seqlen_q + i]. Returns [total_q, num_heads, head_dim].
+    Query i of sequence b attends to keys [0, seqlen_k - seqlen_q + i], only the last `window` of them when
+    window > 0; softcap and sinks as in paged_decode_attention. Returns [total_q, num_heads, head_dim].
     """
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -105,11 +122,11 @@ def paged_prefill_attention(
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables,
-        scale * LOG2E,
+        out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, sinks if sinks is not None else q,
+        scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N,
+        BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
     )
     return out

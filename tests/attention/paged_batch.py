@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from tests.reference_attention import causal_attention
+from tpengine.attention.backend import AttentionParams
 from tpengine.attention.metadata import AttentionMetadata
 
 GARBAGE = 50.0  # scale of what unowned cache slots hold: reading one shows up in the output
@@ -20,7 +21,7 @@ class PagedBatch:
     keys: list[torch.Tensor]        # per sequence, every key it attends to (prefix, then new), in order
     values: list[torch.Tensor]
     num_new: list[int]              # per sequence, how many of its keys are this step's
-    scale: float
+    params: AttentionParams         # the layer's scale, window, soft cap and sinks
 
 
 def _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, g):
@@ -30,8 +31,10 @@ def _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, devic
 
 def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size: int = 16, num_heads: int = 4,
                 num_kv_heads: int = 2, head_dim: int = 32, dtype=torch.float32, device="cpu",
-                seed: int = 0) -> PagedBatch:
+                seed: int = 0, window: int | None = None, softcap: float | None = None,
+                sinks: bool = False) -> PagedBatch:
     """seqs[b] = (tokens already cached, new tokens); decode batches have exactly one new token each.
+    window, softcap and sinks (random ones) make a layer with those features (AttentionParams).
 
     Each sequence owns scattered physical blocks; its block table is padded with 0, as the runner pads it.
     """
@@ -76,9 +79,11 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
             is_prefill=True, cu_seqlens_q=cumulative(seqlens_q), cu_seqlens_k=cumulative(seqlens_k),
             seqlens_q=seqlens_q, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             has_cached_prefix=any(cached for cached, _ in seqs), **common)
+    sink_logits = (torch.randn(num_heads, generator=g) * 2).to(device) if sinks else None
+    params = AttentionParams(head_dim ** -0.5, window, softcap, sink_logits)
     return PagedBatch(q=rand(sum(seqlens_q), num_heads, head_dim), k=torch.cat(new_k), v=torch.cat(new_v),
                       k_cache=k_cache, v_cache=v_cache, meta=meta, keys=keys, values=values,
-                      num_new=seqlens_q, scale=head_dim ** -0.5)
+                      num_new=seqlens_q, params=params)
 
 
 def mixed_batch(seqs: list[tuple[int, int]], num_decode: int, **kwargs) -> PagedBatch:
@@ -114,7 +119,9 @@ def mixed_batch(seqs: list[tuple[int, int]], num_decode: int, **kwargs) -> Paged
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     """Each new token attends, in float64, to every key of its sequence up to and including its own position."""
     rows = batch.q.split(batch.num_new)
-    return torch.cat([causal_attention(q, k, v, batch.scale) for q, k, v in zip(rows, batch.keys, batch.values)])
+    p = batch.params
+    return torch.cat([causal_attention(q, k, v, p.scale, window=p.sliding_window, softcap=p.logit_softcap,
+                                       sinks=p.sinks) for q, k, v in zip(rows, batch.keys, batch.values)])
 
 
 def forward_each(batch: PagedBatch, *backends) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -122,6 +129,6 @@ def forward_each(batch: PagedBatch, *backends) -> list[tuple[torch.Tensor, torch
     results = []
     for backend in backends:
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
+        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.params)
         results.append((out, k_cache, v_cache))
     return results

@@ -28,7 +28,17 @@ SEQS = [(0, 1), (15, 1), (69, 1), (0, 9), (32, 17), (20, 1)]
 def test_mixed_step_rows_equal_the_reference_and_every_row_is_stored(name, block_size):
     batch = mixed_batch(SEQS, 3, block_size=block_size, head_dim=48, device=DEVICE, seed=7)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    out = make_backend(name).forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.scale)
+    out = make_backend(name).forward(batch.q, batch.k, batch.v, k_cache, v_cache, batch.meta, batch.params)
     assert relative_error(out, reference_attention(batch).to(out.dtype)) < TOLERANCE
     slots = batch.meta.slot_mapping
     assert torch.equal(k_cache.flatten(0, 1)[slots], batch.k) and torch.equal(v_cache.flatten(0, 1)[slots], batch.v)
+
+
+@pytest.mark.parametrize("features", [dict(window=20), dict(softcap=3.0), dict(sinks=True),
+                                      dict(window=9, softcap=2.0, sinks=True)], ids=str)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_window_softcap_and_sinks_in_mixed_steps_equal_the_reference(name, features):
+    batch = mixed_batch(SEQS, 3, block_size=16, head_dim=48, device=DEVICE, seed=8, **features)
+    out = make_backend(name).forward(batch.q, batch.k, batch.v, batch.k_cache.clone(), batch.v_cache.clone(),
+                                     batch.meta, batch.params)
+    assert relative_error(out, reference_attention(batch).to(out.dtype)) < TOLERANCE

@@ -10,7 +10,7 @@ TOLERANCE = 1e-5
 
 def run(batch):
     return TorchAttentionBackend().forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
-                                           batch.scale)
+                                           batch.params)
 
 
 def test_prefill_without_cached_prefix_matches_reference():

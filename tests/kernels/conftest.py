@@ -35,16 +35,34 @@ def random_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype):
     return k_cache, v_cache, block_tables
 
 
-def check_paged_decode(kernel, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol):
-    """kernel(q, k_cache, v_cache, block_tables, context_lens, scale), the contract both decode kernels
-    share, against the reference, row by row; q is a strided view, like the query part of a fused QKV."""
+def forget_blocks_before_window(k_cache, v_cache, block_tables, context_lens, window):
+    """What the ledger does to blocks no query can see again: they go back to the pool (here: NaN, and -1 in
+    the table), so a kernel that read one would fail."""
+    block_size = k_cache.size(1)
+    for b, n in enumerate(context_lens):
+        for i in range(max(0, n - window) // block_size):
+            k_cache[block_tables[b, i]] = v_cache[block_tables[b, i]] = float("nan")
+            block_tables[b, i] = -1
+
+
+def check_paged_decode(kernel, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, *,
+                       window=None, softcap=None, sinks=False):
+    """kernel(q, k_cache, v_cache, block_tables, context_lens, scale, window=, softcap=, sinks=), the contract
+    both decode kernels share, against the reference, row by row; q is a strided view, like the query part of
+    a fused QKV. With a window, the blocks before it are NaN and -1 in the table."""
     k_cache, v_cache, block_tables = random_paged_kv(context_lens, block_size, num_kv_heads, head_dim, dtype)
+    if window is not None:
+        forget_blocks_before_window(k_cache, v_cache, block_tables, context_lens, window)
     q = torch.randn(len(context_lens), num_heads + 2, head_dim, dtype=dtype)[:, :num_heads]
     scale = head_dim**-0.5
-    out = kernel(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32), scale)
+    sink_logits = torch.randn(num_heads) * 2 if sinks else None
+    out = kernel(q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32), scale,
+                 window=window or 0, softcap=softcap or 0.0, sinks=sink_logits)
     assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
     for b, n in enumerate(context_lens):
-        ref = reference_paged_attention(q[b : b + 1], k_cache, v_cache, block_tables[b], n, scale)
+        table = block_tables[b].clamp(min=0)  # the reference gathers every block, masked ones too
+        ref = reference_paged_attention(q[b : b + 1], k_cache.nan_to_num(), v_cache.nan_to_num(), table, n, scale,
+                                        window=window, softcap=softcap, sinks=sink_logits)
         assert relative_error(out[b : b + 1], ref) < tol
 
 

@@ -28,6 +28,14 @@ def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, contex
     check_decode(paged_decode_attention, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol)
 
 
+@pytest.mark.parametrize("features", [dict(window=20), dict(window=1), dict(window=300), dict(softcap=3.0),
+                                      dict(sinks=True), dict(window=33, softcap=2.0, sinks=True)], ids=str)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_window_softcap_and_sinks_match_reference(features, dtype, tol, check_decode):
+    # contexts shorter than, equal to and longer than each window, ending mid-block and on a block's end
+    check_decode(paged_decode_attention, 16, 64, 8, 2, [1, 20, 33, 64, 70, 100], dtype, tol, **features)
+
+
 def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(check_empty_context):
     check_empty_context(paged_decode_attention)
 

@@ -22,5 +22,12 @@ def test_paged_decode_attention(
     check_decode(paged_decode_attention, block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol)
 
 
+@pytest.mark.parametrize("features", [dict(window=20), dict(window=1), dict(softcap=3.0), dict(sinks=True),
+                                      dict(window=70, softcap=2.0, sinks=True)], ids=str)
+def test_window_softcap_and_sinks_match_reference(features, check_decode):
+    # contexts shorter than, equal to and longer than each window; 130 keys span three key tiles
+    check_decode(paged_decode_attention, 16, 64, 4, 2, [1, 20, 33, 70, 130], torch.float32, 1e-4, **features)
+
+
 def test_paged_decode_attention_empty_context(check_empty_context):
     check_empty_context(paged_decode_attention)

@@ -12,6 +12,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)  # prompts past 64 tokens reach the scaled frequencies
 
+WINDOW = 48
 FAMILIES = {
     # q/k/v/o and MLP biases, llama3 rope with a 64-token original window, head_dim = hidden / heads
     "llama": dict(architecture="LlamaForCausalLM", with_tokenizer=False, attention_bias=True, mlp_bias=True,
@@ -28,10 +29,12 @@ FAMILIES = {
     # no window, linear rope scaling
     "mistral": dict(architecture="MistralForCausalLM", with_tokenizer=False, sliding_window=None,
                     rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0), **SMALL),
-    # a 48-token window: max_model_len is capped to it
-    "mistral_window": dict(architecture="MistralForCausalLM", with_tokenizer=False, sliding_window=48, **SMALL),
+    # a 48-token window in every layer: prompts and outputs run past it
+    "mistral_window": dict(architecture="MistralForCausalLM", with_tokenizer=False, sliding_window=WINDOW, **SMALL),
+    # Qwen2's use_sliding_window: layer 0 attends fully, layer 1 slides (from max_window_layers=1 on)
+    "qwen2_window": dict(architecture="Qwen2ForCausalLM", with_tokenizer=False, use_sliding_window=True,
+                         sliding_window=WINDOW - 16, max_window_layers=1, **{**SMALL, "head_dim": 16}),
 }
-WINDOW = 48
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,9 +8,10 @@ from tpengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # 100 tokens pass llama3's and YaRN's 64-token original window, 260 a block of 256 (qwen2's limit is 256: 4 x 64);
-# the window family's last prompt fills its window exactly
+# the window families' prompts fill the window, end one past it and run several windows past it
 PROMPT_LENGTHS = {"llama": [1, 20, 100, 260], "llama_tied": [1, 20, 100, 260], "mistral": [1, 20, 100, 260],
-                  "qwen2": [1, 20, 100, 240], "mistral_window": [1, 20, WINDOW - GREEDY.max_tokens]}
+                  "qwen2": [1, 20, 100, 240], "mistral_window": [1, WINDOW, WINDOW + 1, 260],
+                  "qwen2_window": [1, 20, 100, 300]}
 
 
 def family_prompts(name: str) -> list[list[int]]:
@@ -30,7 +31,8 @@ CASES = [
     ("llama_tied", 1, 16, "auto"), ("llama_tied", 1, 256, "torch"),
     ("qwen2", 1, 16, "auto"), ("qwen2", 1, 256, "torch"), ("qwen2", 4, 16, "auto"),
     ("mistral", 1, 16, "torch"), ("mistral", 1, 256, "auto"),
-    ("mistral_window", 1, 16, "auto"), ("mistral_window", 2, 256, "auto"),
+    ("mistral_window", 1, 16, "auto"), ("mistral_window", 1, 256, "torch"), ("mistral_window", 2, 256, "auto"),
+    ("qwen2_window", 1, 16, "auto"), ("qwen2_window", 2, 16, "torch"), ("qwen2_window", 1, 256, "auto"),
 ]
 
 
@@ -50,25 +52,26 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, 
 @pytest.mark.parametrize("name", ["qwen2", "mistral_window"])  # the scheduler's part is the same for every family
 def test_preemption_under_a_small_cache_still_matches(name):
     path = family_checkpoint(name)
-    # each request needs up to 3-4 blocks of 16; 8 blocks hold two at a time
-    lengths, max_tokens = ([20, 21, 19, 24, 18], 24) if name == "mistral_window" else ([30, 31, 29, 40, 18], 30)
-    prompts = random_prompts(5, lengths, 300)
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=6 if name == "mistral_window" else 8) as llm:
+    # each request needs up to 3-5 blocks of 16; 8 blocks hold two at a time; the window's outputs run past it
+    prompts = random_prompts(5, [30, 31, 29, 40, 18], 300)
+    max_tokens = 30
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                                use_tqdm=False)
         assert llm.scheduler.num_preemptions > 0
     assert_parity(path, prompts, outputs, max_tokens)
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral"])  # head_dim 32 with 3:1 GQA; 32; 16
+# head_dim 32 with 3:1 GQA; 32; 16; a window that the second prompt passes
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "mistral", "mistral_window"])
 def test_triton_backend_matches_transformers_with_a_prefix_hit(name):
     pytest.importorskip("triton")
     path = family_checkpoint(name)
-    prompts = random_prompts(6, [3, 20], 300)  # the interpreter is slow: few, short prompts
+    prompts = random_prompts(6, [3, 20 if name != "mistral_window" else WINDOW + 5], 300)  # the interpreter is slow
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with LLM(path, kvcache_block_size=16, attention_backend="triton") as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False)
     assert_parity(path, prompts, first, 4)
     assert_parity(path, prompts, second, 4)
-    assert [o.num_cached_tokens for o in second] == [2, 19]
+    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]

@@ -1,11 +1,10 @@
 """The registry picks the model by architectures[0]; settings we do not implement are a ValueError naming them."""
-import logging
 
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from tests.conftest import as_hf_config, hf_greedy, random_prompts
-from tests.models.families import SMALL, WINDOW, family_checkpoint
+from tests.models.families import SMALL
 from tpengine import LLM, SamplingParams
 from tpengine.hf_config import ARCHITECTURES, max_model_len_of, sliding_window_of
 from tpengine.models.registry import model_class
@@ -40,20 +39,11 @@ def test_an_activation_other_than_silu_is_a_value_error_for_every_family(archite
         LLM(path)
 
 
-def test_window_shorter_than_max_model_len_caps_it_and_says_so(caplog):
-    with caplog.at_level(logging.INFO, logger="tpengine"):
-        llm = LLM(family_checkpoint("mistral_window"), kvcache_block_size=16)
-    with llm:
-        assert llm.max_model_len == WINDOW
-        assert f"max_model_len capped from 1024 to the model's sliding_window={WINDOW}" in caplog.text
-        with pytest.raises(ValueError, match=f"more than max_model_len={WINDOW}"):
-            llm.generate([[1] * (WINDOW + 1)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-
-
-@pytest.mark.parametrize("window", [None, 4096])
-def test_a_null_or_longer_window_changes_nothing(window):
+@pytest.mark.parametrize("window", [None, 48, 4096])
+def test_a_window_never_bounds_max_model_len(window):
     config = as_hf_config(MistralConfig(sliding_window=window, max_position_embeddings=32768))
-    assert max_model_len_of(config, 4096) == (4096, None)
+    assert max_model_len_of(config, 4096) == 4096
+    assert max_model_len_of(config, 65536) == 32768  # the positions do
 
 
 def test_qwen_windows_apply_only_to_sliding_layers():
@@ -65,17 +55,15 @@ def test_qwen_windows_apply_only_to_sliding_layers():
                                                       num_hidden_layers=4, max_window_layers=2))) == 64
 
 
-def test_qwen3_sliding_window_shorter_than_the_prompt_caps_max_model_len_and_stays_exact(tmp_path):
+def test_qwen3_sliding_layers_after_max_window_layers_stay_exact_past_the_window(tmp_path):
     path = write_tiny_model(str(tmp_path / "qwen3_window"), seed=3, with_tokenizer=False,
                             **{**SMALL, "head_dim": 16, "use_sliding_window": True, "sliding_window": 32,
                                "max_window_layers": 1})
-    prompts = random_prompts(4, [5, 32 - 6], 300)
-    with LLM(path, kvcache_block_size=16) as llm:
-        assert llm.max_model_len == 32
-        with pytest.raises(ValueError, match="prompt has 40 tokens, more than max_model_len=32"):
-            llm.generate([[1] * 40], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert [o.token_ids for o in outputs] == hf_greedy(path, prompts, 6)
+    prompts = random_prompts(4, [5, 31, 32, 90], 300)
+    with LLM(path, kvcache_block_size=16, max_num_batched_tokens=40) as llm:
+        assert llm.max_model_len == 1024
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(path, prompts, 40)
 
 
 def test_a_quantization_method_tpengine_does_not_read_is_a_value_error(tmp_path):

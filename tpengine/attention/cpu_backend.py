@@ -1,6 +1,7 @@
 """The CPU's paged attention: the torch backend's prefill, and decode through the C++ kernel in
 tpengine.kernels.cpu.paged_decode_attention, which reads each sequence's K/V in place in one pass.
 The new K/V go into the cache through the CPU platform's store (one C++ op): no mask, no host sync."""
+from tpengine.attention.backend import AttentionParams
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.kernels.cpu.paged_decode_attention import paged_decode_attention
@@ -12,5 +13,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     store_kvcache = staticmethod(cpu.store_kvcache)  # the C++ store where it takes the tensors, else torch's
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,
+                                      window=params.window, softcap=params.softcap, sinks=params.sinks)

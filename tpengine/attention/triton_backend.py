@@ -1,5 +1,5 @@
 """Paged attention through the Triton kernels in tpengine.kernels.triton (CUDA, or CPU under TRITON_INTERPRET=1)."""
-from tpengine.attention.backend import AttentionBackend
+from tpengine.attention.backend import AttentionBackend, AttentionParams
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.kernels.triton.paged_decode_attention import paged_decode_attention
 from tpengine.kernels.triton.paged_prefill_attention import paged_prefill_attention
@@ -13,10 +13,12 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         # every key, the new tokens' too, is read back through the block table after the store
         return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                                       meta.block_tables, scale, meta.max_seqlen_q)
+                                       meta.block_tables, params.scale, meta.max_seqlen_q, window=params.window,
+                                       softcap=params.softcap, sinks=params.sinks)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,
+                                      window=params.window, softcap=params.softcap, sinks=params.sinks)

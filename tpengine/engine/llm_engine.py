@@ -45,15 +45,11 @@ class LLMEngine:
         config = EngineConfig(model=model, **kwargs)
         hf_config = load_hf_config(model)
         config.validate(hf_config)
-        # the model's positions and window bound every request: set once here, read by the ledger and every rank
-        config.max_model_len, capped = max_model_len_of(hf_config, config.max_model_len)
-        if capped:
-            logger.info(capped)
+        # the model's positions bound every request: set once here, read by the ledger and every rank
+        config.max_model_len = max_model_len_of(hf_config, config.max_model_len)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
-            config.max_model_len, capped = max_model_len_of(load_hf_config(spec.model), config.max_model_len)
-            if capped:
-                logger.info("draft model: %s", capped)
+            config.max_model_len = max_model_len_of(load_hf_config(spec.model), config.max_model_len)
         self.config = config
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len

@@ -1,6 +1,6 @@
 """The decoder every supported family shares, built from tensor-parallel layers; it never mentions ranks.
 
-    embed -> N x [RMSNorm -> attention (q/k/v, rotary, o) -> + residual
+    embed -> N x [RMSNorm -> attention (q/k/v, rotary, o; the layer's sliding window) -> + residual
                   RMSNorm -> gated SiLU MLP (or experts)   -> + residual] -> RMSNorm -> LM head
 
 The families differ in a few properties (DecoderFamily); each model file states its own and
@@ -13,7 +13,7 @@ from torch import nn
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.hf_config import HFConfig, head_dim_of, max_positions_of, rope_parameters_of
+from tpengine.hf_config import HFConfig, head_dim_of, layer_sliding_window, max_positions_of, rope_parameters_of
 from tpengine.layers.activation import SiluAndMul
 from tpengine.layers.attention import Attention
 from tpengine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -31,7 +31,7 @@ class DecoderFamily:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, layer_idx: int):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -46,7 +46,8 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend,
+                              sliding_window=layer_sliding_window(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)
@@ -74,9 +75,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module,
+                 layer_idx: int):
         super().__init__()
-        self.self_attn = DecoderAttention(config, family, backend)
+        self.self_attn = DecoderAttention(config, family, backend, layer_idx)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -96,7 +98,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i))
+        self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i), i)
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

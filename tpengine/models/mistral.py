@@ -1,6 +1,5 @@
-"""Mistral: the Llama decoder without any bias, plus a sliding attention window (sliding_window; null from
-v0.2 on). A window shorter than max_model_len caps max_model_len (tpengine.hf_config.max_model_len_of),
-so attention never reaches past it and tokens stay exact."""
+"""Mistral: the Llama decoder without any bias, plus a sliding attention window in every layer (sliding_window;
+null from v0.2 on): each token attends to itself and the window - 1 tokens before it, at any length."""
 from tpengine.hf_config import HFConfig
 from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM
 

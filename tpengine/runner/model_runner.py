@@ -94,7 +94,7 @@ class ModelRunner:
         self.platform.set_up_rank(device, group.size)
         self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
-        self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions and window
+        self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions
         self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
         if rank == 0:
             logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
