@@ -9,6 +9,10 @@ FIFO order.
 On top of the seed, reuse is exact to the token: where the chain of whole-block hits ends, the
 cached block that shares the longest head with the request's next block (found in a HeadIndex) has
 that head copied into the request's own fresh block, so only the tokens after it are computed.
+
+Where every layer attends within a sliding window, a sequence gives back the blocks that no later token
+can see as it grows (release_out_of_window); its table keeps -1 in their place. They keep their hash like
+any freed block, so a later request can still hit them until they are overwritten.
 """
 from array import array
 from collections import OrderedDict
@@ -64,9 +68,12 @@ class PrefixMatch:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
+        # every layer's window (the longest, where a draft model has its own): blocks behind it are released
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         # False: the seed's cache alone, reuse rounded down to whole blocks (kept for comparison)
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -225,9 +232,31 @@ class BlockManager:
         # Reverse order: a sequence's later blocks are overwritten first, its early blocks
         # (the likeliest shared prefix) stay in the cache longest.
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != -1:
+                self._release(block_id)
         seq.num_cached_tokens = 0
+        seq.num_released_blocks = 0
         seq.block_table.clear()
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks that no token it computes from now on can see (every layer slides).
+
+        The next token computed sits at num_cached_tokens and sees the keys after num_cached_tokens - window;
+        one position of slack keeps what a fork's child sees when it recomputes its parent's last prompt token.
+        """
+        num_unseen = max(0, seq.num_cached_tokens - self.sliding_window) // self.block_size
+        table = seq.block_table
+        for i in range(seq.num_released_blocks, min(num_unseen, len(table))):
+            self._release(table[i])
+            table[i] = -1
+        seq.num_released_blocks = max(seq.num_released_blocks, min(num_unseen, len(table)))
+
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether a child of parent's prompt would find every block it sees in parent's table: a parent
+        that ran past its prompt may have released blocks the child's recomputed last prompt token sees."""
+        if self.sliding_window is None:
+            return True
+        return parent.num_released_blocks <= max(0, parent.num_prompt_tokens - 1 - self.sliding_window) // self.block_size
 
     def fork(self, child: Sequence, parent: Sequence) -> None:
         """Give child (another completion of parent's prompt) the prompt's K/V without computing it again:
@@ -238,8 +267,10 @@ class BlockManager:
         num_cached_tokens = parent.num_prompt_tokens - 1
         last = num_cached_tokens // self.block_size
         for block_id in parent.block_table[:last]:
-            self.blocks[block_id].ref_count += 1
+            if block_id != -1:  # released by the parent: out of the child's window too
+                self.blocks[block_id].ref_count += 1
             child.block_table.append(block_id)
+        child.num_released_blocks = parent.num_released_blocks
         child.block_table.append(self._allocate_block())
         num_copied = num_cached_tokens - last * self.block_size
         if num_copied:
@@ -315,7 +346,7 @@ class BlockManager:
             return  # its step never completed (copies are released once it did): the head may be unwritten
         if block.parent_hash is not None and len(block.token_ids) == num_written:
             return  # indexed already, as written now
-        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 and seq.block_table[i - 1] != -1 else -1
         if i > 0 and parent == -1:
             return  # its context is not in the hash chain: nothing could find it
         self._index_head(block, parent, seq.token_ids[i * self.block_size:seq.num_cached_tokens])

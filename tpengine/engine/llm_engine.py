@@ -19,7 +19,8 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
 from tpengine.errors import InvalidRequestError
-from tpengine.hf_config import load_eos_token_ids, load_hf_config, max_model_len_of
+from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, max_model_len_of,
+                                sliding_window_of)
 from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 
@@ -72,7 +73,8 @@ class LLMEngine:
                 enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
                 proposer=None if spec is None else make_proposer(spec),
                 num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-                draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive))
+                draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive),
+                sliding_window=self._ledger_window(hf_config))
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise
@@ -139,6 +141,17 @@ class LLMEngine:
         """Most tokens (prompt + output) one request can reach: max_model_len, or the whole cache if smaller."""
         manager = self.scheduler.block_manager
         return min(self.max_model_len, manager.num_blocks * manager.block_size)
+
+    def _ledger_window(self, hf_config) -> int | None:
+        """The window behind which the ledger releases blocks: where every layer of the model (and of its
+        draft model, which shares its blocks) slides, the longest of their windows; else None."""
+        configs = [hf_config]
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            configs.append(load_hf_config(spec.model))
+        if not all(every_layer_slides(config) for config in configs):
+            return None
+        return max(sliding_window_of(config) for config in configs)
 
     def _reasoning_end_token(self) -> int:
         """The token that ends a reasoning model's thinking (structured outputs constrain what follows)."""

@@ -44,7 +44,7 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 draft_policy: DraftPolicy | None = None):
+                 draft_policy: DraftPolicy | None = None, sliding_window: int | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -52,7 +52,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
+        # sliding_window: every layer's, where all of them slide; the blocks behind it go back as sequences grow
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching,
+                                          sliding_window)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -273,13 +275,14 @@ class Scheduler:
                 break
             if not seq.block_table and seq.parent is not None:
                 parent = seq.parent
-                if parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens:
+                if (parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens
+                        and block_manager.can_fork(parent)):
                     if not block_manager.free_block_ids:
                         break
                     block_manager.fork(seq, parent)
                     seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
                     seq.parent = None
-                elif not parent.is_finished:
+                elif not parent.is_finished and parent.num_cached_tokens < parent.num_prompt_tokens:
                     continue  # its parent's prompt is being computed: wait for it, then fork it
                 else:
                     seq.parent = None  # nothing left to fork: prefill as any request (prefix hits apply)
@@ -296,6 +299,8 @@ class Scheduler:
                 block_manager.allocate(seq, match)
                 if seq.num_prompt_cached_tokens < 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
+            elif block_manager.sliding_window is not None:  # a prompt's next chunk: the blocks behind it go back
+                block_manager.release_out_of_window(seq)
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
             seq.num_scheduled_tokens = min(num_new_tokens, token_budget)
             token_budget -= seq.num_scheduled_tokens
@@ -371,6 +376,7 @@ class Scheduler:
         # This loop and postprocess run once per running sequence per step: locals are bound
         # up front and the common case (no new block needed) makes no function call.
         block_size = self.block_manager.block_size
+        release_out_of_window = self.block_manager.sliding_window is not None and self.block_manager.release_out_of_window
         running = self.running
         scheduled: list[Sequence] = []
         num_rows = min(len(running), self.max_num_seqs, self.max_num_batched_tokens)
@@ -384,8 +390,11 @@ class Scheduler:
                 break  # preemptions emptied the queue
             seq = running.popleft()
             # opens_block, inlined: only a sequence whose next token opens a new block can need a free one
-            if seq.num_tokens % block_size == 1 and not self._append_block(seq):
-                break  # seq preempted itself: nothing else was running
+            if seq.num_tokens % block_size == 1:
+                if release_out_of_window:  # first give back what fell out of every layer's window
+                    release_out_of_window(seq)
+                if not self._append_block(seq):
+                    break  # seq preempted itself: nothing else was running
             seq.num_scheduled_tokens = 1
             if spare_tokens and seq.speculates:
                 spare_tokens -= self._propose(seq, spare_tokens)

@@ -18,7 +18,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "block_size", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
-        "num_cached_tokens", "num_scheduled_tokens", "block_table",
+        "num_cached_tokens", "num_scheduled_tokens", "block_table", "num_released_blocks",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
         "request_id", "block_hashes", "arrival_step", "sampling", "on_workers", "speculates", "draft_token_ids",
@@ -35,7 +35,8 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0        # tokens whose K/V is already in the cache
         self.num_scheduled_tokens = 0     # tokens computed in the current step
-        self.block_table: list[int] = []  # logical block i -> physical block id
+        self.block_table: list[int] = []  # logical block i -> physical block id; -1: released (out of the window)
+        self.num_released_blocks = 0      # its first blocks given back because no later token can see them
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
