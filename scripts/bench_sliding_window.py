@@ -13,6 +13,8 @@ seconds are printed); then each llm.step() until the request finishes is timed: 
 after the first / those steps' seconds. Held blocks: the blocks the sequence holds at its last step (its table
 less the released entries), and the cache's peak usage over the decode, in blocks and MiB of K/V.
 
+Every round runs every configuration, the order rotating round by round (--repeat); each keeps its fastest decode.
+
 Configurations:
 - window, released: the engine as shipped (every layer slides, so the ledger releases blocks behind the window);
 - window, kept: the same engine with its ledger's release switched off (block_manager.sliding_window = None
@@ -49,6 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens: the prompt's chunk size")
     parser.add_argument("--model", help="a Mistral checkpoint with the window (its full-attention copy is made)")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds; each figure keeps its best")
     parser.add_argument("--quick", action="store_true", help="4k context, window 512, 32 tokens")
     add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -114,9 +117,15 @@ def main(argv=None) -> None:
     record = Record("sliding_window", argv)
     window_path, full_path = checkpoints(args)
     prompt = random.Random(0).choices(range(MODEL["vocab_size"]), k=args.context_len)
-    rows = [("window, released", run(window_path, args, prompt, release=True)),
-            ("window, kept", run(window_path, args, prompt, release=False)),
-            ("full attention", run(full_path, args, prompt, release=True))]
+    configurations = [("window, released", window_path, True), ("window, kept", window_path, False),
+                      ("full attention", full_path, True)]
+    best = {}
+    for round_ in range(args.repeat):  # the order rotates round by round; each keeps its fastest decode
+        for name, path, release in configurations[round_ % 3:] + configurations[:round_ % 3]:
+            row = run(path, args, prompt, release)
+            if name not in best or row["decode_tok_s"] > best[name]["decode_tok_s"]:
+                best[name] = row
+    rows = [(name, best[name]) for name, _, _ in configurations]
     block_mib = kv_block_bytes(args) / 2**20
     baseline = rows[-1][1]["decode_tok_s"]
     print(f"context {args.context_len} tokens (+{args.output_len} written), window {args.window}, "

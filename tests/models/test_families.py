@@ -75,3 +75,14 @@ def test_triton_backend_matches_transformers_with_a_prefix_hit(name):
     assert_parity(path, prompts, first, 4)
     assert_parity(path, prompts, second, 4)
     assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]
+
+
+def test_blocks_released_behind_the_window_serve_other_requests_and_tokens_stay_exact():
+    path = family_checkpoint("mistral_window")  # every layer slides: the ledger releases blocks behind the window
+    prompts = random_prompts(7, [60, 70, 50], 300)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    # each request grows to 11 blocks of 16: three need 33 blocks kept, but at most 5 each once released
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions == 0
+    assert_parity(path, prompts, outputs, 100)
