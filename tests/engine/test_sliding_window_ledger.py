@@ -33,7 +33,7 @@ def test_a_sliding_only_sequence_holds_at_most_window_over_block_plus_two_blocks
     most = []
 
     def check():
-        if seq.block_table and seq.num_tokens > seq.num_prompt_tokens + BS:  # the prompt is allocated whole
+        if seq.block_table and seq.num_tokens > seq.num_prompt_tokens + BS:  # its prompt's chunk is one step
             most.append(held(seq))
             # every block the next token sees is still held
             first_seen = max(0, seq.num_cached_tokens - window + 1) // BS
@@ -113,3 +113,48 @@ def test_preemption_with_released_blocks_gives_back_only_what_is_held():
 def test_released_blocks_serve_other_requests_instead_of_preempting():
     assert run_three(window=None).num_preemptions > 0
     assert run_three(window=4).num_preemptions == 0  # each holds at most 3 blocks once its prompt ran
+
+
+@pytest.mark.parametrize("policy", ["mixed", "prefill_first"])
+def test_a_prompt_many_times_the_cache_runs_chunk_by_chunk(policy):
+    # 12 blocks of 4 hold 48 tokens; the prompt has 200: its chunks of 8 take blocks as they go
+    scheduler = make_scheduler(sliding_window=8, kvcache_block_size=BS, num_kvcache_blocks=12,
+                               max_num_batched_tokens=8, scheduling_policy=policy)
+    seq = Sequence(list(range(1, 201)), SamplingParams(max_tokens=50, ignore_eos=True), BS)
+    scheduler.check_fits(seq.num_prompt_tokens, seq.max_tokens)
+    scheduler.add(seq)
+    most = []
+
+    def check():
+        most.append(held(seq))
+        first_seen = max(0, seq.num_cached_tokens - 8 + 1) // BS
+        assert all(block_id != -1 for block_id in seq.block_table[first_seen:])
+    run(scheduler, check=check)
+    assert seq.num_tokens == 250 and scheduler.num_preemptions == 0
+    assert max(most) <= (8 + 8) // BS + 2
+
+
+def test_check_fits_counts_the_window_and_a_step_where_every_layer_slides():
+    scheduler = make_scheduler(sliding_window=8, kvcache_block_size=BS, num_kvcache_blocks=6,
+                               max_num_batched_tokens=8)
+    scheduler.check_fits(1000, 1000)  # (8 + 8 + 6) // 4 + 1 = 6 blocks at once
+    with pytest.raises(ValueError, match="needs 7 KV-cache blocks at once .the sliding window of 8 tokens and a "
+                                         "step's 12. of 4 tokens, but the whole cache has only 6 blocks"):
+        make_scheduler(sliding_window=8, kvcache_block_size=BS, num_kvcache_blocks=6,
+                       max_num_batched_tokens=12).check_fits(1000, 1000)
+
+
+def test_a_prefix_hit_behind_the_window_takes_only_the_blocks_it_sees():
+    scheduler = make_scheduler(sliding_window=8, kvcache_block_size=BS, num_kvcache_blocks=64,
+                               max_num_batched_tokens=64, scheduling_policy="mixed")
+    prompt = list(range(1, 41))
+    first = Sequence(prompt, SamplingParams(max_tokens=1), BS)
+    scheduler.add(first)
+    run(scheduler)
+    second = Sequence(prompt + [99, 98], SamplingParams(max_tokens=1), BS)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert second.num_cached_tokens == 40
+    # position 40 on sees keys from 40 - 8 + 1 = 33 on (one of slack: 32): blocks 0-7 are not taken
+    assert second.block_table[:8] == [-1] * 8 and -1 not in second.block_table[8:]
+    assert len(scheduler.block_manager.used_block_ids) == 3

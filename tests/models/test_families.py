@@ -86,3 +86,12 @@ def test_blocks_released_behind_the_window_serve_other_requests_and_tokens_stay_
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.scheduler.num_preemptions == 0
     assert_parity(path, prompts, outputs, 100)
+
+
+def test_a_prompt_longer_than_the_whole_cache_runs_where_every_layer_slides():
+    path = family_checkpoint("mistral_window")
+    prompts = random_prompts(8, [300], 300)
+    # 8 blocks of 16 hold 128 tokens; the prompt's chunks of 32 take the blocks their window and tokens need
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert_parity(path, prompts, outputs, 40)

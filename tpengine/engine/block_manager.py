@@ -56,15 +56,16 @@ def compute_block_hash(token_ids: list[int], prefix: int = -1) -> int:
 
 class PrefixMatch:
     """What a sequence would reuse: whole blocks shared by reference, then the head of copy_src."""
-    __slots__ = ("block_ids", "copy_src", "num_copied_tokens", "num_cached_tokens", "num_new_blocks")
+    __slots__ = ("block_ids", "copy_src", "num_copied_tokens", "num_cached_tokens", "num_new_blocks", "num_blocks")
 
     def __init__(self, block_ids: list[int], copy_src: int, num_copied_tokens: int, num_cached_tokens: int,
-                 num_new_blocks: int):
-        self.block_ids = block_ids
+                 num_new_blocks: int, num_blocks: int):
+        self.block_ids = block_ids                # -1: a hit behind every layer's window, not taken
         self.copy_src = copy_src                  # -1: nothing copied
         self.num_copied_tokens = num_copied_tokens
         self.num_cached_tokens = num_cached_tokens
         self.num_new_blocks = num_new_blocks      # free blocks the allocation takes
+        self.num_blocks = num_blocks              # the sequence's table length after it
 
 
 class BlockManager:
@@ -163,8 +164,20 @@ class BlockManager:
             n += 1
         return n
 
-    def match(self, seq: Sequence) -> PrefixMatch:
-        """The longest prefix of seq the cache holds, leaving at least its last token to compute."""
+    def num_unseen_blocks(self, num_cached_tokens: int) -> int:
+        """Blocks that no token computed from position num_cached_tokens on can see (every layer slides).
+
+        That token sees the keys after num_cached_tokens - window; one position of slack keeps what a fork's
+        child sees when it recomputes its parent's last prompt token.
+        """
+        return max(0, num_cached_tokens - self.sliding_window) // self.block_size
+
+    def match(self, seq: Sequence, token_budget: int | None = None) -> PrefixMatch:
+        """The longest prefix of seq the cache holds, leaving at least its last token to compute.
+
+        Where every layer slides, a hit behind the window is -1 in block_ids (not taken: no token computed
+        reads it), and the allocation covers only the first token_budget tokens after the hit (the first
+        chunk: later chunks grow the table)."""
         block_ids: list[int] = []
         copy_src, num_copied = -1, 0
         if self.enable_prefix_caching:
@@ -184,33 +197,44 @@ class BlockManager:
             head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
             if head:
                 copy_src, num_copied = self.heads.longest_match(parent, head)
+        num_cached_tokens = len(block_ids) * self.block_size + num_copied
+        num_blocks = seq.num_blocks
+        if self.sliding_window is not None:
+            # whole blocks only: can_allocate may drop the copied head
+            for i in range(min(self.num_unseen_blocks(len(block_ids) * self.block_size), len(block_ids))):
+                block_ids[i] = -1
+            if token_budget is not None:
+                num_blocks = blocks_for(min(seq.num_tokens, num_cached_tokens + token_budget), self.block_size)
         used = self.used_block_ids
-        num_new_blocks = seq.num_blocks - sum(1 for b in block_ids if b in used)
+        num_new_blocks = num_blocks - sum(1 for b in block_ids if b == -1 or b in used)
         if copy_src != -1 and copy_src not in used:
             num_new_blocks += 1  # pinning a freed source takes it out of the free queue for the step
-        return PrefixMatch(block_ids, copy_src, num_copied, len(block_ids) * self.block_size + num_copied,
-                           num_new_blocks)
+        return PrefixMatch(block_ids, copy_src, num_copied, num_cached_tokens, num_new_blocks, num_blocks)
 
-    def can_allocate(self, seq: Sequence) -> PrefixMatch | None:
-        """What seq would reuse from the prefix cache, or None if free blocks can't cover the rest."""
-        match = self.match(seq)
+    def can_allocate(self, seq: Sequence, token_budget: int | None = None) -> PrefixMatch | None:
+        """What seq would reuse from the prefix cache, or None if free blocks can't cover the rest (where every
+        layer slides, the rest up to token_budget tokens: a prompt's later chunks grow its table)."""
+        match = self.match(seq, token_budget)
         # An in-use hit is shared and costs no free block; a freed hit is taken back out of the
         # free queue, so it still counts as one.
         num_free = len(self.free_block_ids)
         if num_free < match.num_new_blocks and match.copy_src != -1 and match.copy_src not in self.used_block_ids:
             # pinning the freed source is what does not fit: compute its head instead of waiting
             match = PrefixMatch(match.block_ids, -1, 0, len(match.block_ids) * self.block_size,
-                                match.num_new_blocks - 1)
+                                match.num_new_blocks - 1, match.num_blocks)
         return match if num_free >= match.num_new_blocks else None
 
     def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
         assert not seq.block_table
         for block_id in match.block_ids:
-            self._take(block_id)
+            if block_id != -1:
+                self._take(block_id)
+            else:
+                seq.num_released_blocks += 1
             seq.block_table.append(block_id)
         if match.copy_src != -1:
             self._take(match.copy_src)  # pinned before any fresh block is taken below
-        for _ in range(len(match.block_ids), seq.num_blocks):
+        for _ in range(len(match.block_ids), match.num_blocks):
             seq.block_table.append(self._allocate_block())
         if match.copy_src != -1:
             self.block_copies.append((match.copy_src, seq.block_table[len(match.block_ids)],
@@ -239,12 +263,8 @@ class BlockManager:
         seq.block_table.clear()
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """Give back seq's blocks that no token it computes from now on can see (every layer slides).
-
-        The next token computed sits at num_cached_tokens and sees the keys after num_cached_tokens - window;
-        one position of slack keeps what a fork's child sees when it recomputes its parent's last prompt token.
-        """
-        num_unseen = max(0, seq.num_cached_tokens - self.sliding_window) // self.block_size
+        """Give back seq's blocks that no token it computes from now on can see (every layer slides)."""
+        num_unseen = self.num_unseen_blocks(seq.num_cached_tokens)
         table = seq.block_table
         for i in range(seq.num_released_blocks, min(num_unseen, len(table))):
             self._release(table[i])
@@ -256,7 +276,7 @@ class BlockManager:
         that ran past its prompt may have released blocks the child's recomputed last prompt token sees."""
         if self.sliding_window is None:
             return True
-        return parent.num_released_blocks <= max(0, parent.num_prompt_tokens - 1 - self.sliding_window) // self.block_size
+        return parent.num_released_blocks <= self.num_unseen_blocks(parent.num_prompt_tokens - 1)
 
     def fork(self, child: Sequence, parent: Sequence) -> None:
         """Give child (another completion of parent's prompt) the prompt's K/V without computing it again:

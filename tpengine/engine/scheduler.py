@@ -126,11 +126,20 @@ class Scheduler:
         max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
         block_size = self.block_manager.block_size
         blocks_needed = blocks_for(max_len, block_size)
+        window = self.block_manager.sliding_window
+        if window is not None:
+            # every layer slides: a step holds the window behind its first token and the tokens it computes
+            # (a prompt chunk, or a token and its drafts), one partly filled block at each end, and a copy source
+            step_tokens = max(self.max_num_batched_tokens, self.num_speculative_tokens + 1)
+            blocks_needed = min(blocks_needed, (window + step_tokens + 2 * block_size - 2) // block_size + 1)
         if blocks_needed > self.block_manager.num_blocks:
+            needs = (f"up to {max_len} tokens = {blocks_needed} KV-cache blocks" if window is None else
+                     f"{blocks_needed} KV-cache blocks at once (the sliding window of {window} tokens and a step's "
+                     f"{step_tokens})")
             raise ValueError(
-                f"request needs up to {max_len} tokens = {blocks_needed} KV-cache blocks of {block_size} "
-                f"tokens, but the whole cache has only {self.block_manager.num_blocks} blocks; "
-                f"shorten the prompt or max_tokens, or give the cache more blocks")
+                f"request needs {needs} of {block_size} tokens, but the whole cache has only "
+                f"{self.block_manager.num_blocks} blocks; shorten the prompt or max_tokens, or give the cache "
+                f"more blocks")
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence whose request passed check_fits (the engine checks once per request)."""
@@ -287,7 +296,7 @@ class Scheduler:
                 else:
                     seq.parent = None  # nothing left to fork: prefill as any request (prefix hits apply)
             if not seq.block_table:
-                match = block_manager.can_allocate(seq)
+                match = block_manager.can_allocate(seq, token_budget)
                 if match is None:
                     break
                 if (computing is not None and seq.arrival_step > oldest_fresh_step
@@ -299,10 +308,12 @@ class Scheduler:
                 block_manager.allocate(seq, match)
                 if seq.num_prompt_cached_tokens < 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
-            elif block_manager.sliding_window is not None:  # a prompt's next chunk: the blocks behind it go back
-                block_manager.release_out_of_window(seq)
+            elif block_manager.sliding_window is not None and not self._grow_for_chunk(seq, token_budget):
+                break
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
-            seq.num_scheduled_tokens = min(num_new_tokens, token_budget)
+            # where every layer slides, the table may cover only part of the rest (its blocks grow by chunk)
+            seq.num_scheduled_tokens = min(num_new_tokens, token_budget,
+                                           len(seq.block_table) * block_manager.block_size - seq.num_cached_tokens)
             token_budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if computing is not None:
@@ -321,6 +332,23 @@ class Scheduler:
                 # first in the next batch: the only sequence of a batch that may be chunked is its first
                 waiting.appendleft(chunked)
         return scheduled
+
+    def _grow_for_chunk(self, seq: Sequence, token_budget: int) -> bool:
+        """A prompt's next chunk where every layer slides: give back the blocks behind the window, then take
+        those of the chunk's tokens (its first chunk took only its own). False if no free block is left for
+        even one token; a chunk shortened to the free blocks takes the budget it then spends."""
+        block_manager = self.block_manager
+        block_manager.release_out_of_window(seq)
+        block_size = block_manager.block_size
+        end = min(seq.num_tokens, seq.num_cached_tokens + token_budget,
+                  (len(seq.block_table) + block_manager.num_free_blocks) * block_size)
+        if end <= seq.num_cached_tokens:
+            return False
+        for block_id in block_manager.grow(seq, end):
+            if seq.on_workers:  # else its whole table goes with this step's message
+                self._appended_seq_ids.append(seq.seq_id)
+                self._appended_block_ids.append(block_id)
+        return True
 
     def _admission_order(self, head: list[Sequence]) -> list[Sequence]:
         """head in the order to try: a partly prefilled sequence first, then, of the first
