@@ -48,10 +48,10 @@ class GemmaDecoderLayer(DecoderLayer):
 
 def gemma_family(config: HFConfig, **overrides) -> DecoderFamily:
     bias = config.attention_bias
-    return DecoderFamily(qkv_bias=bias, o_bias=bias, norm=GemmaRMSNorm, activation=GeluTanhAndMul,
-                         attention_scale=config.query_pre_attn_scalar ** -0.5,
-                         embed_scale=config.hidden_size ** 0.5, final_logit_softcap=config.final_logit_softcapping,
-                         **overrides)
+    properties = dict(qkv_bias=bias, o_bias=bias, norm=GemmaRMSNorm, activation=GeluTanhAndMul,
+                      attention_scale=config.query_pre_attn_scalar ** -0.5, embed_scale=config.hidden_size ** 0.5,
+                      final_logit_softcap=config.final_logit_softcapping)
+    return DecoderFamily(**{**properties, **overrides})
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
