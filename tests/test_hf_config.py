@@ -57,10 +57,12 @@ WRITTEN = {
                                                                    sliding_window_pattern=3)),
     "gemma3": ("Gemma3ForConditionalGeneration", Gemma3Config,
                dict(text_config=dict(GEMMA3_TEXT, model_type="gemma3_text"), vision_config=TINY_VISION,
-                    tie_word_embeddings=False, dtype="bfloat16")),
+                    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=[1, 106])),
 }
-# a Gemma3ForConditionalGeneration config's own fields; its text model's are its text_config's
+# a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
+# are its text_config's
 OUTER_FIELDS = ("model_type", "architectures", "dtype", "tie_word_embeddings", "quantization_config")
+OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id")
 # the per-layer-type rope of Gemma 3, which transformers 4 spelled rope_theta, rope_local_base_freq and rope_scaling
 FLAT_ROPE = [name for name in WRITTEN if not name.startswith("gemma3")]
 
@@ -76,7 +78,8 @@ def absent(field: dataclasses.Field):
 
 
 def transformers_value(config, field: dataclasses.Field):
-    if config.model_type == "gemma3" and field.name not in OUTER_FIELDS:
+    if config.model_type == "gemma3" and not (field.name in OUTER_FIELDS
+                                              or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
         config = config.get_text_config()
     value = getattr(config, field.name) if hasattr(config, field.name) else absent(field)
     if field.name == "dtype" and value is not None:  # a torch.dtype there, its name here
@@ -158,17 +161,16 @@ def test_transformers_4_key_names_read_as_transformers_reads_them(name, tmp_path
 @pytest.mark.parametrize("name", ["gemma3_text", "gemma3_pattern", "gemma3"])
 def test_gemma3_transformers_4_rope_keys_read_as_transformers_reads_them(name, rope_scaling, tmp_path):
     path, raw = write_config(tmp_path, name)
-    text = raw.get("text_config", raw)
+    text = raw.get("text_config", raw)  # where the text model's keys are
     rope = text.pop("rope_parameters")
     text.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling=rope_scaling,
                 rope_local_base_freq=rope["sliding_attention"]["rope_theta"] / 2)
-    pattern = text.pop("layer_types").index("full_attention") + 1
-    text["sliding_window_pattern"] = pattern
+    text["sliding_window_pattern"] = text.pop("layer_types").index("full_attention") + 1
     assert mismatches(rewrite(path, raw)) == []
-    for key in ("rope_theta", "rope_local_base_freq"):
-        assert mismatches(rewrite(path, {**raw, **({"text_config": {k: v for k, v in text.items() if k != key}}
-                                                   if "text_config" in raw else
-                                                   {k: v for k, v in text.items() if k != key})})) == []
+    for key in ("rope_theta", "rope_local_base_freq"):  # each missing one takes Gemma3TextConfig's default
+        value = text.pop(key)
+        assert mismatches(rewrite(path, raw)) == [], key
+        text[key] = value
 
 
 def test_every_supported_architecture_has_a_family():

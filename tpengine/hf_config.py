@@ -212,7 +212,7 @@ def _gemma3_rope_parameters(raw: dict, max_position_embeddings: int, source: str
     if given is not None and not (isinstance(given, dict) and all(isinstance(v, dict) for v in given.values())):
         raise _invalid(source, f"rope_parameters must be an object of one object per layer type, got {given!r:.80}")
     params = {layer_type: dict(value) for layer_type, value in (given or {}).items()}
-    if raw.get("rope_scaling") is not None:
+    if _checked(source, "rope_scaling", raw.get("rope_scaling"), "object or null") is not None:
         params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
     for layer_type, (key, theta) in GEMMA3_ROPE_THETAS.items():
         params.setdefault(layer_type, {"rope_type": "default"}).setdefault("rope_theta", raw.get(key, theta))
@@ -273,18 +273,19 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
 
 def _gemma3_text_part(raw: dict, source: str) -> HFConfig:
     """A Gemma3ForConditionalGeneration config: its text_config (a gemma3_text config) serves the text model;
-    the architecture, dtype, tied head and quantization are the outer config's."""
+    the architecture, dtype, tied head and quantization are the outer config's, and its token ids where it
+    has them (Gemma 3's list [1, 106] as EOS: end of text and end of turn)."""
     text = _checked(source, "text_config", raw.get("text_config"), "object or null") or {}
     config = parse_hf_config({**text, "model_type": "gemma3_text"}, f"{source} (text_config)")
     outer = {**FAMILY_DEFAULTS["gemma3"], **raw}
-    _checked(source, "architectures", outer.get("architectures"), "texts or null")
-    _checked(source, "tie_word_embeddings", outer["tie_word_embeddings"], "bool")
     dtype = outer.get("dtype") if outer.get("dtype") is not None else outer.get("torch_dtype")
-    _checked(source, "dtype", dtype, "text or null")
-    return replace(config, model_type="gemma3", architectures=outer.get("architectures"),
-                   dtype=dtype if dtype is not None else config.dtype,
-                   tie_word_embeddings=outer["tie_word_embeddings"],
-                   quantization_config=outer.get("quantization_config", config.quantization_config))
+    own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
+           "dtype": dtype if dtype is not None else config.dtype,
+           "quantization_config": outer.get("quantization_config", config.quantization_config),
+           **{name: outer[name] for name in ("bos_token_id", "eos_token_id") if name in outer}}
+    for name, value in own.items():
+        _checked(source, name, value, FIELD_KINDS[name])
+    return replace(config, model_type="gemma3", **own)
 
 
 def _read_json(path: str):
@@ -372,8 +373,7 @@ def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopePa
     the checkpoint has one set; ValueError naming a rope type or setting we do not implement."""
     params = config.rope_parameters
     if any(isinstance(value, dict) for value in params.values()):
-        if layer_idx is None:
-            raise ValueError("rope parameters per layer type need the layer whose parameters are wanted")
+        assert layer_idx is not None, "rope parameters per layer type: ask for a layer's"
         layer_type = config.layer_types[layer_idx] if config.layer_types is not None else None
         if not isinstance(params.get(layer_type), dict):
             raise ValueError(f"rope_parameters has no parameters for layer {layer_idx}'s type {layer_type!r}")
