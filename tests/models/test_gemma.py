@@ -187,3 +187,41 @@ def test_unsupported_gemma_settings_are_a_value_error_naming_them(settings, mess
     config = parse_hf_config({"architectures": ["Gemma2ForCausalLM"], **settings}, "config.json")
     with pytest.raises(ValueError, match=message):
         check_supported(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_matches_transformers_with_and_without_a_residual(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from tpengine.layers.layernorm import GemmaRMSNorm
+    g = torch.Generator().manual_seed(0)
+    theirs = Gemma3RMSNorm(64, eps=1e-6)
+    theirs.weight.data = (torch.randn(64, generator=g) * 0.5).to(dtype)
+    ours = GemmaRMSNorm(64, eps=1e-6)
+    ours.weight.weight_loader(ours.weight, theirs.weight.data)
+    x, residual = (torch.randn(5, 64, generator=g).to(dtype) for _ in range(2))
+    # float32 runs the platform's op (the CPU's C++ sums in another order); bfloat16 the torch code, bit for bit
+    same = torch.testing.assert_close if dtype == torch.float32 else \
+        lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        same(ours(x.clone()), theirs(x))
+        normed, summed = ours(x.clone(), residual.clone())
+        same(summed, x + residual)
+        same(normed, theirs(x + residual))
+
+
+def test_gemma_q_k_norms_run_before_the_rotation_in_bfloat16():
+    """The CPU's fused q/k norm takes weights of q's dtype; Gemma's float32 ones take the torch path."""
+    from tpengine.hf_config import RopeParameters
+    from tpengine.layers.layernorm import GemmaRMSNorm
+    from tpengine.layers.rotary_embedding import RotaryEmbedding
+    from tpengine.platforms import torch_ops
+    g = torch.Generator().manual_seed(1)
+    norm = GemmaRMSNorm(16)
+    norm.weight.weight_loader(norm.weight, torch.randn(16, generator=g))
+    rope = RotaryEmbedding(16, 64, RopeParameters(theta=1e4))
+    q, k = torch.randn(3, 4, 16, generator=g).bfloat16(), torch.randn(3, 2, 16, generator=g).bfloat16()
+    positions = torch.tensor([0, 5, 9])
+    expected = torch_ops.apply_rotary_in_halves(positions, norm(q), norm(k), rope.cos_sin_cache)
+    for ours, ref in zip(rope(positions, q.clone(), k.clone(), norm, norm), expected, strict=True):
+        assert torch.equal(ours, ref)
