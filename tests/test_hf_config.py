@@ -6,7 +6,8 @@ import json
 import os
 
 import pytest
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from tests.models.moe import MOE_MODEL
 from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
@@ -18,6 +19,12 @@ MOE = {k: v for k, v in MOE_MODEL.items() if k not in ("architecture", "with_tok
 YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)
 LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
+GEMMA3_ROPE = {"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+               "sliding_attention": dict(rope_type="default", rope_theta=1e4)}
+GEMMA3_TEXT = dict(SMALL, head_dim=32, sliding_window=64, query_pre_attn_scalar=32, rope_parameters=GEMMA3_ROPE,
+                   final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2)
+TINY_VISION = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=14)
 
 # (architecture, config class, settings): each family's non-defaults where our code reads them
 WRITTEN = {
@@ -40,7 +47,24 @@ WRITTEN = {
     "qwen3_moe_stepped": ("Qwen3MoeForCausalLM", Qwen3MoeConfig,
                           dict(MOE, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2,
                                use_sliding_window=True, sliding_window=16)),
+    "gemma2": ("Gemma2ForCausalLM", Gemma2Config, dict(SMALL, head_dim=16, sliding_window=32, query_pre_attn_scalar=24,
+                                                       attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+                                                       tie_word_embeddings=False, eos_token_id=[1, 107])),
+    "gemma2_no_caps": ("Gemma2ForCausalLM", Gemma2Config, dict(SMALL, attn_logit_softcapping=None,
+                                                               final_logit_softcapping=None, attention_bias=True)),
+    "gemma3_text": ("Gemma3ForCausalLM", Gemma3TextConfig, GEMMA3_TEXT),
+    "gemma3_pattern": ("Gemma3ForCausalLM", Gemma3TextConfig, dict(SMALL, num_hidden_layers=7,
+                                                                   sliding_window_pattern=3)),
+    "gemma3": ("Gemma3ForConditionalGeneration", Gemma3Config,
+               dict(text_config=dict(GEMMA3_TEXT, model_type="gemma3_text"), vision_config=TINY_VISION,
+                    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=[1, 106])),
 }
+# a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
+# are its text_config's
+OUTER_FIELDS = ("model_type", "architectures", "dtype", "tie_word_embeddings", "quantization_config")
+OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id")
+# the per-layer-type rope of Gemma 3, which transformers 4 spelled rope_theta, rope_local_base_freq and rope_scaling
+FLAT_ROPE = [name for name in WRITTEN if not name.startswith("gemma3")]
 
 
 def absent(field: dataclasses.Field):
@@ -54,6 +78,9 @@ def absent(field: dataclasses.Field):
 
 
 def transformers_value(config, field: dataclasses.Field):
+    if config.model_type == "gemma3" and not (field.name in OUTER_FIELDS
+                                              or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
+        config = config.get_text_config()
     value = getattr(config, field.name) if hasattr(config, field.name) else absent(field)
     if field.name == "dtype" and value is not None:  # a torch.dtype there, its name here
         return str(value).removeprefix("torch.")
@@ -100,14 +127,22 @@ def test_a_missing_key_takes_the_default_of_the_family_s_transformers_config(nam
     found = {}
     for key in sorted(set(raw) - {"architectures", "model_type"}):
         found[key] = mismatches(rewrite(path, {k: v for k, v in raw.items() if k != key}))
-    for key in sorted(raw["rope_parameters"]):
+    for key in sorted(raw.get("rope_parameters") or ()):
         rope = {k: v for k, v in raw["rope_parameters"].items() if k != key}
         found[f"rope_parameters.{key}"] = mismatches(rewrite(path, {**raw, "rope_parameters": rope}))
+        if isinstance(raw["rope_parameters"][key], dict):  # per layer type: each of its keys too
+            for inner in sorted(raw["rope_parameters"][key]):
+                rope = {**raw["rope_parameters"],
+                        key: {k: v for k, v in raw["rope_parameters"][key].items() if k != inner}}
+                found[f"rope_parameters.{key}.{inner}"] = mismatches(rewrite(path, {**raw, "rope_parameters": rope}))
+    for key in sorted(raw.get("text_config") or ()):
+        text = {k: v for k, v in raw["text_config"].items() if k != key}
+        found[f"text_config.{key}"] = mismatches(rewrite(path, {**raw, "text_config": text}))
     found["every key"] = mismatches(rewrite(path, {k: raw[k] for k in ("architectures", "model_type")}))
     assert {key: problems for key, problems in found.items() if problems} == {}
 
 
-@pytest.mark.parametrize("name", list(WRITTEN))
+@pytest.mark.parametrize("name", FLAT_ROPE)
 def test_transformers_4_key_names_read_as_transformers_reads_them(name, tmp_path):
     path, raw = write_config(tmp_path, name)
     rope = raw.pop("rope_parameters")
@@ -122,9 +157,26 @@ def test_transformers_4_key_names_read_as_transformers_reads_them(name, tmp_path
     assert mismatches(rewrite(path, raw)) == []
 
 
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 8.0}])
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma3_pattern", "gemma3"])
+def test_gemma3_transformers_4_rope_keys_read_as_transformers_reads_them(name, rope_scaling, tmp_path):
+    path, raw = write_config(tmp_path, name)
+    text = raw.get("text_config", raw)  # where the text model's keys are
+    rope = text.pop("rope_parameters")
+    text.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling=rope_scaling,
+                rope_local_base_freq=rope["sliding_attention"]["rope_theta"] / 2)
+    text["sliding_window_pattern"] = text.pop("layer_types").index("full_attention") + 1
+    assert mismatches(rewrite(path, raw)) == []
+    for key in ("rope_theta", "rope_local_base_freq"):  # each missing one takes Gemma3TextConfig's default
+        value = text.pop(key)
+        assert mismatches(rewrite(path, raw)) == [], key
+        text[key] = value
+
+
 def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
-                   Qwen3MoeConfig.model_type}
+                   Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
+                   Gemma3Config.model_type}
     assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
 
 
@@ -135,7 +187,8 @@ def test_every_supported_architecture_has_a_family():
     ({"sliding_window": 12.5}, "sliding_window must be an integer >= 1 or null, got 12.5"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
+                                    "gemma2, gemma3_text, gemma3"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

@@ -6,12 +6,14 @@ imports torch or transformers: rank 0 checks a checkpoint before any worker star
 """
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 # architectures[0] values the shared decoder implements; models/registry.py maps each to its class
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM")
+                 "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+GEMMA_FAMILIES = ("gemma2", "gemma3_text", "gemma3")  # their MLP reads hidden_activation, not hidden_act
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU with the tanh approximation, torch's own
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -46,9 +48,32 @@ FAMILY_DEFAULTS = {
         tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
         decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
         norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None),
+    "gemma2": dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, use_bidirectional_attention=None),
+    "gemma3_text": dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=None,
+        attn_logit_softcapping=None, use_bidirectional_attention=False),
+    # Gemma3ForConditionalGeneration: the text model's settings are its text_config's (a gemma3_text config);
+    # these few are the outer config's own
+    "gemma3": dict(tie_word_embeddings=True),
 }
 # transformers' attribute_map: the config.json key a field may be written under (and which wins)
 KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+# model_type -> how its layer_types are derived when config.json has none: every n-th layer attends fully, the
+# others slide; n is the setting named, or the number given (Gemma 2 alternates)
+SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": "sliding_window_pattern"}
+DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma3TextConfig's
+# Gemma 3's rope_theta defaults, per layer type (Gemma3TextConfig.default_theta), and the transformers 4 key
+# that gave each
+GEMMA3_ROPE_THETAS = {"full_attention": ("rope_theta", 1_000_000.0),
+                      "sliding_attention": ("rope_local_base_freq", 10_000.0)}
 
 
 @dataclass(frozen=True)
@@ -62,12 +87,14 @@ class HFConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    hidden_act: str
     max_position_embeddings: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    # standardized as transformers 5 keeps it: rope_type and rope_theta always, whatever keys config.json used
+    # standardized as transformers 5 keeps it: rope_type and rope_theta always, whatever keys config.json used;
+    # Gemma 3's holds one such dict per layer type ({"full_attention": {...}, "sliding_attention": {...}})
     rope_parameters: dict
+    hidden_act: str | None = None               # the MLP's activation; None in Gemma's configs, which use:
+    hidden_activation: str | None = None        # Gemma: the MLP's activation
     architectures: list[str] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -84,10 +111,18 @@ class HFConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scores scale by its -0.5 power, not head_dim's
+    attn_logit_softcapping: float | None = None   # Gemma 2: scores become c * tanh(scores / c) before the softmax
+    final_logit_softcapping: float | None = None  # Gemma: logits become c * tanh(logits / c)
+    use_bidirectional_attention: bool | None = None  # Gemma: true attends both ways (an encoder); refused
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # kind -> (whether a value is one, what the error says it must be)
@@ -95,8 +130,11 @@ _KINDS = {
     "count": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "count or null": (lambda v: v is None or _is_int(v) and v >= 1, "an integer >= 1 or null"),
     "int >= 0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "number": (lambda v: _is_number(v), "a number"),
+    "number or null": (lambda v: v is None or _is_number(v), "a number or null"),
+    "positive number or null": (lambda v: v is None or _is_number(v) and v > 0, "a number > 0 or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "bool or null": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "text": (lambda v: isinstance(v, str), "a string"),
     "text or null": (lambda v: v is None or isinstance(v, str), "a string or null"),
     "texts or null": (lambda v: v is None or isinstance(v, list) and all(isinstance(s, str) for s in v),
@@ -107,22 +145,27 @@ _KINDS = {
     "token ids or null": (lambda v: v is None or _is_int(v) or isinstance(v, list) and all(_is_int(i) for i in v),
                           "an integer, a list of integers or null"),
     "object": (lambda v: isinstance(v, dict), "an object"),
+    "object or null": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "anything": (lambda v: True, ""),
 }
 FIELD_KINDS = {
     "model_type": "text", "vocab_size": "count", "hidden_size": "count", "intermediate_size": "count",
     "num_hidden_layers": "count", "num_attention_heads": "count",
     "num_key_value_heads": "count or null",  # null: num_attention_heads
-    "hidden_act": "text", "max_position_embeddings": "count", "rms_norm_eps": "number",
-    "tie_word_embeddings": "bool", "rope_parameters": "object", "architectures": "texts or null",
+    "max_position_embeddings": "count", "rms_norm_eps": "number", "tie_word_embeddings": "bool",
+    "rope_parameters": "object", "hidden_act": "text or null", "hidden_activation": "text or null",
+    "architectures": "texts or null",
     "bos_token_id": "token id or null", "eos_token_id": "token ids or null", "dtype": "text or null",
     "head_dim": "count or null", "attention_bias": "bool", "mlp_bias": "bool", "sliding_window": "count or null",
     "layer_types": "texts or null", "quantization_config": "anything", "num_experts": "int >= 0",
     "num_experts_per_tok": "count or null", "moe_intermediate_size": "count or null", "norm_topk_prob": "bool",
     "decoder_sparse_step": "count", "mlp_only_layers": "layer indices or null",  # null: none
+    "query_pre_attn_scalar": "number or null", "attn_logit_softcapping": "positive number or null",
+    "final_logit_softcapping": "positive number or null", "use_bidirectional_attention": "bool or null",
 }
 # keys read only to derive fields
-SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0"}
+SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
+                 "rope_local_base_freq": "number", "text_config": "object or null"}
 assert list(FIELD_KINDS) == [f.name for f in fields(HFConfig)]
 
 
@@ -144,15 +187,37 @@ def _rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> di
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
     params = dict(given or {})
-    if any(isinstance(value, dict) for value in params.values()):
-        return params  # per layer type: rope_parameters_of refuses it
-    params.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    if any(isinstance(value, dict) for value in params.values()):  # per layer type, as Gemma 3's
+        return {layer_type: _standardized(dict(value), raw, raw.get("rope_theta"), max_position_embeddings)
+                for layer_type, value in params.items()}
+    return _standardized(params, raw, raw.get("rope_theta", DEFAULT_ROPE_THETA), max_position_embeddings)
+
+
+def _standardized(params: dict, raw: dict, rope_theta, max_position_embeddings: int) -> dict:
+    """One set of rope parameters as transformers' standardize_rope_params completes it."""
+    params.setdefault("rope_theta", rope_theta)
     if raw.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
     return params
+
+
+def _gemma3_rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
+    """Gemma 3's rope parameters per layer type, as Gemma3TextConfig completes them: transformers 4's
+    rope_scaling applies to the full-attention layers, its rope_theta and rope_local_base_freq give the
+    full and sliding layers' thetas."""
+    given = raw.get("rope_parameters")
+    if given is not None and not (isinstance(given, dict) and all(isinstance(v, dict) for v in given.values())):
+        raise _invalid(source, f"rope_parameters must be an object of one object per layer type, got {given!r:.80}")
+    params = {layer_type: dict(value) for layer_type, value in (given or {}).items()}
+    if _checked(source, "rope_scaling", raw.get("rope_scaling"), "object or null") is not None:
+        params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
+    for layer_type, (key, theta) in GEMMA3_ROPE_THETAS.items():
+        params.setdefault(layer_type, {"rope_type": "default"}).setdefault("rope_theta", raw.get(key, theta))
+    return {layer_type: _standardized(value, raw, None, max_position_embeddings)
+            for layer_type, value in params.items()}
 
 
 def parse_hf_config(raw: dict, source: str) -> HFConfig:
@@ -163,6 +228,8 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
     if model_type not in FAMILY_DEFAULTS:
         problem = "it has no model_type" if model_type is None else f"model_type {model_type!r:.80} is not supported"
         raise _invalid(source, f"{problem}; supported: {', '.join(FAMILY_DEFAULTS)}")
+    if model_type == "gemma3":
+        return _gemma3_text_part(raw, source)
     defaults = FAMILY_DEFAULTS[model_type]
     values = {**defaults, **raw}
     for name, key in KEY_ALIASES.get(model_type, {}).items():
@@ -187,6 +254,11 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = ["sliding_attention" if values.get("sliding_window") is not None
                                  and i >= values["max_window_layers"] else "full_attention"
                                  for i in range(values["num_hidden_layers"])]
+    pattern = SLIDING_PATTERNS.get(model_type)
+    if pattern is not None and values["layer_types"] is None:
+        every = values.get(pattern, DEFAULT_SLIDING_WINDOW_PATTERN) if isinstance(pattern, str) else pattern
+        values["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
     if values.get("layer_types") is not None:
         if len(values["layer_types"]) != values["num_hidden_layers"]:
             raise _invalid(source, f"layer_types has {len(values['layer_types'])} entries, not num_hidden_layers="
@@ -194,8 +266,26 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
-    values["rope_parameters"] = _rope_parameters(raw, values["max_position_embeddings"], source)
+    rope_parameters = _gemma3_rope_parameters if model_type == "gemma3_text" else _rope_parameters
+    values["rope_parameters"] = rope_parameters(raw, values["max_position_embeddings"], source)
     return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
+
+
+def _gemma3_text_part(raw: dict, source: str) -> HFConfig:
+    """A Gemma3ForConditionalGeneration config: its text_config (a gemma3_text config) serves the text model;
+    the architecture, dtype, tied head and quantization are the outer config's, and its token ids where it
+    has them (Gemma 3's list [1, 106] as EOS: end of text and end of turn)."""
+    text = _checked(source, "text_config", raw.get("text_config"), "object or null") or {}
+    config = parse_hf_config({**text, "model_type": "gemma3_text"}, f"{source} (text_config)")
+    outer = {**FAMILY_DEFAULTS["gemma3"], **raw}
+    dtype = outer.get("dtype") if outer.get("dtype") is not None else outer.get("torch_dtype")
+    own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
+           "dtype": dtype if dtype is not None else config.dtype,
+           "quantization_config": outer.get("quantization_config", config.quantization_config),
+           **{name: outer[name] for name in ("bos_token_id", "eos_token_id") if name in outer}}
+    for name, value in own.items():
+        _checked(source, name, value, FIELD_KINDS[name])
+    return replace(config, model_type="gemma3", **own)
 
 
 def _read_json(path: str):
@@ -278,11 +368,16 @@ def head_dim_of(config: HFConfig) -> int:
     return config.head_dim or config.hidden_size // config.num_attention_heads
 
 
-def rope_parameters_of(config: HFConfig) -> RopeParameters:
-    """The checkpoint's rotary settings; ValueError naming a rope type or setting we do not implement."""
+def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopeParameters:
+    """The rotary settings of layer layer_idx (Gemma 3 keeps one set per layer type), or of every layer where
+    the checkpoint has one set; ValueError naming a rope type or setting we do not implement."""
     params = config.rope_parameters
     if any(isinstance(value, dict) for value in params.values()):
-        raise ValueError("per-layer-type rope parameters are not supported")
+        assert layer_idx is not None, "rope parameters per layer type: ask for a layer's"
+        layer_type = config.layer_types[layer_idx] if config.layer_types is not None else None
+        if not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"rope_parameters has no parameters for layer {layer_idx}'s type {layer_type!r}")
+        params = params[layer_type]
     rope_type = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta")
     if theta is None:
@@ -333,10 +428,9 @@ def every_layer_slides(config: HFConfig) -> bool:
 def max_positions_of(config: HFConfig) -> int:
     """The positions the model can encode: max_position_embeddings, or YaRN's extended window when longer
     (Qwen2.5 checkpoints keep the original 32k there and add yarn to reach factor x 32k)."""
-    rope = rope_parameters_of(config)
-    if rope.rope_type == "yarn":
-        return max(config.max_position_embeddings, int(rope.original_max_position * rope.factor))
-    return config.max_position_embeddings
+    ropes = {rope_parameters_of(config, i) for i in range(config.num_hidden_layers)}
+    return max([config.max_position_embeddings] + [int(rope.original_max_position * rope.factor)
+                                                   for rope in ropes if rope.rope_type == "yarn"])
 
 
 def max_model_len_of(config: HFConfig, requested: int) -> int:
@@ -357,7 +451,13 @@ def quantization_config_of(config: HFConfig):
 
 def check_supported(config: HFConfig) -> None:
     """ValueError naming the first setting of this checkpoint that the shared decoder does not implement."""
-    if config.hidden_act not in SILU_ACTIVATIONS:
+    if config.model_type in GEMMA_FAMILIES:
+        if config.hidden_activation not in GEMMA_ACTIVATIONS:
+            raise ValueError(f"hidden_activation={config.hidden_activation!r} is not supported; only "
+                             f"{', '.join(map(repr, GEMMA_ACTIVATIONS))} gated MLPs are")
+        if config.use_bidirectional_attention:
+            raise ValueError("use_bidirectional_attention=True is not supported; only causal attention is")
+    elif config.hidden_act not in SILU_ACTIVATIONS:
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
     if config.quantization_config:  # a format or layout tpengine does not read is refused by name
         quantization_config_of(config)
@@ -367,7 +467,8 @@ def check_supported(config: HFConfig) -> None:
     if config.num_experts and not 1 <= (config.num_experts_per_tok or 0) <= config.num_experts:
         raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and "
                          f"num_experts={config.num_experts}")
-    rope_parameters_of(config)
+    for layer_idx in range(config.num_hidden_layers):
+        rope_parameters_of(config, layer_idx)
 
 
 def is_sparse_layer(config: HFConfig, layer_idx: int) -> bool:

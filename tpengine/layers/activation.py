@@ -1,4 +1,5 @@
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tpengine.platforms import current_platform
@@ -14,3 +15,12 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up with GELU's tanh approximation (Gemma's gelu_pytorch_tanh), gate and up packed in the last
+    dimension: torch's op, so torch's values, on every platform."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.gelu(gate, approximate="tanh").mul_(up)  # in place on gelu's fresh output

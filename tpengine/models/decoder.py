@@ -4,7 +4,7 @@
                   RMSNorm -> gated SiLU MLP (or experts)   -> + residual] -> RMSNorm -> LM head
 
 The families differ in a few properties (DecoderFamily); each model file states its own and
-documents its architecture.
+documents its architecture, and may bring its own decoder layer (Gemma's norms around attention and MLP).
 """
 from dataclasses import dataclass
 
@@ -28,6 +28,12 @@ class DecoderFamily:
     o_bias: bool = False     # bias on the attention output projection
     mlp_bias: bool = False   # bias on gate, up and down projections
     qk_norm: bool = False    # RMSNorm over each head's queries and keys, before the rotary embedding
+    norm: type[nn.Module] = RMSNorm          # every norm's class (Gemma's scales by 1 + weight)
+    activation: type[nn.Module] = SiluAndMul  # the gated MLP's act(gate) * up
+    attention_scale: float | None = None     # the attention scores' scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become c * tanh(scores / c) before the softmax
+    embed_scale: float | None = None         # the embedding's rows scaled by it, in the model's dtype
+    final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
 
 
 class DecoderAttention(nn.Module):
@@ -41,13 +47,16 @@ class DecoderAttention(nn.Module):
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=family.o_bias)
         if family.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.q_norm = family.norm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = family.norm(head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config))
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend,
-                              sliding_window=layer_sliding_window(config, layer_idx))
+        # each layer its own rope: Gemma 3's sliding layers have their own base
+        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config, layer_idx))
+        scale = family.attention_scale if family.attention_scale is not None else head_dim ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, backend,
+                              sliding_window=layer_sliding_window(config, layer_idx),
+                              logit_softcap=family.attn_logit_softcap)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)
@@ -62,13 +71,14 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up in one column-parallel matmul."""
+    """down(act(gate(x)) * up(x)), act SiLU unless told; gate and up in one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: type[nn.Module] = SiluAndMul):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = activation()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -80,8 +90,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, family, backend, layer_idx)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions, hidden_states, residual, meta: AttentionMetadata):
         if residual is None:
@@ -95,15 +105,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp,
+                 layer_class: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i), i)
+        # a float32 tensor rounded to the model's dtype as it scales, as transformers keeps it
+        self.register_buffer("embed_scale", None if family.embed_scale is None else
+                             torch.tensor(family.embed_scale, dtype=torch.float32), persistent=False)
+        self.layers = nn.ModuleList([layer_class(config, family, backend, make_mlp(config, family, i), i)
                                      for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
@@ -112,7 +128,9 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The causal LM every family file subclasses: it says its family and, if it must, its MLP."""
+    """The causal LM every family file subclasses: it says its family and, if it must, its MLP or layer."""
+
+    layer_class = DecoderLayer
 
     # checkpoint name -> (our packed parameter, its shard id)
     packed_modules_mapping = {
@@ -125,7 +143,9 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config: HFConfig, backend: AttentionBackend):
         super().__init__()
-        self.model = DecoderModel(config, self.family(config), backend, self.make_mlp)
+        family = self.family(config)
+        self.model = DecoderModel(config, family, backend, self.make_mlp, self.layer_class)
+        self.final_logit_softcap = family.final_logit_softcap
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # one tensor: the checkpoint's embedding serves both
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -135,10 +155,12 @@ class DecoderForCausalLM(nn.Module):
         raise NotImplementedError
 
     def make_mlp(self, config: HFConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=family.mlp_bias)
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=family.mlp_bias,
+                        activation=family.activation)
 
-    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
-        """Our parameter for a checkpoint tensor, and the extra arguments its weight_loader takes."""
+    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
+        """Our parameter for a checkpoint tensor, and the extra arguments its weight_loader takes; None for a
+        tensor the model does not serve (a vision tower beside the text model)."""
         for checkpoint_name, (packed_name, shard_id) in self.packed_modules_mapping.items():
             if f".{checkpoint_name}." in name:
                 return name.replace(f".{checkpoint_name}.", f".{packed_name}."), (shard_id,)
@@ -149,4 +171,10 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True,
                        num_rows: int | None = None) -> torch.Tensor | None:
-        return self.lm_head(hidden_states, gather, num_rows)
+        """The LM head's logits (see ParallelLMHead), soft-capped where the family caps them: elementwise, so
+        every rank's slice and every sampler path sees capped logits."""
+        logits = self.lm_head(hidden_states, gather, num_rows)
+        if self.final_logit_softcap is None or logits is None:
+            return logits
+        cap = self.final_logit_softcap
+        return torch.tanh(logits / cap) * cap

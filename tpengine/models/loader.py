@@ -81,6 +81,11 @@ def _quantized_modules(quantization, files_of: dict[str, str]) -> dict[str, dict
             if not quantization.skips(module) and quantization.is_quantized(module, set(tensors))}
 
 
+def _served(model: nn.Module, name: str) -> bool:
+    """Whether the model reads this checkpoint tensor (not one of a vision tower it does not serve)."""
+    return model.checkpoint_target(name)[0] is not None
+
+
 def _load(param: nn.Parameter, loaded, args: tuple, what: str) -> None:
     try:
         getattr(param, "weight_loader", default_weight_loader)(param, loaded, *args)
@@ -116,6 +121,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
     for file in checkpoint_files(path):
         with _open(file) as f:
             files_of.update((name, file) for name in f.keys())
+    files_of = {name: file for name, file in files_of.items() if _served(model, name)}
     quantized = _quantized_modules(quantization, files_of) if quantization is not None else {}
     in_quantized = {name for tensors in quantized.values() for name in tensors.values()}
     chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once

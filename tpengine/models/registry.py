@@ -14,6 +14,9 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": ("tpengine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tpengine.models.mistral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("tpengine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("tpengine.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("tpengine.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("tpengine.models.gemma", "Gemma3ForConditionalGeneration"),
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURES), "every supported architecture needs its class, and only those"
 
