@@ -5,6 +5,7 @@ of HFConfig holds what AutoConfig gives (tests/test_hf_config.py compares them f
 imports torch or transformers: rank 0 checks a checkpoint before any worker starts.
 """
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -14,7 +15,7 @@ ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Mi
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 # model_type -> the defaults of its transformers config class (transformers/models/<type>/configuration_<type>.py)
@@ -46,6 +47,11 @@ FAMILY_DEFAULTS = {
         tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
         decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
         norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None),
+    "phi3": dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, sliding_window=None,
+        original_max_position_embeddings=4096),
 }
 # transformers' attribute_map: the config.json key a field may be written under (and which wins)
 KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
@@ -122,7 +128,8 @@ FIELD_KINDS = {
     "decoder_sparse_step": "count", "mlp_only_layers": "layer indices or null",  # null: none
 }
 # keys read only to derive fields
-SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0"}
+SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0",
+                 "original_max_position_embeddings": "count"}
 assert list(FIELD_KINDS) == [f.name for f in fields(HFConfig)]
 
 
@@ -137,21 +144,32 @@ def _checked(source: str, name: str, value, kind: str):
     return value
 
 
-def _rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
+def _rope_parameters(raw: dict, values: dict, source: str) -> dict:
     """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
-    top-level rope_theta and partial_rotary_factor fill in, llama3 and yarn get the pre-training window."""
+    top-level rope_theta and partial_rotary_factor fill in, llama3, yarn and longrope get the pre-training window.
+    Phi3Config converts its own way: a partial_rotary_factor always (1.0 by default), its top-level
+    original_max_position_embeddings overriding the one in rope_parameters, and rope types su and yarn read as
+    longrope."""
     given = raw.get("rope_scaling") or raw.get("rope_parameters")
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
     params = dict(given or {})
     if any(isinstance(value, dict) for value in params.values()):
         return params  # per layer type: rope_parameters_of refuses it
+    phi3 = values["model_type"] == "phi3"
     params.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
-    if raw.get("partial_rotary_factor") is not None:
+    if phi3:
+        params.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    elif raw.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
-        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if phi3:
+            params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+    if phi3 and params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"
     return params
 
 
@@ -194,7 +212,7 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
-    values["rope_parameters"] = _rope_parameters(raw, values["max_position_embeddings"], source)
+    values["rope_parameters"] = _rope_parameters(raw, values, source)
     return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
 
 
@@ -268,6 +286,9 @@ class RopeParameters:
     mscale: float | None = None                # yarn
     mscale_all_dim: float | None = None        # yarn
     truncate: bool = True                      # yarn: round the correction range outwards
+    short_factor: tuple[float, ...] | None = None  # longrope: per frequency, within the pre-training window
+    long_factor: tuple[float, ...] | None = None   # longrope: per frequency, past it
+    partial_rotary_factor: float = 1.0         # the share of each head rotated (its first dimensions)
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -276,6 +297,15 @@ class RopeParameters:
 
 def head_dim_of(config: HFConfig) -> int:
     return config.head_dim or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim_of(head_dim: int, rope: RopeParameters) -> int:
+    """The dimensions of each head the rotary embedding turns (the first ones), as transformers rounds them."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+PARTIAL_ROTARY_FAMILIES = ("phi3",)  # whose transformers attention rotates only the first rotary_dim of a head
+LONGROPE_FAMILIES = ("phi3",)  # whose transformers generate switches LongRoPE's factors as models/phi3.py says
 
 
 def rope_parameters_of(config: HFConfig) -> RopeParameters:
@@ -288,10 +318,22 @@ def rope_parameters_of(config: HFConfig) -> RopeParameters:
     if theta is None:
         raise ValueError("config has no rope_theta (neither at the top level nor in rope_parameters)")
     partial = params.get("partial_rotary_factor")
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported; rotary must cover the whole head")
+    partial = 1.0 if partial is None else partial
+    if partial != 1 and config.model_type not in PARTIAL_ROTARY_FAMILIES:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported for {config.model_type}; "
+                         "rotary must cover the whole head")
+    head_dim = head_dim_of(config)
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        raise ValueError(f"partial_rotary_factor={partial!r} must be in (0, 1] and rotate an even number of each "
+                         f"head's {head_dim} dimensions")
+    common = dict(theta=float(theta), partial_rotary_factor=float(partial))
     if rope_type == "default":
-        return RopeParameters(theta=float(theta))
+        return RopeParameters(**common)
+    if rope_type == "longrope":
+        if config.model_type not in LONGROPE_FAMILIES:
+            raise ValueError(f"rope type 'longrope' is not supported for {config.model_type}; "
+                             f"only for {', '.join(LONGROPE_FAMILIES)}")
+        return _longrope_parameters(config, params, common, head_dim)
     original = params.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = params.get("factor")
     if factor is None:
@@ -304,8 +346,38 @@ def rope_parameters_of(config: HFConfig) -> RopeParameters:
         missing = [key for key in ("low_freq_factor", "high_freq_factor") if key not in optional]
         if missing:
             raise ValueError(f"rope type 'llama3' needs {', '.join(missing)} in rope_parameters")
-    return RopeParameters(theta=float(theta), rope_type=rope_type, factor=float(factor),
-                          original_max_position=int(original), **optional)
+    return RopeParameters(rope_type=rope_type, factor=float(factor), original_max_position=int(original),
+                          **common, **optional)
+
+
+def _longrope_parameters(config: HFConfig, params: dict, common: dict, head_dim: int) -> RopeParameters:
+    """LongRoPE (Phi-3 and later): a factor per frequency, short_factor within the pre-training window and
+    long_factor past it, and cos/sin scaled by an attention factor derived from the window's extension."""
+    missing = [key for key in ("short_factor", "long_factor", "original_max_position_embeddings")
+               if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope type 'longrope' needs {', '.join(missing)} in rope_parameters")
+    num_frequencies = int(head_dim * common["partial_rotary_factor"]) // 2
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        value = params[key]
+        if not (isinstance(value, list) and len(value) == num_frequencies
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
+            raise ValueError(f"rope_parameters' {key} must be a list of {num_frequencies} numbers (one per rotary "
+                             f"frequency), got {value!r:.80}")
+        lists[key] = tuple(float(x) for x in value)
+    original = params["original_max_position_embeddings"]
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise ValueError(f"original_max_position_embeddings must be an integer >= 1, got {original!r}")
+    # transformers: without a factor, the ratio of the extended window to the pre-training one
+    factor = params.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeParameters(rope_type="longrope", factor=float(factor), original_max_position=original,
+                          attention_factor=float(attention_factor), **lists, **common)
 
 
 def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:

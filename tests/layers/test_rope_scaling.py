@@ -1,4 +1,6 @@
 """Inverse frequencies and YaRN's attention scaling equal transformers' rope initialisation, type by type."""
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
@@ -72,3 +74,57 @@ def test_other_rope_types_are_a_value_error_naming_the_type(rope_type):
                                                                            "factor": 2.0}}, "config.json")
     with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported"):
         rope_parameters_of(config)
+
+
+def phi3_config(partial_rotary_factor: float = 1.0, **rope):
+    from transformers import Phi3Config
+    num_frequencies = int(32 * partial_rotary_factor) // 2
+    params = {"rope_type": "longrope", "rope_theta": 10000.0,
+              "short_factor": [1.0 + 0.1 * i for i in range(num_frequencies)],
+              "long_factor": [1.5 + 2.0 * i for i in range(num_frequencies)], **rope}
+    return Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=1024,
+                      original_max_position_embeddings=64, partial_rotary_factor=partial_rotary_factor,
+                      rope_parameters=params)
+
+
+# no factor: max_position_embeddings / original_max_position_embeddings = 16; a given one; a given attention factor
+@pytest.mark.parametrize("rope, scaling", [({}, (1 + math.log(16) / math.log(64)) ** 0.5),
+                                           ({"factor": 4.0}, (1 + math.log(4) / math.log(64)) ** 0.5),
+                                           ({"attention_factor": 1.5}, 1.5)], ids=str)
+def test_longrope_short_and_long_frequencies_and_attention_factor_equal_transformers(rope, scaling):
+    config = phi3_config(**rope)
+    short, short_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long, long_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=65)
+    ours = RotaryEmbedding(32, 1024, rope_parameters_of(as_hf_config(config)))
+    assert torch.equal(inverse_frequencies(32, rope_parameters_of(as_hf_config(config)))[0], short)
+    assert not torch.equal(short, long) and short_scaling == long_scaling == pytest.approx(scaling)
+    scaling = short_scaling
+    cache = ours.cos_sin_cache
+    for positions, inv_freq in [(torch.arange(64), short), (torch.arange(64, 1024), long)]:
+        freqs = positions[:, None].float() * inv_freq
+        assert torch.equal(cache[positions], torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1))
+
+
+@pytest.mark.parametrize("partial_rotary_factor", [0.75, 0.5])
+def test_partial_rotary_turns_the_first_rotary_dim_and_passes_the_rest_as_phi3_does(partial_rotary_factor):
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+    config = phi3_config(partial_rotary_factor)
+    rotary = RotaryEmbedding(32, 1024, rope_parameters_of(as_hf_config(config)))
+    assert rotary.rotary_dim == int(32 * partial_rotary_factor)
+    positions = torch.tensor([0, 5, 63, 64, 700])
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    ours_q, ours_k = rotary(positions, q.clone(), k.clone())
+    theirs = Phi3RotaryEmbedding(config)
+    for position, row in zip(positions.tolist(), range(5)):  # one forward per token: its own set of factors
+        cos, sin = theirs(q, torch.tensor([[position]]))
+        expected_q, expected_k = apply_rotary_pos_emb(q[None, row:row + 1].transpose(1, 2),
+                                                      k[None, row:row + 1].transpose(1, 2), cos, sin)
+        assert torch.allclose(ours_q[row], expected_q[0, :, 0], atol=1e-6)
+        assert torch.allclose(ours_k[row], expected_k[0, :, 0], atol=1e-6)
+    assert torch.equal(ours_q[..., rotary.rotary_dim:], q[..., rotary.rotary_dim:])
+
+
+def test_partial_rotary_and_longrope_are_refused_outside_phi3():
+    partial = parse_hf_config({"model_type": "llama", "partial_rotary_factor": 0.5}, "config.json")
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported for llama"):
+        rope_parameters_of(partial)
