@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from tests.models.moe import MOE_MODEL
 from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
@@ -18,6 +18,12 @@ MOE = {k: v for k, v in MOE_MODEL.items() if k not in ("architecture", "with_tok
 YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)
 LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
+
+
+def longrope(num_frequencies: int, **settings) -> dict:
+    return dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0 + i for i in range(num_frequencies)],
+                long_factor=[4.0 + i for i in range(num_frequencies)], **settings)
+
 
 # (architecture, config class, settings): each family's non-defaults where our code reads them
 WRITTEN = {
@@ -40,6 +46,19 @@ WRITTEN = {
     "qwen3_moe_stepped": ("Qwen3MoeForCausalLM", Qwen3MoeConfig,
                           dict(MOE, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2,
                                use_sliding_window=True, sliding_window=16)),
+    # Phi-3-mini-4k: a window in every layer; Phi-3.5: LongRoPE (factor from the two windows, or given); Phi-4-mini:
+    # partial rotary, tied head
+    "phi3": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, sliding_window=32, rms_norm_eps=1e-6, bos_token_id=7,
+                                                 eos_token_id=[5, 6], dtype="bfloat16")),
+    "phi3_longrope": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, rope_parameters=longrope(8),
+                                                          original_max_position_embeddings=64,
+                                                          max_position_embeddings=256)),
+    "phi3_longrope_factors": ("Phi3ForCausalLM", Phi3Config,
+                              dict(SMALL, rope_parameters=longrope(8, factor=8.0, attention_factor=1.25),
+                                   original_max_position_embeddings=32)),
+    "phi4_mini": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                                      rope_parameters=longrope(6),
+                                                      original_max_position_embeddings=64)),
 }
 
 
@@ -124,7 +143,7 @@ def test_transformers_4_key_names_read_as_transformers_reads_them(name, tmp_path
 
 def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
-                   Qwen3MoeConfig.model_type}
+                   Qwen3MoeConfig.model_type, Phi3Config.model_type}
     assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
 
 
@@ -135,7 +154,8 @@ def test_every_supported_architecture_has_a_family():
     ({"sliding_window": 12.5}, "sliding_window must be an integer >= 1 or null, got 12.5"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe"),
+    ({"model_type": "gpt2"},
+     "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, phi3"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

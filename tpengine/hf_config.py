@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 # architectures[0] values the shared decoder implements; models/registry.py maps each to its class
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM")
+                 "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load

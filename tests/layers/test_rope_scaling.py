@@ -95,14 +95,14 @@ def test_longrope_short_and_long_frequencies_and_attention_factor_equal_transfor
     config = phi3_config(**rope)
     short, short_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
     long, long_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=65)
-    ours = RotaryEmbedding(32, 1024, rope_parameters_of(as_hf_config(config)))
-    assert torch.equal(inverse_frequencies(32, rope_parameters_of(as_hf_config(config)))[0], short)
+    rope = rope_parameters_of(as_hf_config(config))
+    assert torch.equal(inverse_frequencies(32, rope)[0], short)
     assert not torch.equal(short, long) and short_scaling == long_scaling == pytest.approx(scaling)
-    scaling = short_scaling
-    cache = ours.cos_sin_cache
-    for positions, inv_freq in [(torch.arange(64), short), (torch.arange(64, 1024), long)]:
-        freqs = positions[:, None].float() * inv_freq
-        assert torch.equal(cache[positions], torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1))
+    # one set for every position: the short one where no sequence passes the 64-token window, else the long one
+    for max_model_len, inv_freq in [(64, short), (65, long), (None, long)]:
+        freqs = torch.arange(1024)[:, None].float() * inv_freq
+        expected = torch.cat([freqs.cos() * short_scaling, freqs.sin() * short_scaling], dim=-1)
+        assert torch.equal(RotaryEmbedding(32, 1024, rope, max_model_len).cos_sin_cache, expected)
 
 
 @pytest.mark.parametrize("partial_rotary_factor", [0.75, 0.5])
@@ -114,13 +114,11 @@ def test_partial_rotary_turns_the_first_rotary_dim_and_passes_the_rest_as_phi3_d
     positions = torch.tensor([0, 5, 63, 64, 700])
     q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
     ours_q, ours_k = rotary(positions, q.clone(), k.clone())
-    theirs = Phi3RotaryEmbedding(config)
-    for position, row in zip(positions.tolist(), range(5)):  # one forward per token: its own set of factors
-        cos, sin = theirs(q, torch.tensor([[position]]))
-        expected_q, expected_k = apply_rotary_pos_emb(q[None, row:row + 1].transpose(1, 2),
-                                                      k[None, row:row + 1].transpose(1, 2), cos, sin)
-        assert torch.allclose(ours_q[row], expected_q[0, :, 0], atol=1e-6)
-        assert torch.allclose(ours_k[row], expected_k[0, :, 0], atol=1e-6)
+    # transformers over these positions at once: past the 64-token window, the long set, as ours at max_model_len 1024
+    cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
+    expected_q, expected_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.allclose(ours_q, expected_q[0].transpose(0, 1), atol=1e-6)
+    assert torch.allclose(ours_k, expected_k[0].transpose(0, 1), atol=1e-6)
     assert torch.equal(ours_q[..., rotary.rotary_dim:], q[..., rotary.rotary_dim:])
 
 

@@ -31,7 +31,8 @@ class DecoderFamily:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, layer_idx: int):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, layer_idx: int,
+                 max_model_len: int | None):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -45,7 +46,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config))
+        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config), max_model_len)
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend,
                               sliding_window=layer_sliding_window(config, layer_idx))
 
@@ -76,9 +77,9 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module,
-                 layer_idx: int):
+                 layer_idx: int, max_model_len: int | None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, family, backend, layer_idx)
+        self.self_attn = DecoderAttention(config, family, backend, layer_idx, max_model_len)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -95,11 +96,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp,
+                 max_model_len: int | None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i), i)
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, family, backend, make_mlp(config, family, i), i,
+                                                  max_model_len) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -123,9 +125,11 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: HFConfig, backend: AttentionBackend):
+    def __init__(self, config: HFConfig, backend: AttentionBackend, max_model_len: int | None = None):
+        """max_model_len: the longest sequence the engine runs (None: the model's max positions); LongRoPE picks
+        its factors by it (layers/rotary_embedding.py)."""
         super().__init__()
-        self.model = DecoderModel(config, self.family(config), backend, self.make_mlp)
+        self.model = DecoderModel(config, self.family(config), backend, self.make_mlp, max_model_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # one tensor: the checkpoint's embedding serves both
             self.lm_head.weight = self.model.embed_tokens.weight

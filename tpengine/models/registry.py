@@ -14,6 +14,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": ("tpengine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tpengine.models.mistral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("tpengine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Phi3ForCausalLM": ("tpengine.models.phi3", "Phi3ForCausalLM"),
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURES), "every supported architecture needs its class, and only those"
 
