@@ -120,6 +120,9 @@ def test_partial_rotary_turns_the_first_rotary_dim_and_passes_the_rest_as_phi3_d
     assert torch.allclose(ours_q, expected_q[0].transpose(0, 1), atol=1e-6)
     assert torch.allclose(ours_k, expected_k[0].transpose(0, 1), atol=1e-6)
     assert torch.equal(ours_q[..., rotary.rotary_dim:], q[..., rotary.rotary_dim:])
+    fallback_q, fallback_k = rotary(positions, q.double(), k.double())  # no C++ op takes float64: the torch form
+    assert torch.allclose(fallback_q.float(), ours_q, atol=1e-6)
+    assert torch.allclose(fallback_k.float(), ours_k, atol=1e-6)
 
 
 def test_partial_rotary_and_longrope_are_refused_outside_phi3():

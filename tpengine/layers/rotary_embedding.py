@@ -115,6 +115,8 @@ class RotaryEmbedding(nn.Module):
         # the rotated head of each q and k, then the part that passes unturned, as transformers concatenates them
         dim = self.rotary_dim
         q_rot, k_rot = self.qk_norm_rotary(positions, q[..., :dim], k[..., :dim], None, None, self.cos_sin_cache)
+        if q_rot.data_ptr() == q.data_ptr() and k_rot.data_ptr() == k.data_ptr():
+            return q, k  # rotated in place (the CPU's op): the rest of each head is where it was
         return torch.cat([q_rot, q[..., dim:]], dim=-1), torch.cat([k_rot, k[..., dim:]], dim=-1)
 
 
