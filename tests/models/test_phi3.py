@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import _hf_model, hf_greedy, random_prompts
 from tests.models.families import WINDOW, family_checkpoint
 from tests.models.test_families import assert_parity
 from tests.models.test_quantized_models import (check_online, online_reference, prompts_with_shared_prefix,
@@ -68,6 +68,20 @@ def test_preemption_recomputes_with_the_long_factors_and_still_matches():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.scheduler.num_preemptions > 0
     assert_parity(path, prompts, outputs, 20)
+
+
+def test_longrope_generation_past_the_window_rotates_as_transformers_after_its_recompute():
+    """A prompt within the window whose generation passes it: transformers' generate recomputes the sequence with the
+    long factors at the step that passes the window, so from that step on it computes what one forward over the
+    whole sequence does, which is what the engine (the long set throughout) computes at every step."""
+    path = family_checkpoint("phi3_longrope")
+    prompt = random_prompts(11, [ORIGINAL_WINDOW - 14], 300)[0]
+    with LLM(path, kvcache_block_size=16) as llm:
+        tokens = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                              use_tqdm=False)[0].token_ids
+    with torch.inference_mode():
+        logits = _hf_model(path)(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    assert tokens == logits.argmax(-1).tolist()
 
 
 def rank_model(path: str, rank: int, size: int):
