@@ -13,8 +13,8 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
                    original_max_position_embeddings=64)  # prompts past 64 tokens reach the scaled frequencies
 
 WINDOW = 48
-# Phi-3: fused qkv_proj and gate_up_proj; head_dim stated as Phi-3's configs leave it (hidden / heads); pad and eos
-# inside the small vocabulary (Phi3Config's 32000 is past it)
+# Phi-3: fused qkv_proj and gate_up_proj; head_dim hidden / heads (written out: the tiny model's default is 32); pad
+# and eos inside the small vocabulary (Phi3Config's 32000 is past it)
 PHI3 = dict(architecture="Phi3ForCausalLM", with_tokenizer=False,
             **{**SMALL, "head_dim": 16, "pad_token_id": 1000, "eos_token_id": 999, "bos_token_id": 1})
 
