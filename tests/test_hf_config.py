@@ -7,7 +7,7 @@ import os
 
 import pytest
 from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                          Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from tests.models.moe import MOE_MODEL
 from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
@@ -25,6 +25,12 @@ GEMMA3_TEXT = dict(SMALL, head_dim=32, sliding_window=64, query_pre_attn_scalar=
                    final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2)
 TINY_VISION = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def longrope(num_frequencies: int, **settings) -> dict:
+    return dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0 + i for i in range(num_frequencies)],
+                long_factor=[4.0 + i for i in range(num_frequencies)], **settings)
+
 
 # (architecture, config class, settings): each family's non-defaults where our code reads them
 WRITTEN = {
@@ -58,6 +64,19 @@ WRITTEN = {
     "gemma3": ("Gemma3ForConditionalGeneration", Gemma3Config,
                dict(text_config=dict(GEMMA3_TEXT, model_type="gemma3_text"), vision_config=TINY_VISION,
                     tie_word_embeddings=False, dtype="bfloat16", eos_token_id=[1, 106])),
+    # Phi-3-mini-4k: a window in every layer; Phi-3.5: LongRoPE (factor from the two windows, or given); Phi-4-mini:
+    # partial rotary, tied head
+    "phi3": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, sliding_window=32, rms_norm_eps=1e-6, bos_token_id=7,
+                                                 eos_token_id=[5, 6], dtype="bfloat16")),
+    "phi3_longrope": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, rope_parameters=longrope(8),
+                                                          original_max_position_embeddings=64,
+                                                          max_position_embeddings=256)),
+    "phi3_longrope_factors": ("Phi3ForCausalLM", Phi3Config,
+                              dict(SMALL, rope_parameters=longrope(8, factor=8.0, attention_factor=1.25),
+                                   original_max_position_embeddings=32)),
+    "phi4_mini": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                                      rope_parameters=longrope(6),
+                                                      original_max_position_embeddings=64)),
 }
 # a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
 # are its text_config's
@@ -176,7 +195,7 @@ def test_gemma3_transformers_4_rope_keys_read_as_transformers_reads_them(name, r
 def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
-                   Gemma3Config.model_type}
+                   Gemma3Config.model_type, Phi3Config.model_type}
     assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
 
 
@@ -188,7 +207,7 @@ def test_every_supported_architecture_has_a_family():
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
-                                    "gemma2, gemma3_text, gemma3"),
+                                    "gemma2, gemma3_text, gemma3, phi3"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

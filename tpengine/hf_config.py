@@ -5,18 +5,20 @@ of HFConfig holds what AutoConfig gives (tests/test_hf_config.py compares them f
 imports torch or transformers: rank 0 checks a checkpoint before any worker starts.
 """
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
 # architectures[0] values the shared decoder implements; models/registry.py maps each to its class
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+                 "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                 "Phi3ForCausalLM")
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 GEMMA_FAMILIES = ("gemma2", "gemma3_text", "gemma3")  # their MLP reads hidden_activation, not hidden_act
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU with the tanh approximation, torch's own
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 # model_type -> the defaults of its transformers config class (transformers/models/<type>/configuration_<type>.py)
@@ -63,6 +65,11 @@ FAMILY_DEFAULTS = {
     # Gemma3ForConditionalGeneration: the text model's settings are its text_config's (a gemma3_text config);
     # these few are the outer config's own
     "gemma3": dict(tie_word_embeddings=True),
+    "phi3": dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, sliding_window=None,
+        original_max_position_embeddings=4096),
 }
 # transformers' attribute_map: the config.json key a field may be written under (and which wins)
 KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
@@ -165,7 +172,8 @@ FIELD_KINDS = {
 }
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
-                 "rope_local_base_freq": "number", "text_config": "object or null"}
+                 "rope_local_base_freq": "number", "text_config": "object or null",
+                 "original_max_position_embeddings": "count"}
 assert list(FIELD_KINDS) == [f.name for f in fields(HFConfig)]
 
 
@@ -180,31 +188,42 @@ def _checked(source: str, name: str, value, kind: str):
     return value
 
 
-def _rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
+def _rope_parameters(raw: dict, values: dict, source: str) -> dict:
     """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
-    top-level rope_theta and partial_rotary_factor fill in, llama3 and yarn get the pre-training window."""
+    top-level rope_theta and partial_rotary_factor fill in, llama3, yarn and longrope get the pre-training window
+    (one set per layer type where config.json has them so)."""
     given = raw.get("rope_scaling") or raw.get("rope_parameters")
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
     params = dict(given or {})
     if any(isinstance(value, dict) for value in params.values()):  # per layer type, as Gemma 3's
-        return {layer_type: _standardized(dict(value), raw, raw.get("rope_theta"), max_position_embeddings)
+        return {layer_type: _standardized(dict(value), raw, values, raw.get("rope_theta"))
                 for layer_type, value in params.items()}
-    return _standardized(params, raw, raw.get("rope_theta", DEFAULT_ROPE_THETA), max_position_embeddings)
+    return _standardized(params, raw, values, raw.get("rope_theta", DEFAULT_ROPE_THETA))
 
 
-def _standardized(params: dict, raw: dict, rope_theta, max_position_embeddings: int) -> dict:
-    """One set of rope parameters as transformers' standardize_rope_params completes it."""
+def _standardized(params: dict, raw: dict, values: dict, rope_theta) -> dict:
+    """One set of rope parameters as transformers' standardize_rope_params completes it. Phi3Config converts its
+    own way: a partial_rotary_factor always (1.0 by default), its top-level original_max_position_embeddings
+    overriding the one in rope_parameters, and rope types su and yarn read as longrope."""
+    phi3 = values["model_type"] == "phi3"
     params.setdefault("rope_theta", rope_theta)
-    if raw.get("partial_rotary_factor") is not None:
+    if phi3:
+        params.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    elif raw.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
-        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if phi3:
+            params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+        else:
+            params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
+    if phi3 and params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"
     return params
 
 
-def _gemma3_rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
+def _gemma3_rope_parameters(raw: dict, values: dict, source: str) -> dict:
     """Gemma 3's rope parameters per layer type, as Gemma3TextConfig completes them: transformers 4's
     rope_scaling applies to the full-attention layers, its rope_theta and rope_local_base_freq give the
     full and sliding layers' thetas."""
@@ -216,8 +235,7 @@ def _gemma3_rope_parameters(raw: dict, max_position_embeddings: int, source: str
         params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
     for layer_type, (key, theta) in GEMMA3_ROPE_THETAS.items():
         params.setdefault(layer_type, {"rope_type": "default"}).setdefault("rope_theta", raw.get(key, theta))
-    return {layer_type: _standardized(value, raw, None, max_position_embeddings)
-            for layer_type, value in params.items()}
+    return {layer_type: _standardized(value, raw, values, None) for layer_type, value in params.items()}
 
 
 def parse_hf_config(raw: dict, source: str) -> HFConfig:
@@ -267,7 +285,7 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
     rope_parameters = _gemma3_rope_parameters if model_type == "gemma3_text" else _rope_parameters
-    values["rope_parameters"] = rope_parameters(raw, values["max_position_embeddings"], source)
+    values["rope_parameters"] = rope_parameters(raw, values, source)
     return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
 
 
@@ -358,6 +376,9 @@ class RopeParameters:
     mscale: float | None = None                # yarn
     mscale_all_dim: float | None = None        # yarn
     truncate: bool = True                      # yarn: round the correction range outwards
+    short_factor: tuple[float, ...] | None = None  # longrope: per frequency, within the pre-training window
+    long_factor: tuple[float, ...] | None = None   # longrope: per frequency, past it
+    partial_rotary_factor: float = 1.0         # the share of each head rotated (its first dimensions)
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -366,6 +387,15 @@ class RopeParameters:
 
 def head_dim_of(config: HFConfig) -> int:
     return config.head_dim or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim_of(head_dim: int, rope: RopeParameters) -> int:
+    """The dimensions of each head the rotary embedding turns (the first ones), as transformers rounds them."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+PARTIAL_ROTARY_FAMILIES = ("phi3",)  # whose transformers attention rotates only the first rotary_dim of a head
+LONGROPE_FAMILIES = ("phi3",)  # whose transformers generate switches LongRoPE's factors as models/phi3.py says
 
 
 def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopeParameters:
@@ -383,10 +413,22 @@ def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopePa
     if theta is None:
         raise ValueError("config has no rope_theta (neither at the top level nor in rope_parameters)")
     partial = params.get("partial_rotary_factor")
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported; rotary must cover the whole head")
+    partial = 1.0 if partial is None else partial
+    if partial != 1 and config.model_type not in PARTIAL_ROTARY_FAMILIES:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported for {config.model_type}; "
+                         "rotary must cover the whole head")
+    head_dim = head_dim_of(config)
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        raise ValueError(f"partial_rotary_factor={partial!r} must be in (0, 1] and rotate an even number of each "
+                         f"head's {head_dim} dimensions")
+    common = dict(theta=float(theta), partial_rotary_factor=float(partial))
     if rope_type == "default":
-        return RopeParameters(theta=float(theta))
+        return RopeParameters(**common)
+    if rope_type == "longrope":
+        if config.model_type not in LONGROPE_FAMILIES:
+            raise ValueError(f"rope type 'longrope' is not supported for {config.model_type}; "
+                             f"only for {', '.join(LONGROPE_FAMILIES)}")
+        return _longrope_parameters(config, params, common, head_dim)
     original = params.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = params.get("factor")
     if factor is None:
@@ -399,8 +441,38 @@ def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopePa
         missing = [key for key in ("low_freq_factor", "high_freq_factor") if key not in optional]
         if missing:
             raise ValueError(f"rope type 'llama3' needs {', '.join(missing)} in rope_parameters")
-    return RopeParameters(theta=float(theta), rope_type=rope_type, factor=float(factor),
-                          original_max_position=int(original), **optional)
+    return RopeParameters(rope_type=rope_type, factor=float(factor), original_max_position=int(original),
+                          **common, **optional)
+
+
+def _longrope_parameters(config: HFConfig, params: dict, common: dict, head_dim: int) -> RopeParameters:
+    """LongRoPE (Phi-3 and later): a factor per frequency, short_factor within the pre-training window and
+    long_factor past it, and cos/sin scaled by an attention factor derived from the window's extension."""
+    missing = [key for key in ("short_factor", "long_factor", "original_max_position_embeddings")
+               if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope type 'longrope' needs {', '.join(missing)} in rope_parameters")
+    num_frequencies = int(head_dim * common["partial_rotary_factor"]) // 2
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        value = params[key]
+        if not (isinstance(value, list) and len(value) == num_frequencies
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)):
+            raise ValueError(f"rope_parameters' {key} must be a list of {num_frequencies} numbers (one per rotary "
+                             f"frequency), got {value!r:.80}")
+        lists[key] = tuple(float(x) for x in value)
+    original = params["original_max_position_embeddings"]
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise ValueError(f"original_max_position_embeddings must be an integer >= 1, got {original!r}")
+    # transformers: without a factor, the ratio of the extended window to the pre-training one
+    factor = params.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeParameters(rope_type="longrope", factor=float(factor), original_max_position=original,
+                          attention_factor=float(attention_factor), **lists, **common)
 
 
 def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:

@@ -79,3 +79,18 @@ def test_half_weights_pack_where_the_cpu_computes_them_and_match_f_linear(dtype,
     assert out.dtype == dtype
     # both accumulate in float32 and round once to the half dtype
     assert relative_error(out, F.linear(x.float(), weight.float(), bias.float())) < 1e-2
+
+
+def test_a_fused_tensor_loads_as_its_parts_would():
+    from tpengine.layers.linear import FUSED, QKVParallelLinear
+    q, k, v, gate, up = (torch.randn(rows, 32) for rows in (64, 32, 32, 48, 48))
+    split, fused = QKVParallelLinear(32, 16, 4, 2), QKVParallelLinear(32, 16, 4, 2)
+    for shard_id, part in zip("qkv", (q, k, v)):
+        split.weight_loader(split.weight, part, shard_id)
+    fused.weight_loader(fused.weight, torch.cat([q, k, v]), FUSED)
+    assert torch.equal(fused.weight, split.weight)
+    merged = MergedColumnParallelLinear(32, [48, 48])
+    merged.weight_loader(merged.weight, torch.cat([gate, up]), FUSED)
+    assert torch.equal(merged.weight, torch.cat([gate, up]))
+    with pytest.raises(ValueError, match=r"its shape is \[95, 32\], the model expects \[96, 32\]"):
+        merged.weight_loader(merged.weight, torch.cat([gate, up])[:95], FUSED)

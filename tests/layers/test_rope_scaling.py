@@ -1,4 +1,6 @@
 """Inverse frequencies and YaRN's attention scaling equal transformers' rope initialisation, type by type."""
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
@@ -72,3 +74,58 @@ def test_other_rope_types_are_a_value_error_naming_the_type(rope_type):
                                                                            "factor": 2.0}}, "config.json")
     with pytest.raises(ValueError, match=f"rope type '{rope_type}' is not supported"):
         rope_parameters_of(config)
+
+
+def phi3_config(partial_rotary_factor: float = 1.0, **rope):
+    from transformers import Phi3Config
+    num_frequencies = int(32 * partial_rotary_factor) // 2
+    params = {"rope_type": "longrope", "rope_theta": 10000.0,
+              "short_factor": [1.0 + 0.1 * i for i in range(num_frequencies)],
+              "long_factor": [1.5 + 2.0 * i for i in range(num_frequencies)], **rope}
+    return Phi3Config(hidden_size=128, num_attention_heads=4, max_position_embeddings=1024,
+                      original_max_position_embeddings=64, partial_rotary_factor=partial_rotary_factor,
+                      rope_parameters=params)
+
+
+# no factor: max_position_embeddings / original_max_position_embeddings = 16; a given one; a given attention factor
+@pytest.mark.parametrize("rope, scaling", [({}, (1 + math.log(16) / math.log(64)) ** 0.5),
+                                           ({"factor": 4.0}, (1 + math.log(4) / math.log(64)) ** 0.5),
+                                           ({"attention_factor": 1.5}, 1.5)], ids=str)
+def test_longrope_short_and_long_frequencies_and_attention_factor_equal_transformers(rope, scaling):
+    config = phi3_config(**rope)
+    short, short_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu")
+    long, long_scaling = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=65)
+    rope = rope_parameters_of(as_hf_config(config))
+    assert torch.equal(inverse_frequencies(32, rope)[0], short)
+    assert not torch.equal(short, long) and short_scaling == long_scaling == pytest.approx(scaling)
+    # one set for every position: the short one where no sequence passes the 64-token window, else the long one
+    for max_model_len, inv_freq in [(64, short), (65, long), (None, long)]:
+        freqs = torch.arange(1024)[:, None].float() * inv_freq
+        expected = torch.cat([freqs.cos() * short_scaling, freqs.sin() * short_scaling], dim=-1)
+        assert torch.equal(RotaryEmbedding(32, 1024, rope, max_model_len).cos_sin_cache, expected)
+
+
+@pytest.mark.parametrize("partial_rotary_factor", [0.75, 0.5])
+def test_partial_rotary_turns_the_first_rotary_dim_and_passes_the_rest_as_phi3_does(partial_rotary_factor):
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+    config = phi3_config(partial_rotary_factor)
+    rotary = RotaryEmbedding(32, 1024, rope_parameters_of(as_hf_config(config)))
+    assert rotary.rotary_dim == int(32 * partial_rotary_factor)
+    positions = torch.tensor([0, 5, 63, 64, 700])
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    ours_q, ours_k = rotary(positions, q.clone(), k.clone())
+    # transformers over these positions at once: past the 64-token window, the long set, as ours at max_model_len 1024
+    cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
+    expected_q, expected_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.allclose(ours_q, expected_q[0].transpose(0, 1), atol=1e-6)
+    assert torch.allclose(ours_k, expected_k[0].transpose(0, 1), atol=1e-6)
+    assert torch.equal(ours_q[..., rotary.rotary_dim:], q[..., rotary.rotary_dim:])
+    fallback_q, fallback_k = rotary(positions, q.double(), k.double())  # no C++ op takes float64: the torch form
+    assert torch.allclose(fallback_q.float(), ours_q, atol=1e-6)
+    assert torch.allclose(fallback_k.float(), ours_k, atol=1e-6)
+
+
+def test_partial_rotary_and_longrope_are_refused_outside_phi3():
+    partial = parse_hf_config({"model_type": "llama", "partial_rotary_factor": 0.5}, "config.json")
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is not supported for llama"):
+        rope_parameters_of(partial)

@@ -13,6 +13,20 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
                    original_max_position_embeddings=64)  # prompts past 64 tokens reach the scaled frequencies
 
 WINDOW = 48
+# Phi-3: fused qkv_proj and gate_up_proj; head_dim hidden / heads (written out: the tiny model's default is 32); pad
+# and eos inside the small vocabulary (Phi3Config's 32000 is past it)
+PHI3 = dict(architecture="Phi3ForCausalLM", with_tokenizer=False,
+            **{**SMALL, "head_dim": 16, "pad_token_id": 1000, "eos_token_id": 999, "bos_token_id": 1})
+
+
+def longrope(num_frequencies: int) -> dict:
+    """LongRoPE over a 64-token pre-training window (1024 positions: attention factor sqrt(1 + ln 16 / ln 64));
+    short and long factors far apart, so the set a token is rotated with shows in the tokens."""
+    return dict(rope_type="longrope", rope_theta=10000.0,
+                short_factor=[1.0 + 0.25 * i for i in range(num_frequencies)],
+                long_factor=[2.0 + 3.0 * i for i in range(num_frequencies)])
+
+
 FAMILIES = {
     # q/k/v/o and MLP biases, llama3 rope with a 64-token original window, head_dim = hidden / heads
     "llama": dict(architecture="LlamaForCausalLM", with_tokenizer=False, attention_bias=True, mlp_bias=True,
@@ -34,6 +48,14 @@ FAMILIES = {
     # Qwen2's use_sliding_window: layer 0 attends fully, layer 1 slides (from max_window_layers=1 on)
     "qwen2_window": dict(architecture="Qwen2ForCausalLM", with_tokenizer=False, use_sliding_window=True,
                          sliding_window=WINDOW - 16, max_window_layers=1, **{**SMALL, "head_dim": 16}),
+    "phi3": PHI3,
+    # Phi-3-mini-4k's sliding window in every layer, here shorter than the longer prompts
+    "phi3_window": dict(PHI3, sliding_window=WINDOW - 24),
+    # Phi-3-128k / Phi-3.5: LongRoPE past a 64-token original window
+    "phi3_longrope": dict(PHI3, rope_parameters=longrope(8), original_max_position_embeddings=64),
+    # Phi-4-mini: 3/4 of each head rotated (12 of 16 dimensions), LongRoPE, a tied head
+    "phi4_mini": dict(PHI3, partial_rotary_factor=0.75, rope_parameters=longrope(6),
+                      original_max_position_embeddings=64, tie_word_embeddings=True),
 }
 
 

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 from tpengine.quantization.weights import QuantizedWeight
 
 QUANTIZED_LINEAR = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)$")
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj"  # qkv_proj, gate_up_proj: Phi-3's fused ones
+    r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down|gate_up)_proj)$")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "gptq", "awq")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 

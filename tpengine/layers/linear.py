@@ -13,6 +13,9 @@ from tpengine.platforms import current_platform
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 Loaded = torch.Tensor | QuantizedWeight  # what a weight loader takes: a float tensor or a quantized weight
+# the shard id of a checkpoint tensor that holds every part of a packed parameter at once, in order (Phi-3's
+# qkv_proj and gate_up_proj): its loader splits it and loads each part as the split checkpoints' are loaded
+FUSED = "fused"
 
 
 def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
@@ -50,9 +53,20 @@ def packed_quantized(param: nn.Parameter, pack):
     return param.packed_quantized
 
 
+def load_fused(param: nn.Parameter, loaded: Loaded, part_sizes: dict, load_part) -> None:
+    """A checkpoint tensor holding every part of a packed parameter, stacked by rows in part_sizes' order: each
+    part goes through the per-part loader (load_part(param, part, shard_id)), so it is sharded as a part would."""
+    check_weight_shape(loaded, [sum(part_sizes.values()), *param.shape[1:]])
+    start = 0
+    for shard_id, size in part_sizes.items():
+        load_part(param, take_rows(loaded, start, size), shard_id)
+        start += size
+
+
 def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
-    """A packed parameter is filled by several checkpoint tensors, one per weight_loader argument tuple:
-    record them, so the loader can name a part the checkpoint lacks (a missing k_proj, say)."""
+    """A packed parameter is filled by several checkpoint tensors, one per weight_loader argument tuple (or by
+    one FUSED tensor holding them all): record them, so the loader can name a part the checkpoint lacks (a
+    missing k_proj, say)."""
     for param in module.parameters(recurse=False):
         param.loader_shards = shards
 
@@ -138,7 +152,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         expect_loader_shards(self, [(i,) for i in range(len(output_sizes))])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: int | str) -> None:
+        if shard_id == FUSED:
+            load_fused(param, loaded_weight, dict(enumerate(self.output_sizes)), self.weight_loader)
+            return
         check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
@@ -166,6 +183,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == FUSED:  # the checkpoint's whole q, k and v (every rank's heads, KV heads once)
+            total_kv = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas * self.head_dim
+            load_fused(param, loaded_weight, {"q": q_size * self.tp_size, "k": total_kv, "v": total_kv},
+                       self.weight_loader)
+            return
         num_heads = self.num_heads * self.tp_size if shard_id == "q" else \
             self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
         check_weight_shape(loaded_weight, [num_heads * self.head_dim, *param.shape[1:]])

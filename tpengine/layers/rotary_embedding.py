@@ -1,8 +1,13 @@
 """Rotary position embedding (neox style), with a cos/sin cache indexed by position.
 
 The inverse frequencies follow transformers' rope initialisation for each rope type (default,
-linear, llama3, yarn), op for op in float32, so the cache holds the values transformers computes. The
-rotation (with Qwen3's q/k norm) runs as its platform's op (tpengine/platforms).
+linear, llama3, yarn, longrope), op for op in float32, so the cache holds the values transformers computes.
+The rotation (with Qwen3's q/k norm) runs as its platform's op (tpengine/platforms). With a
+partial_rotary_factor (Phi-4-mini's 0.75) only the first rotary_dim of each head turns; the rest passes.
+
+LongRoPE has two sets of factors, short_factor's for the pre-training window (original_max_position) and
+long_factor's past it; one engine rotates every token with one set: the long one when its max_model_len passes
+the window, else the short one (vLLM's choice). models/phi3.py says how that compares with transformers.
 """
 import math
 from functools import lru_cache
@@ -10,7 +15,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from tpengine.hf_config import RopeParameters
+from tpengine.hf_config import RopeParameters, rotary_dim_of
 from tpengine.platforms import current_platform
 
 
@@ -63,8 +68,16 @@ def _yarn(head_dim: int, rope: RopeParameters) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_factor
 
 
+def _longrope_inv_freq(rotary_dim: int, theta: float, ext_factors: tuple[float, ...]) -> torch.Tensor:
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    return 1.0 / (torch.tensor(ext_factors, dtype=torch.float32, device="cpu") * theta ** shape)
+
+
 def inverse_frequencies(head_dim: int, rope: RopeParameters) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32 on the host, the scale applied to cos and sin)."""
+    """(inv_freq [head_dim // 2] float32 on the host, the scale applied to cos and sin); head_dim is the rotated
+    part of the head (rotary_dim). LongRoPE's are its short set (RotaryEmbedding says when the long one serves)."""
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, rope.theta, rope.short_factor), rope.attention_factor
     if rope.rope_type == "yarn":
         return _yarn(head_dim, rope)
     if rope.rope_type == "llama3":
@@ -74,11 +87,18 @@ def inverse_frequencies(head_dim: int, rope: RopeParameters) -> tuple[torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope: RopeParameters):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeParameters, max_model_len: int | None = None):
         super().__init__()
-        inv_freq, attention_scaling = inverse_frequencies(head_dim, rope)
+        self.rotary_dim = rotary_dim_of(head_dim, rope)
+        self.head_dim = head_dim
+        inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, rope)
+        # LongRoPE: the long factors for every token when the engine's sequences may pass the pre-training window
+        self.uses_long_factors = (rope.rope_type == "longrope"
+                                  and (max_model_len or max_position) > rope.original_max_position)
+        if self.uses_long_factors:
+            inv_freq = _longrope_inv_freq(self.rotary_dim, rope.theta, rope.long_factor)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.to(torch.get_default_device()))
-        # transformers scales cos and sin (YaRN's attention factor; 1.0 for the other types)
+        # transformers scales cos and sin (YaRN's and LongRoPE's attention factor; 1.0 for the other types)
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
         self.qk_norm_rotary = current_platform().qk_norm_rotary
@@ -88,14 +108,26 @@ class RotaryEmbedding(nn.Module):
         """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated by each token's position
         (neox style); given q_norm and k_norm (RMSNorms over head_dim, Qwen3's), each head is normed first.
         On the CPU one C++ op does it all in place, in q and k (views of the fresh q/k/v projection)."""
-        return self.qk_norm_rotary(positions, q, k, q_norm, k_norm, self.cos_sin_cache)
+        if self.rotary_dim == self.head_dim:
+            return self.qk_norm_rotary(positions, q, k, q_norm, k_norm, self.cos_sin_cache)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        # the rotated head of each q and k, then the part that passes unturned, as transformers concatenates them
+        dim = self.rotary_dim
+        q_rot, k_rot = self.qk_norm_rotary(positions, q[..., :dim], k[..., :dim], None, None, self.cos_sin_cache)
+        if q_rot.data_ptr() == q.data_ptr() and k_rot.data_ptr() == k.data_ptr():
+            return q, k  # rotated in place (the CPU's op): the rest of each head is where it was
+        return torch.cat([q_rot, q[..., dim:]], dim=-1), torch.cat([k_rot, k[..., dim:]], dim=-1)
 
 
-def get_rope(head_dim: int, max_position: int, rope: RopeParameters) -> RotaryEmbedding:
-    """One shared instance per shape, rope and device: every layer indexes the same cos/sin cache."""
-    return _cached_rope(head_dim, max_position, rope, torch.get_default_device())
+def get_rope(head_dim: int, max_position: int, rope: RopeParameters,
+             max_model_len: int | None = None) -> RotaryEmbedding:
+    """One shared instance per shape, rope, engine length and device: every layer indexes the same cos/sin
+    cache. max_model_len: the engine's longest sequence (None: max_position), for LongRoPE's choice."""
+    return _cached_rope(head_dim, max_position, rope, max_model_len, torch.get_default_device())
 
 
 @lru_cache(maxsize=None)
-def _cached_rope(head_dim: int, max_position: int, rope: RopeParameters, device: torch.device) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_position, rope)
+def _cached_rope(head_dim: int, max_position: int, rope: RopeParameters, max_model_len: int | None,
+                 device: torch.device) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_position, rope, max_model_len)

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from tpengine.layers.linear import check_weight_shape
+from tpengine.layers.linear import FUSED, check_weight_shape
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,9 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
         loaded.setdefault(param_id, set()).add(args)
     missing = []
     for name, param in model.named_parameters():  # a tied parameter once, under its first name
-        # a packed parameter (q/k/v, gate/up, stacked experts) needs every one of its parts
-        lacking = [args for args in getattr(param, "loader_shards", [()]) if args not in loaded.get(id(param), ())]
+        # a packed parameter (q/k/v, gate/up, stacked experts) needs every one of its parts, or one fused tensor
+        got = loaded.get(id(param), set())
+        lacking = [] if (FUSED,) in got else [args for args in getattr(param, "loader_shards", [()]) if args not in got]
         if lacking:
             missing.append(name if lacking == [()] else f"{name} (its parts {lacking[:4]})")
     if missing:

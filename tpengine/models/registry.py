@@ -17,6 +17,7 @@ MODEL_CLASSES = {
     "Gemma2ForCausalLM": ("tpengine.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("tpengine.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("tpengine.models.gemma", "Gemma3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("tpengine.models.phi3", "Phi3ForCausalLM"),
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURES), "every supported architecture needs its class, and only those"
 

@@ -137,7 +137,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), building_model_for(self.group):
-                model = model_class(hf_config)(hf_config, attention_backend)
+                model = model_class(hf_config)(hf_config, attention_backend, config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         quantization = quantization_config_of(hf_config)
