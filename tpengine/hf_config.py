@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 # architectures[0] values the shared decoder implements; models/registry.py maps each to its class
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM")
+                 "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
@@ -46,9 +46,19 @@ FAMILY_DEFAULTS = {
         tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
         decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
         norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None),
+    "gpt_oss": dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, num_experts=128,
+        num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, bos_token_id=None, eos_token_id=None),
 }
 # transformers' attribute_map: the config.json key a field may be written under (and which wins)
-KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "gpt_oss": {"num_experts": "num_local_experts"}}
+# model_type -> (its config class's default_theta, the rope_parameters it sets when config.json has none)
+FAMILY_ROPE = {
+    "gpt_oss": (150000.0, dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                               original_max_position_embeddings=4096)),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,10 @@ class HFConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # gpt-oss's experts: (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate clamped above at swiglu_limit and
+    # up to [-swiglu_limit, swiglu_limit]; None for the families whose MLPs are plain SiLU-gated
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 def _is_int(value) -> bool:
@@ -96,6 +110,8 @@ _KINDS = {
     "count or null": (lambda v: v is None or _is_int(v) and v >= 1, "an integer >= 1 or null"),
     "int >= 0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "positive number or null": (lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+                                and v > 0, "a number > 0 or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "text": (lambda v: isinstance(v, str), "a string"),
     "text or null": (lambda v: v is None or isinstance(v, str), "a string or null"),
@@ -120,6 +136,7 @@ FIELD_KINDS = {
     "layer_types": "texts or null", "quantization_config": "anything", "num_experts": "int >= 0",
     "num_experts_per_tok": "count or null", "moe_intermediate_size": "count or null", "norm_topk_prob": "bool",
     "decoder_sparse_step": "count", "mlp_only_layers": "layer indices or null",  # null: none
+    "swiglu_alpha": "positive number or null", "swiglu_limit": "positive number or null",
 }
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0"}
@@ -139,14 +156,16 @@ def _checked(source: str, name: str, value, kind: str):
 
 def _rope_parameters(raw: dict, max_position_embeddings: int, source: str) -> dict:
     """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
-    top-level rope_theta and partial_rotary_factor fill in, llama3 and yarn get the pre-training window."""
+    top-level rope_theta and partial_rotary_factor fill in, llama3 and yarn get the pre-training window; a
+    family's own defaults (FAMILY_ROPE) where config.json says nothing."""
+    default_theta, default_params = FAMILY_ROPE.get(raw.get("model_type"), (DEFAULT_ROPE_THETA, None))
     given = raw.get("rope_scaling") or raw.get("rope_parameters")
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
-    params = dict(given or {})
+    params = dict(given or default_params or {})
     if any(isinstance(value, dict) for value in params.values()):
         return params  # per layer type: rope_parameters_of refuses it
-    params.setdefault("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
     if raw.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
@@ -186,6 +205,9 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
     if "max_window_layers" in defaults and values["layer_types"] is None:
         values["layer_types"] = ["sliding_attention" if values.get("sliding_window") is not None
                                  and i >= values["max_window_layers"] else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
+    if model_type == "gpt_oss" and values["layer_types"] is None:  # GptOssConfig: sliding first, then alternating
+        values["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                                  for i in range(values["num_hidden_layers"])]
     if values.get("layer_types") is not None:
         if len(values["layer_types"]) != values["num_hidden_layers"]:
@@ -357,7 +379,8 @@ def quantization_config_of(config: HFConfig):
 
 def check_supported(config: HFConfig) -> None:
     """ValueError naming the first setting of this checkpoint that the shared decoder does not implement."""
-    if config.hidden_act not in SILU_ACTIVATIONS:
+    # gpt-oss's experts run their clamped SwiGLU whatever hidden_act says: transformers never reads it there
+    if config.hidden_act not in SILU_ACTIVATIONS and config.model_type != "gpt_oss":
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
     if config.quantization_config:  # a format or layout tpengine does not read is refused by name
         quantization_config_of(config)
@@ -371,7 +394,8 @@ def check_supported(config: HFConfig) -> None:
 
 
 def is_sparse_layer(config: HFConfig, layer_idx: int) -> bool:
-    """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule); False for dense models."""
+    """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule, which makes every layer of gpt-oss
+    one); False for dense models."""
     return (config.num_experts > 0 and layer_idx not in config.mlp_only_layers
             and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
@@ -383,5 +407,13 @@ def tensor_parallel_sizes(config: HFConfig) -> dict[str, int]:
     if not all(sparse):
         sizes["intermediate_size"] = config.intermediate_size
     if any(sparse):
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+        sizes.update([expert_intermediate_size(config)])
     return sizes
+
+
+def expert_intermediate_size(config: HFConfig) -> tuple[str, int]:
+    """(the field, its value) giving each expert's intermediate size: Qwen3-MoE's moe_intermediate_size, or
+    intermediate_size in gpt-oss, whose every MLP is experts."""
+    if config.moe_intermediate_size is None:
+        return "intermediate_size", config.intermediate_size
+    return "moe_intermediate_size", config.moe_intermediate_size

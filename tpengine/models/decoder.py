@@ -28,6 +28,7 @@ class DecoderFamily:
     o_bias: bool = False     # bias on the attention output projection
     mlp_bias: bool = False   # bias on gate, up and down projections
     qk_norm: bool = False    # RMSNorm over each head's queries and keys, before the rotary embedding
+    sinks: bool = False      # a learned sink logit per head in the attention softmax (gpt-oss)
 
 
 class DecoderAttention(nn.Module):
@@ -47,7 +48,7 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config))
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend,
-                              sliding_window=layer_sliding_window(config, layer_idx))
+                              sliding_window=layer_sliding_window(config, layer_idx), has_sinks=family.sinks)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)

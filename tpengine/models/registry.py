@@ -14,6 +14,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": ("tpengine.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tpengine.models.mistral", "MistralForCausalLM"),
     "Qwen3MoeForCausalLM": ("tpengine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "GptOssForCausalLM": ("tpengine.models.gpt_oss", "GptOssForCausalLM"),
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURES), "every supported architecture needs its class, and only those"
 
