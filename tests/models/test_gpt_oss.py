@@ -110,3 +110,8 @@ def test_tp_must_divide_the_experts_intermediate_size(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's intermediate_size=33"):
         LLM(str(tmp_path), tensor_parallel_size=2)
+
+
+def test_quantizing_at_load_is_refused_rather_than_leaving_the_experts_float():
+    with pytest.raises(ValueError, match="quantization='int8' is not supported for gpt-oss"):
+        LLM(gpt_oss_checkpoint(), quantization="int8")
