@@ -115,3 +115,11 @@ def test_tp_must_divide_the_experts_intermediate_size(tmp_path):
 def test_quantizing_at_load_is_refused_rather_than_leaving_the_experts_float():
     with pytest.raises(ValueError, match="quantization='int8' is not supported for gpt-oss"):
         LLM(gpt_oss_checkpoint(), quantization="int8")
+
+
+def test_an_mxfp4_setting_tpengine_does_not_read_is_refused_by_name():
+    from tpengine.hf_config import check_supported, parse_hf_config
+    config = GptOssConfig(architectures=["GptOssForCausalLM"], **CONFIG).to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "block_size": 64}
+    with pytest.raises(ValueError, match=r"mxfp4 quantization_config keys \['block_size'\] are not supported"):
+        check_supported(parse_hf_config(config, "config.json"))

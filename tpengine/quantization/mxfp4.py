@@ -22,13 +22,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     in / 32] stand for (exact in float32: every value is an FP4 value times a power of two)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 2 or blocks.size(-1) != GROUP_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+    if blocks.dim() < 3 or blocks.size(-1) != GROUP_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
                          f"must be scales' shape + [{GROUP_SIZE // 2}]")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
-    values = torch.ldexp(values.flatten(-2), scales.to(torch.int32).unsqueeze(-1) - 127)
-    return values.flatten(-2).transpose(-2, -1).to(dtype).contiguous()
+    *experts, rows, groups, _ = blocks.shape
+    out = torch.empty(*experts, groups * GROUP_SIZE, rows, dtype=dtype)
+    # one expert at a time: a projection's float32 values exist only one expert's worth at once
+    for block, scale, dest in zip(blocks.reshape(-1, rows, groups, GROUP_SIZE // 2), scales.reshape(-1, rows, groups),
+                                  out.view(-1, groups * GROUP_SIZE, rows)):
+        values = torch.stack([lut[(block & 0x0F).long()], lut[(block >> 4).long()]], dim=-1)  # low nibble first
+        values = torch.ldexp(values.flatten(-2), scale.to(torch.int32).unsqueeze(-1) - 127)
+        dest.copy_(values.flatten(-2).t())
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,4 +77,6 @@ class Mxfp4Config:
         missing = sorted(self.tensor_suffixes - set(tensors))
         if missing:
             raise ValueError(f"{module_name}: missing tensor {missing[0]!r}")
-        return dequantize_mxfp4(tensors["blocks"], tensors["scales"])
+        # bfloat16 holds every value float32 does (an FP4 value times 2^-127..2^127: at most 2 significant bits,
+        # float32's exponent range), in half the memory; the weight loader casts it to the model's dtype
+        return dequantize_mxfp4(tensors["blocks"], tensors["scales"], torch.bfloat16)
