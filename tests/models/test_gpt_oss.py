@@ -95,6 +95,14 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(ours)), ours)  # FP4 values encode exactly
 
 
+def test_mxfp4_blocks_and_scales_that_do_not_match_are_a_value_error():
+    blocks, scales = quantize_mxfp4(torch.randn(2, 64, 8))
+    with pytest.raises(ValueError, match=r"blocks \[2, 8, 2, 16\] and scales \[2, 8, 1\] do not match"):
+        dequantize_mxfp4(blocks, scales[..., :1])
+    with pytest.raises(ValueError, match="must be uint8"):
+        dequantize_mxfp4(blocks.to(torch.int32), scales)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mxfp4_checkpoint_gives_transformers_tokens_on_its_dequantized_weights(tp):
     path = mxfp4_checkpoint()
