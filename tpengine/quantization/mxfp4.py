@@ -25,9 +25,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.dim() < 3 or blocks.size(-1) != GROUP_SIZE // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: blocks "
                          f"must be scales' shape + [{GROUP_SIZE // 2}]")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     *experts, rows, groups, _ = blocks.shape
-    out = torch.empty(*experts, groups * GROUP_SIZE, rows, dtype=dtype)
+    out = torch.empty(*experts, groups * GROUP_SIZE, rows, dtype=dtype, device=blocks.device)
     # one expert at a time: a projection's float32 values exist only one expert's worth at once
     for block, scale, dest in zip(blocks.reshape(-1, rows, groups, GROUP_SIZE // 2), scales.reshape(-1, rows, groups),
                                   out.view(-1, groups * GROUP_SIZE, rows)):
