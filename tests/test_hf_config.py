@@ -6,9 +6,10 @@ import json
 import os
 
 import pytest
-from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
+from tests.models.gpt_oss import GPT_OSS_MODEL
 from tests.models.moe import MOE_MODEL
 from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
                                 parse_hf_config)
@@ -16,6 +17,7 @@ from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_e
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
 MOE = {k: v for k, v in MOE_MODEL.items() if k not in ("architecture", "with_tokenizer")}
+GPT_OSS = {k: v for k, v in GPT_OSS_MODEL.items() if k not in ("architecture", "with_tokenizer")}
 YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)
 LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
@@ -77,6 +79,11 @@ WRITTEN = {
     "phi4_mini": ("Phi3ForCausalLM", Phi3Config, dict(SMALL, partial_rotary_factor=0.75, tie_word_embeddings=True,
                                                       rope_parameters=longrope(6),
                                                       original_max_position_embeddings=64)),
+    "gpt_oss": ("GptOssForCausalLM", GptOssConfig, GPT_OSS),
+    "gpt_oss_layers": ("GptOssForCausalLM", GptOssConfig,
+                       dict(SMALL, num_local_experts=8, num_experts_per_tok=2, attention_bias=False, head_dim=24,
+                            layer_types=["full_attention", "sliding_attention"] * 2, sliding_window=None,
+                            rope_parameters=dict(rope_type="default", rope_theta=5e5), hidden_act="gelu")),
 }
 # a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
 # are its text_config's
@@ -195,7 +202,7 @@ def test_gemma3_transformers_4_rope_keys_read_as_transformers_reads_them(name, r
 def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
-                   Gemma3Config.model_type, Phi3Config.model_type}
+                   Gemma3Config.model_type, Phi3Config.model_type, GptOssConfig.model_type}
     assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
 
 
@@ -207,7 +214,7 @@ def test_every_supported_architecture_has_a_family():
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
-                                    "gemma2, gemma3_text, gemma3, phi3"),
+                                    "gemma2, gemma3_text, gemma3, phi3, gpt_oss"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

@@ -170,6 +170,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if hf_config.quantization_config:
                 raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint, but "
                                  f"{self.model!r} is already quantized (its config.json has a quantization_config)")
+            if hf_config.model_type == "gpt_oss":  # its experts load whole per projection, float only
+                raise ValueError(f"quantization={self.quantization!r} is not supported for gpt-oss: its experts, most "
+                                 "of its weights, would stay float")
             positive("quantization_group_size")
         # settings of online quantization that would do nothing are refused, not ignored
         if self.quantization != "int4" and self.quantization_group_size != 128:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 # architectures[0] values the shared decoder implements; models/registry.py maps each to its class
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
                  "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                 "Phi3ForCausalLM")
+                 "Phi3ForCausalLM", "GptOssForCausalLM")
 SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
 GEMMA_FAMILIES = ("gemma2", "gemma3_text", "gemma3")  # their MLP reads hidden_activation, not hidden_act
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU with the tanh approximation, torch's own
@@ -70,17 +70,27 @@ FAMILY_DEFAULTS = {
         num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, sliding_window=None,
         original_max_position_embeddings=4096),
+    "gpt_oss": dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, num_experts=128,
+        num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, bos_token_id=None, eos_token_id=None),
 }
 # transformers' attribute_map: the config.json key a field may be written under (and which wins)
-KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}}
+KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "gpt_oss": {"num_experts": "num_local_experts"}}
 # model_type -> how its layer_types are derived when config.json has none: every n-th layer attends fully, the
-# others slide; n is the setting named, or the number given (Gemma 2 alternates)
-SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": "sliding_window_pattern"}
+# others slide; n is the setting named, or the number given (Gemma 2 and gpt-oss alternate, sliding first)
+SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": "sliding_window_pattern", "gpt_oss": 2}
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma3TextConfig's
 # Gemma 3's rope_theta defaults, per layer type (Gemma3TextConfig.default_theta), and the transformers 4 key
 # that gave each
 GEMMA3_ROPE_THETAS = {"full_attention": ("rope_theta", 1_000_000.0),
                       "sliding_attention": ("rope_local_base_freq", 10_000.0)}
+# model_type -> (its config class's default_theta, the rope_parameters it sets when config.json has none)
+FAMILY_ROPE = {
+    "gpt_oss": (150000.0, dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                               original_max_position_embeddings=4096)),
+}
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,10 @@ class HFConfig:
     attn_logit_softcapping: float | None = None   # Gemma 2: scores become c * tanh(scores / c) before the softmax
     final_logit_softcapping: float | None = None  # Gemma: logits become c * tanh(logits / c)
     use_bidirectional_attention: bool | None = None  # Gemma: true attends both ways (an encoder); refused
+    # gpt-oss's experts: (up + 1) * gate * sigmoid(swiglu_alpha * gate), gate clamped above at swiglu_limit and
+    # up to [-swiglu_limit, swiglu_limit]; None for the families whose MLPs are plain SiLU-gated
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 def _is_int(value) -> bool:
@@ -169,6 +183,7 @@ FIELD_KINDS = {
     "decoder_sparse_step": "count", "mlp_only_layers": "layer indices or null",  # null: none
     "query_pre_attn_scalar": "number or null", "attn_logit_softcapping": "positive number or null",
     "final_logit_softcapping": "positive number or null", "use_bidirectional_attention": "bool or null",
+    "swiglu_alpha": "positive number or null", "swiglu_limit": "positive number or null",
 }
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
@@ -191,15 +206,17 @@ def _checked(source: str, name: str, value, kind: str):
 def _rope_parameters(raw: dict, values: dict, source: str) -> dict:
     """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
     top-level rope_theta and partial_rotary_factor fill in, llama3, yarn and longrope get the pre-training window
-    (one set per layer type where config.json has them so)."""
+    (one set per layer type where config.json has them so); a family's own defaults (FAMILY_ROPE) where
+    config.json says nothing."""
+    default_theta, default_params = FAMILY_ROPE.get(values["model_type"], (DEFAULT_ROPE_THETA, None))
     given = raw.get("rope_scaling") or raw.get("rope_parameters")
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
-    params = dict(given or {})
+    params = dict(given or default_params or {})
     if any(isinstance(value, dict) for value in params.values()):  # per layer type, as Gemma 3's
         return {layer_type: _standardized(dict(value), raw, values, raw.get("rope_theta"))
                 for layer_type, value in params.items()}
-    return _standardized(params, raw, values, raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    return _standardized(params, raw, values, raw.get("rope_theta", default_theta))
 
 
 def _standardized(params: dict, raw: dict, values: dict, rope_theta) -> dict:
@@ -529,7 +546,8 @@ def check_supported(config: HFConfig) -> None:
                              f"{', '.join(map(repr, GEMMA_ACTIVATIONS))} gated MLPs are")
         if config.use_bidirectional_attention:
             raise ValueError("use_bidirectional_attention=True is not supported; only causal attention is")
-    elif config.hidden_act not in SILU_ACTIVATIONS:
+    # gpt-oss's experts run their clamped SwiGLU whatever hidden_act says: transformers never reads it there
+    elif config.hidden_act not in SILU_ACTIVATIONS and config.model_type != "gpt_oss":
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
     if config.quantization_config:  # a format or layout tpengine does not read is refused by name
         quantization_config_of(config)
@@ -544,7 +562,8 @@ def check_supported(config: HFConfig) -> None:
 
 
 def is_sparse_layer(config: HFConfig, layer_idx: int) -> bool:
-    """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule); False for dense models."""
+    """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule, which makes every layer of gpt-oss
+    one); False for dense models."""
     return (config.num_experts > 0 and layer_idx not in config.mlp_only_layers
             and (layer_idx + 1) % config.decoder_sparse_step == 0)
 
@@ -556,5 +575,13 @@ def tensor_parallel_sizes(config: HFConfig) -> dict[str, int]:
     if not all(sparse):
         sizes["intermediate_size"] = config.intermediate_size
     if any(sparse):
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+        sizes.update([expert_intermediate_size(config)])
     return sizes
+
+
+def expert_intermediate_size(config: HFConfig) -> tuple[str, int]:
+    """(the field, its value) giving each expert's intermediate size: Qwen3-MoE's moe_intermediate_size, or
+    intermediate_size in gpt-oss, whose every MLP is experts."""
+    if config.moe_intermediate_size is None:
+        return "intermediate_size", config.intermediate_size
+    return "moe_intermediate_size", config.moe_intermediate_size

@@ -54,7 +54,8 @@ def write_byte_tokenizer(path: str, bos_token: str | None = None) -> int:
 def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, architecture: str = "Qwen3ForCausalLM",
                      bos_token: str | None = None, **overrides) -> str:
     """Write a random-weight checkpoint (safetensors) of a transformers architecture to path; overrides change
-    the config. Biases, which transformers initialises to zero, are drawn at random too, so they count."""
+    the config. Biases, which transformers initialises to zero (gpt-oss's experts' *_proj_bias too), are drawn at
+    random too, so they count."""
     import torch
     import transformers
 
@@ -72,7 +73,7 @@ def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, a
     model = model_class(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_proj_bias")):
                 param.normal_(0.0, config.initializer_range)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(path, safe_serialization=True)

@@ -5,7 +5,7 @@ import torch
 from tests.conftest import relative_error
 from tests.kernels.conftest import DEVICE
 from tpengine.layers.fused_moe import per_token_experts, select_experts
-from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
+from tpengine.platforms.torch_ops import clamped_swiglu, grouped_experts, silu_and_mul
 
 pytest.importorskip("triton")
 from tpengine.kernels.triton.fused_moe import align_pairs_to_blocks, fused_experts  # noqa: E402
@@ -46,3 +46,17 @@ def test_experts_with_no_tokens_get_no_blocks():
 def test_grouped_path_equals_the_per_token_reference():
     x, w13, w2, weights, ids = random_moe(9, 8, 32, 16, 2, seed=3)
     assert relative_error(grouped_experts(x, w13, w2, weights, ids), per_token_experts(x, w13, w2, weights, ids)) < 1e-6
+
+
+def test_biases_and_the_clamped_swiglu_around_the_fused_kernel_equal_the_grouped_torch_path():
+    # gpt-oss's experts on CUDA: the kernel has no biases, the platform adds them around it
+    from tpengine.platforms.cuda import moe_experts
+    x, w13, w2, _, _ = random_moe(21, 4, 64, 32, 2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    w13_bias, w2_bias = (torch.randn(4, 64, generator=g).to(DEVICE), torch.randn(4, 64, generator=g).to(DEVICE))
+    logits = torch.randn(21, 4, generator=g).to(DEVICE)
+    weights, ids = select_experts(logits, 2, renormalize=False, softmax_after_top_k=True)
+    act = lambda h: clamped_swiglu(h, alpha=1.702, limit=1.0)  # noqa: E731: a limit that clamps
+    expected = grouped_experts(x, w13, w2, weights, ids, act, w13_bias=w13_bias, w2_bias=w2_bias)
+    out = moe_experts(x, w13, w2, weights, ids, act, w13_bias=w13_bias, w2_bias=w2_bias)
+    assert relative_error(out, expected) < 1e-5

@@ -3,8 +3,9 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import GptOssConfig, LlamaConfig, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.conftest import as_hf_config
@@ -59,6 +60,17 @@ def test_cos_sin_cache_equals_transformers_rotary_embedding_with_yarn_scaling():
     ours = RotaryEmbedding(128, 4096, rope_parameters_of(as_hf_config(config))).cos_sin_cache
     half = ours.size(1) // 2
     assert torch.equal(ours[:, :half], cos[0, :, :half]) and torch.equal(ours[:, half:], sin[0, :, :half])
+
+
+def test_gpt_oss_default_yarn_without_truncation_equals_transformers_rotary_embedding():
+    config = GptOssConfig(num_hidden_layers=2)  # no rope_parameters: yarn, factor 32 over 4096, truncate false
+    positions = torch.arange(8192)
+    cos, sin = GptOssRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])  # half width
+    rope = rope_parameters_of(as_hf_config(config))
+    assert (rope.rope_type, rope.truncate, rope.theta) == ("yarn", False, 150000.0)
+    ours = RotaryEmbedding(config.head_dim, 8192, rope).cos_sin_cache
+    half = ours.size(1) // 2
+    assert torch.equal(ours[:, :half], cos[0]) and torch.equal(ours[:, half:], sin[0])
 
 
 def test_transformers_4_rope_scaling_keys_are_read():

@@ -2,7 +2,14 @@
 
 Tensor parallelism slices each expert's intermediate dimension (gate/up by rows, down by columns),
 so a layer ends with one all-reduce, as the dense MLP does. Experts are stacked per layer:
-w13 [experts, 2 * intermediate / tp, hidden] (gate then up) and w2 [experts, hidden, intermediate / tp].
+w13 [experts, 2 * intermediate / tp, hidden] (gate then up) and w2 [experts, hidden, intermediate / tp],
+with biases where the family has them (gpt-oss): w13_bias [experts, 2 * intermediate / tp] and w2_bias
+[experts, hidden], whole on every rank and added by rank 0 alone, before the all-reduce.
+
+Checkpoints store experts one of two ways, and each weight_loader takes its own: one tensor per expert and
+projection (Qwen3-MoE: experts.E.gate_proj.weight [intermediate, hidden]), or one per projection for all the
+experts (gpt-oss: experts.gate_up_proj [experts, hidden, 2 * intermediate], gate and up interleaved column by
+column, and experts.down_proj [experts, intermediate, hidden], both [in, out]).
 """
 import torch
 import torch.nn.functional as F
@@ -15,9 +22,14 @@ from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   softmax_after_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, top_k] in the logits' dtype, expert ids [tokens, top_k]), as transformers routes:
-    softmax in float32, torch.topk (its order and tie-breaking), then renormalised over the chosen k."""
+    softmax in float32, torch.topk (its order and tie-breaking), then renormalised over the chosen k; or, with
+    softmax_after_top_k (gpt-oss), torch.topk of the logits, then a softmax over the chosen k in their dtype."""
+    if softmax_after_top_k:
+        top_logits, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -40,24 +52,40 @@ def per_token_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 class FusedMoE(nn.Module):
     """Experts of one layer, stacked; forward(x, router_logits) routes, runs the experts (as its platform runs
-    them: grouped by expert on the CPU, Triton's fused kernel on CUDA) and all-reduces."""
+    them: grouped by expert on the CPU, Triton's fused kernel on CUDA) and all-reduces.
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
+    softmax_after_top_k: select_experts' routing. act_and_mul: the activation between the matmuls, over gate
+    then up packed in the last dimension (None: silu(gate) * up). bias: the experts have biases. stacked: the
+    checkpoint stores one tensor per projection for all the experts (gpt-oss), which loads float only."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 *, softmax_after_top_k: bool = False, act_and_mul=None, bias: bool = False, stacked: bool = False):
         super().__init__()
         self.tp_group = get_tp_group()
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        self.softmax_after_top_k = softmax_after_top_k
+        self.act_and_mul = act_and_mul
         self.intermediate_per_rank = divide(intermediate_size, self.tp_group.size)
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank, hidden_size),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_per_rank),
                                       requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
-        self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
-        self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
-        self.w13_weight.takes_quantized = self.w2_weight.takes_quantized = True
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        if stacked:
+            for param in self.parameters():
+                param.weight_loader = self.stacked_weight_loader
+        else:
+            assert not bias, "per-expert checkpoints with expert biases: no family has them"
+            self.w13_weight.weight_loader = self.weight_loader
+            self.w2_weight.weight_loader = self.weight_loader
+            self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
+            self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
+            self.w13_weight.takes_quantized = self.w2_weight.takes_quantized = True
         platform = current_platform()
         self.moe_experts, self.linear = platform.moe_experts, platform.linear
         self.pack_quantized_weight = platform.pack_quantized_weight
@@ -78,6 +106,28 @@ class FusedMoE(nn.Module):
             offset = 0 if shard == "gate" else size
             param.data[expert].narrow(0, offset, size).copy_(take_rows(loaded_weight, rank * size, size))
 
+    def stacked_weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """All the experts' gate_up_proj [experts, hidden, 2 * intermediate] or down_proj [experts, intermediate,
+        hidden] ([in, out], gate and up interleaved column by column), or their biases [experts, 2 *
+        intermediate] and [experts, hidden]: this rank's slice of the intermediate dimension, gate then up."""
+        if not isinstance(loaded_weight, torch.Tensor):
+            raise ValueError("experts stored one tensor per projection load float weights only, not quantized ones")
+        size, rank, tp = self.intermediate_per_rank, self.tp_group.rank, self.tp_group.size
+        experts, hidden = self.num_experts, self.w2_weight.size(1)
+        if param is self.w2_bias:
+            check_weight_shape(loaded_weight, [experts, hidden])
+            param.data.copy_(loaded_weight)
+            return
+        if param is self.w2_weight:  # [experts, intermediate, hidden] -> this rank's [experts, hidden, size]
+            check_weight_shape(loaded_weight, [experts, size * tp, hidden])
+            param.data.copy_(loaded_weight.narrow(1, rank * size, size).transpose(1, 2))
+            return
+        is_bias = param is self.w13_bias
+        check_weight_shape(loaded_weight, [experts, 2 * size * tp] if is_bias else [experts, hidden, 2 * size * tp])
+        for offset, first in ((0, 0), (size, 1)):  # gate: the even columns, up: the odd ones
+            part = loaded_weight[..., first::2].narrow(-1, rank * size, size)
+            param.data.narrow(1, offset, size).copy_(part if is_bias else part.transpose(1, 2))
+
     def prepack(self) -> None:
         """After loading: quantized experts packed one by one (gate and up joined), their floats freed."""
         w13_parts = getattr(self.w13_weight, "quantized_parts", {})
@@ -97,11 +147,15 @@ class FusedMoE(nn.Module):
             del param.quantized_parts
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)
         if self.packed_experts is not None:
             out = grouped_experts(x, *self.packed_experts, topk_weights, topk_ids,
                                   linear=lambda h, packed: self.linear(h, None, None, packed))
+        elif self.w13_bias is not None:
+            # the down bias once, from rank 0: the all-reduce adds the ranks' partial sums
+            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_and_mul,
+                                   w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp_group.rank == 0 else None)
         else:
-            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_and_mul)
         self.tp_group.all_reduce(out)
         return out

@@ -34,6 +34,7 @@ class DecoderFamily:
     attn_logit_softcap: float | None = None  # scores become c * tanh(scores / c) before the softmax
     embed_scale: float | None = None         # the embedding's rows scaled by it, in the model's dtype
     final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
+    sinks: bool = False      # a learned sink logit per head in the attention softmax (gpt-oss)
 
 
 class DecoderAttention(nn.Module):
@@ -58,7 +59,7 @@ class DecoderAttention(nn.Module):
         scale = family.attention_scale if family.attention_scale is not None else head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, backend,
                               sliding_window=layer_sliding_window(config, layer_idx),
-                              logit_softcap=family.attn_logit_softcap)
+                              logit_softcap=family.attn_logit_softcap, has_sinks=family.sinks)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden_states)

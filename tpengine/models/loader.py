@@ -74,7 +74,7 @@ def _quantized_modules(quantization, files_of: dict[str, str]) -> dict[str, dict
     """module name -> {tensor suffix: checkpoint name} for every linear the checkpoint stores quantized."""
     modules: dict[str, dict[str, str]] = {}
     for name in files_of:
-        module, _, suffix = name.rpartition(".")
+        module, suffix = quantization.split_name(name)
         if suffix in quantization.tensor_suffixes:
             modules.setdefault(module, {})[suffix] = name
     return {module: tensors for module, tensors in modules.items()
@@ -95,17 +95,18 @@ def _load(param: nn.Parameter, loaded, args: tuple, what: str) -> None:
 
 def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
                     tensors: dict[str, torch.Tensor]) -> tuple[int, tuple]:
-    """One quantized linear read from its tensors into its weight's loader; its (parameter, arguments) key."""
-    target, args = model.checkpoint_target(f"{module}.weight")
+    """One quantized linear read from its tensors into its weight's loader; its (parameter, arguments) key. A
+    format read into floats (FP8 on the CPU, MXFP4) loads into any parameter, as a float checkpoint's would."""
+    target, args = model.checkpoint_target(quantization.weight_name(module))
     if target not in params:
         raise ValueError(f"quantized checkpoint module {module!r} has no matching linear in the model")
     param = params[target]
-    if not getattr(param, "takes_quantized", False):
-        raise ValueError(f"checkpoint module {module!r} is quantized, but {target} cannot run quantized")
     try:
         weight = quantization.read_linear(module, tensors)
     except (ValueError, RuntimeError, IndexError) as e:
         raise ValueError(f"quantized checkpoint module {module!r} cannot be read: {e}") from None
+    if not isinstance(weight, torch.Tensor) and not getattr(param, "takes_quantized", False):
+        raise ValueError(f"checkpoint module {module!r} is quantized, but {target} cannot run quantized")
     _load(param, weight, args, f"quantized checkpoint module {module!r}")
     return id(param), args
 

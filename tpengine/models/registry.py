@@ -18,6 +18,7 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": ("tpengine.models.gemma", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("tpengine.models.gemma", "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("tpengine.models.phi3", "Phi3ForCausalLM"),
+    "GptOssForCausalLM": ("tpengine.models.gpt_oss", "GptOssForCausalLM"),
 }
 assert set(MODEL_CLASSES) == set(ARCHITECTURES), "every supported architecture needs its class, and only those"
 

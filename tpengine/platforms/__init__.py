@@ -42,7 +42,9 @@ class Platform(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor: ...
+                    topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """torch_ops.grouped_experts' sum, however the platform computes it; act_and_mul None: silu(gate) * up."""
 
     def pack_linear_weight(self, weight: torch.Tensor):
         """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None."""

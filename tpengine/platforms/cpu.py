@@ -100,8 +100,13 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         torch_ops.store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping)
 
 
-# torch's SiLU between the experts' matmuls: the C++ op gives torch's bits only at torch's vector width
-moe_experts = torch_ops.grouped_experts
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
+                w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped by expert in torch; torch's SiLU between the experts' matmuls unless act_and_mul is given: the C++
+    op gives torch's bits only at torch's vector width."""
+    return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul or torch_ops.silu_and_mul,
+                                     w13_bias=w13_bias, w2_bias=w2_bias)
 
 
 # --- linears on packed weights ---------------------------------------------------------------------

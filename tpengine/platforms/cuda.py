@@ -97,13 +97,25 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
+                w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton's fused experts where Triton is installed (no host sync, so decode stays graph-capturable),
-    else grouped by expert in torch."""
-    if HAS_TRITON:
-        from tpengine.kernels.triton.fused_moe import fused_experts
-        return fused_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul)
-    return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, silu_and_mul)
+    else grouped by expert in torch. act_and_mul: silu(gate) * up unless given. The kernel has no biases: the
+    gate/up bias is added to its rows (one per (token, k) pair, in pair order) before act_and_mul, the down
+    bias, weighted, to its sum."""
+    act_and_mul = act_and_mul or silu_and_mul
+    if not HAS_TRITON:
+        return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, w13_bias=w13_bias,
+                                         w2_bias=w2_bias)
+    from tpengine.kernels.triton.fused_moe import fused_experts
+    activation = act_and_mul
+    if w13_bias is not None:
+        pair_bias = w13_bias[topk_ids.flatten()]
+        activation = lambda gate_up: act_and_mul(gate_up + pair_bias)  # noqa: E731
+    out = fused_experts(x, w13, w2, topk_weights, topk_ids, activation)
+    if w2_bias is not None:
+        out = out + (topk_weights.unsqueeze(-1) * w2_bias[topk_ids]).sum(dim=1)
+    return out
 
 
 # --- linears -------------------------------------------------------------------------------------

@@ -31,6 +31,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)  # in place on silu's fresh output: one large allocation fewer
 
 
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at limit and up to [-limit, limit],
+    with gate and up packed in the last dimension (transformers' GptOssExperts, op for op)."""
+    gate, up = x.chunk(2, -1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 # --- rotary embedding: two forms of the same values ------------------------------------------------
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +94,12 @@ def store_kvcache_masked(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
 
 
 def grouped_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    act_and_mul=silu_and_mul, linear=F.linear) -> torch.Tensor:
+                    act_and_mul=silu_and_mul, linear=F.linear, w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's chosen experts of weight * down(act_and_mul(gate_up(x))), act_and_mul being
-    silu(gate) * up; x [tokens, hidden], w13 [experts, 2 * intermediate, hidden] (gate then up), w2
-    [experts, hidden, intermediate]: the arguments of Triton's fused_experts.
+    silu(gate) * up unless given; x [tokens, hidden], w13 [experts, 2 * intermediate, hidden] (gate then up), w2
+    [experts, hidden, intermediate]: the arguments of Triton's fused_experts. Biases (gpt-oss's: w13_bias
+    [experts, 2 * intermediate], w2_bias [experts, hidden]) are added after each matmul, as transformers adds them.
 
     Tokens are grouped by expert: each chosen expert runs its two matmuls once over its tokens, in
     ascending expert order (the order transformers adds them in); unchosen experts cost nothing. Quantized
@@ -107,8 +118,13 @@ def grouped_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_i
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        h = act_and_mul(linear(x[tokens], w13[expert]))
-        h = linear(h, w2[expert]) * flat_weights[pairs, None]
+        h = linear(x[tokens], w13[expert])
+        if w13_bias is not None:
+            h = h + w13_bias[expert]
+        h = linear(act_and_mul(h), w2[expert])
+        if w2_bias is not None:
+            h = h + w2_bias[expert]
+        h = h * flat_weights[pairs, None]
         out[tokens] += h  # a token picks an expert once, so rows never collide (index_add_ is far slower on CPU)
     return out
 

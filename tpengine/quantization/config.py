@@ -26,7 +26,7 @@ import torch
 
 from tpengine.quantization.weights import Activation, QuantizedWeight
 
-SUPPORTED_METHODS = "compressed-tensors, gptq and awq"
+SUPPORTED_METHODS = "compressed-tensors, gptq, awq and mxfp4"
 
 _PACKED_SUFFIXES = frozenset({"weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx"})
 _UNPACKED_SUFFIXES = frozenset({"weight", "weight_scale", "weight_zero_point", "input_scale"})
@@ -79,8 +79,12 @@ class QuantizationConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "QuantizationConfig":
-        """From a config.json's `quantization_config`; a ValueError names what tpengine cannot read."""
+        """From a config.json's `quantization_config` (MXFP4's is an Mxfp4Config, which the loader reads the
+        same way); a ValueError names what tpengine cannot read."""
         method = d.get("quant_method")
+        if method == "mxfp4":
+            from tpengine.quantization.mxfp4 import Mxfp4Config
+            return Mxfp4Config.from_hf(d)
         if method == "compressed-tensors":
             return _compressed_tensors_config(d)
         if method == "gptq":
@@ -96,6 +100,17 @@ class QuantizationConfig:
             suffixes |= {"pack-quantized": _PACKED_SUFFIXES, "gptq": _GPTQ_SUFFIXES,
                          "awq": _AWQ_SUFFIXES}.get(scheme.layout, _UNPACKED_SUFFIXES)
         return frozenset(suffixes)
+
+    @staticmethod
+    def split_name(name: str) -> tuple[str, str]:
+        """(module, suffix) of a checkpoint tensor: model.layers.0.mlp.down_proj.qweight -> (..down_proj, qweight)."""
+        module, _, suffix = name.rpartition(".")
+        return module, suffix
+
+    @staticmethod
+    def weight_name(module: str) -> str:
+        """The float checkpoint's name for the tensor a module reads into: its weight."""
+        return f"{module}.weight"
 
     def skips(self, module_name: str) -> bool:
         """Whether the checkpoint leaves this module float (ignored, not converted, or no group targets it)."""
