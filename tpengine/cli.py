@@ -107,8 +107,9 @@ def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParse
 def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool) -> None:
     """The flags that build the engine, the same for generate and serve."""
     parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
-                                        "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral (default: the embedded tiny random Qwen3, "
-                                        "written on first use; its text is meaningless)")
+                                        "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss "
+                                        "(default: the embedded tiny random Qwen3, written on first use; its text is "
+                                        "meaningless)")
     if tensor_parallel_flag:
         parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")

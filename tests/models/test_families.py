@@ -2,11 +2,11 @@
 256, chunked prefill, prefix hits and preemption, on the torch, cpu and (interpreted) Triton backends."""
 import pytest
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import random_prompts
 from tests.models.families import WINDOW, family_checkpoint
+from tests.models.parity import assert_parity, check_preemption, check_twice_with_prefix_hits
 from tpengine import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # 100 tokens pass llama3's and YaRN's 64-token original window, 260 a block of 256 (qwen2's limit is 256: 4 x 64);
 # the window families' prompts fill the window, end one past it and run several windows past it
 PROMPT_LENGTHS = {"llama": [1, 20, 100, 260], "llama_tied": [1, 20, 100, 260], "mistral": [1, 20, 100, 260],
@@ -16,12 +16,6 @@ PROMPT_LENGTHS = {"llama": [1, 20, 100, 260], "llama_tied": [1, 20, 100, 260], "
 
 def family_prompts(name: str) -> list[list[int]]:
     return random_prompts(len(name), PROMPT_LENGTHS[name], 300)
-
-
-def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
-    expected = hf_greedy(path, prompts, max_tokens)
-    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
-        assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
 
 
 # (family, tp, block size, attention backend): each family at tp 1 on both CPU backends and both block sizes,
@@ -38,28 +32,16 @@ CASES = [
 
 @pytest.mark.parametrize("name, tp, block_size, backend", CASES, ids=lambda v: str(v))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, tp, block_size, backend):
-    path = family_checkpoint(name)
-    prompts = family_prompts(name)
-    with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
-             max_num_batched_tokens=48) as llm:  # 48: the longer prompts prefill in chunks
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_parity(path, prompts, first)
-    assert_parity(path, prompts, second)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]  # all but the last token
+    # 48: the longer prompts prefill in chunks
+    check_twice_with_prefix_hits(family_checkpoint(name), family_prompts(name), tensor_parallel_size=tp,
+                                 kvcache_block_size=block_size, attention_backend=backend, max_num_batched_tokens=48)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "mistral_window"])  # the scheduler's part is the same for every family
 def test_preemption_under_a_small_cache_still_matches(name):
     path = family_checkpoint(name)
     # each request needs up to 3-5 blocks of 16; 8 blocks hold two at a time; the window's outputs run past it
-    prompts = random_prompts(5, [30, 31, 29, 40, 18], 300)
-    max_tokens = 30
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
-    assert_parity(path, prompts, outputs, max_tokens)
+    check_preemption(path, random_prompts(5, [30, 31, 29, 40, 18], 300), max_tokens=30)
 
 
 # head_dim 32 with 3:1 GQA; 32; 16; a window that the second prompt passes
@@ -68,13 +50,7 @@ def test_triton_backend_matches_transformers_with_a_prefix_hit(name):
     pytest.importorskip("triton")
     path = family_checkpoint(name)
     prompts = random_prompts(6, [3, 20 if name != "mistral_window" else WINDOW + 5], 300)  # the interpreter is slow
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with LLM(path, kvcache_block_size=16, attention_backend="triton") as llm:
-        first = llm.generate(prompts, params, use_tqdm=False)
-        second = llm.generate(prompts, params, use_tqdm=False)
-    assert_parity(path, prompts, first, 4)
-    assert_parity(path, prompts, second, 4)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]
+    check_twice_with_prefix_hits(path, prompts, 4, kvcache_block_size=16, attention_backend="triton")
 
 
 def test_blocks_released_behind_the_window_serve_other_requests_and_tokens_stay_exact():

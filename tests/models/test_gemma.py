@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import random_prompts
+from tests.models.parity import GREEDY, assert_parity, check_preemption, check_twice_with_prefix_hits
 from tpengine import LLM, SamplingParams
 from tpengine.hf_config import check_supported, parse_hf_config
 from tpengine.tiny_model import write_tiny_model
@@ -31,7 +32,6 @@ MODELS = {
     "gemma3": dict(architecture="Gemma3ForCausalLM", num_hidden_layers=3, sliding_window_pattern=3,
                    rope_parameters=GEMMA3_ROPE, final_logit_softcapping=1.5, **SMALL),
 }
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPT_LENGTHS = [1, WINDOW, WINDOW + 1, 100]  # fill the window, end one past it, run several windows past it
 
 
@@ -92,12 +92,6 @@ def _session_dir() -> str:
     return tempfile.mkdtemp(prefix="tpengine-gemma-")
 
 
-def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens, oracle=None):
-    expected = hf_greedy(oracle or path, prompts, max_tokens)
-    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
-        assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
-
-
 CASES = [
     ("gemma2", 1, 16, "torch"), ("gemma2", 1, 256, "auto"), ("gemma2", 2, 16, "auto"),
     ("gemma3", 1, 16, "auto"), ("gemma3", 1, 256, "torch"), ("gemma3", 2, 256, "auto"),
@@ -106,27 +100,15 @@ CASES = [
 
 @pytest.mark.parametrize("name, tp, block_size, backend", CASES, ids=lambda v: str(v))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, tp, block_size, backend):
-    path = gemma_checkpoint(name)
-    prompts = random_prompts(len(name), PROMPT_LENGTHS, 1000)
-    with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
-             max_num_batched_tokens=48) as llm:  # 48: the 100-token prompt prefills in chunks
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_parity(path, prompts, first)
-    assert_parity(path, prompts, second)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]  # all but the last token
+    # 48: the 100-token prompt prefills in chunks
+    check_twice_with_prefix_hits(gemma_checkpoint(name), random_prompts(len(name), PROMPT_LENGTHS, 1000),
+                                 tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
+                                 max_num_batched_tokens=48)
 
 
 def test_preemption_under_a_small_cache_still_matches():  # the scheduler's part is the same for every family
-    path = gemma_checkpoint("gemma3")
     # each request needs 3-5 blocks of 16; 8 blocks hold two at a time; outputs run past the window
-    prompts = random_prompts(5, [30, 31, 29, 40, 18], 1000)
-    max_tokens = 30
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
-    assert_parity(path, prompts, outputs, max_tokens)
+    check_preemption(gemma_checkpoint("gemma3"), random_prompts(5, [30, 31, 29, 40, 18], 1000), max_tokens=30)
 
 
 def test_triton_backend_matches_transformers_past_the_window():

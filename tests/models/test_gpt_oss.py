@@ -8,60 +8,35 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 
 from tests.conftest import hf_greedy, random_prompts
+from tests.models.parity import GREEDY, assert_parity, check_preemption, check_twice_with_prefix_hits
 from tests.models.gpt_oss import GPT_OSS_MODEL, WINDOW, gpt_oss_checkpoint, mxfp4_checkpoint, quantize_mxfp4
-from tpengine import LLM, SamplingParams
+from tpengine import LLM
 from tpengine.layers.fused_moe import select_experts
 from tpengine.quantization.mxfp4 import dequantize_mxfp4
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 CONFIG = {k: v for k, v in GPT_OSS_MODEL.items() if k not in ("architecture", "with_tokenizer")}
 VOCAB = GPT_OSS_MODEL["vocab_size"]
 # one token, the window filled, one past it, and several windows past it (and past YaRN's 64-token original window)
 PROMPT_LENGTHS = [1, WINDOW, WINDOW + 1, 100]
 
 
-def assert_parity(path, prompts, outputs, max_tokens=GREEDY.max_tokens):
-    expected = hf_greedy(path, prompts, max_tokens)
-    for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
-        assert out.token_ids == ref, f"prompt {i} (len {len(prompts[i])}) diverges from transformers"
-
-
 @pytest.mark.parametrize("tp, block_size, backend", [(1, 16, "torch"), (1, 256, "auto"), (2, 16, "auto"),
                                                      (2, 256, "torch")])
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tp, block_size, backend):
-    path = gpt_oss_checkpoint()
-    prompts = random_prompts(29, PROMPT_LENGTHS, VOCAB)
-    with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
-             max_num_batched_tokens=48) as llm:  # 48: the longest prompt prefills in chunks
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_parity(path, prompts, first)
-    assert_parity(path, prompts, second)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]  # all but the last token
+    # 48: the longest prompt prefills in chunks
+    check_twice_with_prefix_hits(gpt_oss_checkpoint(), random_prompts(29, PROMPT_LENGTHS, VOCAB),
+                                 tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
+                                 max_num_batched_tokens=48)
 
 
 def test_preemption_under_a_small_cache_still_matches():
-    path = gpt_oss_checkpoint()
-    prompts = random_prompts(5, [30, 31, 29, 40, 18], VOCAB)
-    max_tokens = 24  # past the window
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8) as llm:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
-    assert_parity(path, prompts, outputs, max_tokens)
+    check_preemption(gpt_oss_checkpoint(), random_prompts(5, [30, 31, 29, 40, 18], VOCAB), max_tokens=24)  # past the window
 
 
 def test_triton_backend_matches_transformers_with_a_prefix_hit():
     pytest.importorskip("triton")
-    path = gpt_oss_checkpoint()
     prompts = random_prompts(6, [3, WINDOW + 5], VOCAB)  # the interpreter is slow
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with LLM(path, kvcache_block_size=16, attention_backend="triton") as llm:
-        first = llm.generate(prompts, params, use_tqdm=False)
-        second = llm.generate(prompts, params, use_tqdm=False)
-    assert_parity(path, prompts, first, 4)
-    assert_parity(path, prompts, second, 4)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]
+    check_twice_with_prefix_hits(gpt_oss_checkpoint(), prompts, 4, kvcache_block_size=16, attention_backend="triton")
 
 
 def test_routing_keeps_the_top_logits_and_softmaxes_them_as_transformers_does():

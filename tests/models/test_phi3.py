@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import _hf_model, hf_greedy, random_prompts
 from tests.models.families import WINDOW, family_checkpoint
-from tests.models.test_families import assert_parity
+from tests.models.parity import GREEDY, check_preemption, check_twice_with_prefix_hits
 from tests.models.test_quantized_models import (check_online, online_reference, prompts_with_shared_prefix,
                                                 quantized_checkpoint)
 from tests.quantization.checkpoints import CheckpointFormat
@@ -22,7 +22,6 @@ from tpengine.hf_config import load_hf_config
 from tpengine.models.loader import load_model
 from tpengine.models.registry import model_class
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ORIGINAL_WINDOW = 64  # the LongRoPE checkpoints' original_max_position_embeddings
 # setup -> (checkpoint, max_model_len (None: the model's), prompt lengths). LongRoPE (models/phi3.py): short, an
 # engine whose sequences stay within the original window (the short factors, as transformers has them there); long,
@@ -48,26 +47,17 @@ CASES = [
 @pytest.mark.parametrize("setup, tp, block_size, backend", CASES, ids=lambda v: str(v))
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(setup, tp, block_size, backend):
     name, max_model_len, lengths = SETUPS[setup]
-    path = family_checkpoint(name)
-    prompts = random_prompts(len(setup), lengths, 300)
     settings = {} if max_model_len is None else {"max_model_len": max_model_len}
-    with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
-             max_num_batched_tokens=24, **settings) as llm:  # 24: the longer prompts prefill in chunks
-        first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert_parity(path, prompts, first)
-    assert_parity(path, prompts, second)
-    assert [o.num_cached_tokens for o in second] == [len(p) - 1 for p in prompts]  # all but the last token
+    # 24: the longer prompts prefill in chunks
+    check_twice_with_prefix_hits(family_checkpoint(name), random_prompts(len(setup), lengths, 300),
+                                 tensor_parallel_size=tp, kvcache_block_size=block_size, attention_backend=backend,
+                                 max_num_batched_tokens=24, **settings)
 
 
 def test_preemption_recomputes_with_the_long_factors_and_still_matches():
-    path = family_checkpoint("phi3_longrope")
     prompts = random_prompts(5, [ORIGINAL_WINDOW + 2, ORIGINAL_WINDOW + 6, ORIGINAL_WINDOW + 4], 300)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=10) as llm:  # two prompts at a time, then short
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0
-    assert_parity(path, prompts, outputs, 20)
+    # two prompts at a time, then short
+    check_preemption(family_checkpoint("phi3_longrope"), prompts, max_tokens=20, num_kvcache_blocks=10)
 
 
 def test_longrope_generation_past_the_window_rotates_as_transformers_after_its_recompute():
