@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from bench import CPU_MODEL  # scripts/ is this script's folder, so it is on sys.path
 from quick import QUICK_MODEL, parse_with_quick
+from tpengine.attention.backend import AttentionParams
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.attention.torch_backend import TorchAttentionBackend
 from tpengine.hf_config import RopeParameters
@@ -77,7 +78,8 @@ def decode_attention(args) -> None:
             is_prefill=False, slot_mapping=torch.zeros(args.batch, dtype=torch.long),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             block_tables_list=tables, seqlens_k=lens, context_lens=torch.tensor(lens, dtype=torch.int32))
-        torch_ms = best_ms(lambda: TorchAttentionBackend().decode(q, k_cache, v_cache, meta, head_dim**-0.5), 10,
+        params = AttentionParams(head_dim**-0.5)
+        torch_ms = best_ms(lambda: TorchAttentionBackend().decode(q, k_cache, v_cache, meta, params), 10,
                            args.rounds)
         kernel_ms = best_ms(lambda: paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                                            meta.context_lens, head_dim**-0.5), 10, args.rounds)
