@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 give transformers' greedy tokens and soft-capped logprobs: tp 1 and 2, block sizes 16 and
+"""Gemma 2 and Gemma 3 give transformers' greedy tokens and soft-capped logprobs: tp 1, 2 and 4, block sizes 16 and
 256, chunked prefill, prefix hits and preemption, with prompts and outputs past the sliding window, on the torch,
 cpu and (interpreted) Triton backends; a Gemma3ForConditionalGeneration checkpoint serves its text model."""
 import functools
@@ -93,7 +93,7 @@ def _session_dir() -> str:
 
 
 CASES = [
-    ("gemma2", 1, 16, "torch"), ("gemma2", 1, 256, "auto"), ("gemma2", 2, 16, "auto"),
+    ("gemma2", 1, 16, "torch"), ("gemma2", 1, 256, "auto"), ("gemma2", 4, 16, "auto"),  # tp 4: KV heads replicated
     ("gemma3", 1, 16, "auto"), ("gemma3", 1, 256, "torch"), ("gemma3", 2, 256, "auto"),
 ]
 

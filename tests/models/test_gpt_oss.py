@@ -1,5 +1,5 @@
 """gpt-oss gives transformers' greedy tokens (sinks, a window shorter than the prompts, YaRN, biased experts with
-the clamped SwiGLU) at tp 1 and 2, both block sizes, chunked prefill, prefix hits and preemption, on the torch,
+the clamped SwiGLU) at tp 1, 2 and 4, both block sizes, chunked prefill, prefix hits and preemption, on the torch,
 cpu and (interpreted) Triton backends; it routes as transformers does; an MXFP4 checkpoint dequantizes as
 transformers dequantizes it and gives transformers' tokens."""
 import pytest
@@ -20,8 +20,9 @@ VOCAB = GPT_OSS_MODEL["vocab_size"]
 PROMPT_LENGTHS = [1, WINDOW, WINDOW + 1, 100]
 
 
+# tp 4: one query head and a replicated KV head per rank, a quarter of every expert
 @pytest.mark.parametrize("tp, block_size, backend", [(1, 16, "torch"), (1, 256, "auto"), (2, 16, "auto"),
-                                                     (2, 256, "torch")])
+                                                     (4, 256, "torch")])
 def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(tp, block_size, backend):
     # 48: the longest prompt prefills in chunks
     check_twice_with_prefix_hits(gpt_oss_checkpoint(), random_prompts(29, PROMPT_LENGTHS, VOCAB),

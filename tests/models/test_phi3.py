@@ -1,5 +1,5 @@
 """Phi-3 / Phi-3.5 / Phi-4 (Phi3ForCausalLM) give transformers' greedy tokens: plain, a sliding window shorter than
-the prompts, LongRoPE within its original window and past it, and Phi-4-mini's partial rotary; tp 1 and 2, block
+the prompts, LongRoPE within its original window and past it, and Phi-4-mini's partial rotary; tp 1, 2 and 4, block
 sizes 16 and 256, chunked prefill, prefix hits and preemption, on the torch and auto backends. The fused checkpoint
 tensors split into each rank's q/k/v heads and gate/up slices: float, quantized at load, quantized in the checkpoint."""
 import json
@@ -37,7 +37,7 @@ SETUPS = {
 # (setup, tp, block size, attention backend)
 CASES = [
     ("phi3", 1, 16, "torch"), ("phi3", 2, 256, "auto"),
-    ("phi3_window", 1, 16, "auto"), ("phi3_window", 2, 256, "torch"),
+    ("phi3_window", 1, 16, "auto"), ("phi3_window", 4, 16, "torch"),  # tp 4: KV heads replicated
     ("longrope_short", 1, 256, "torch"), ("longrope_short", 2, 16, "auto"),
     ("longrope_long", 1, 16, "auto"), ("longrope_long", 2, 256, "torch"),
     ("phi4_mini_short", 1, 16, "auto"), ("phi4_mini_long", 2, 16, "torch"),
