@@ -158,3 +158,25 @@ def test_a_prefix_hit_behind_the_window_takes_only_the_blocks_it_sees():
     # position 40 on sees keys from 40 - 8 + 1 = 33 on (one of slack: 32): blocks 0-7 are not taken
     assert second.block_table[:8] == [-1] * 8 and -1 not in second.block_table[8:]
     assert len(scheduler.block_manager.used_block_ids) == 3
+
+
+def test_a_prefix_hit_needs_only_the_blocks_its_next_token_sees():
+    from tests.engine.test_block_manager import assert_consistent, prefill
+    from tpengine.engine.block_manager import BlockManager
+    bm = BlockManager(14, BS, sliding_window=8)
+    prompt = list(range(100, 140))  # 10 blocks
+    first = prefill(bm, prompt)
+    bm.release_out_of_window(first)  # as the scheduler does: blocks 0-7 go back, 0 first
+    bm.deallocate(first)
+    # 4 never-used blocks, then first's blocks 0 and 1 are taken and overwritten
+    for tokens in (list(range(16)), list(range(200, 205))):
+        other = Sequence(tokens, SamplingParams(), BS)
+        bm.allocate(other, bm.can_allocate(other))
+    again = Sequence(prompt + [1, 2], SamplingParams(), BS)
+    assert bm.num_cached_blocks(again) == 10  # admission's score counts the hit too
+    match = bm.can_allocate(again)
+    # the next token (position 40) sees blocks 8 and 9: cached; 2-7 are too, and none is taken
+    assert match.num_cached_tokens == 40 and match.block_ids[:8] == [-1] * 8
+    bm.allocate(again, match)
+    assert again.block_table[:8] == [-1] * 8 and again.num_released_blocks == 8
+    assert_consistent(bm)

@@ -6,6 +6,7 @@ from tests.conftest import random_prompts
 from tests.models.families import WINDOW, family_checkpoint
 from tests.models.parity import assert_parity, check_preemption, check_twice_with_prefix_hits
 from tpengine import LLM, SamplingParams
+from tpengine.engine.block_manager import compute_block_hash
 
 # 100 tokens pass llama3's and YaRN's 64-token original window, 260 a block of 256 (qwen2's limit is 256: 4 x 64);
 # the window families' prompts fill the window, end one past it and run several windows past it
@@ -71,3 +72,17 @@ def test_a_prompt_longer_than_the_whole_cache_runs_where_every_layer_slides():
     with LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_num_batched_tokens=32) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
     assert_parity(path, prompts, outputs, 40)
+
+
+def test_a_prefix_hit_past_overwritten_blocks_behind_the_window_stays_exact():
+    path = family_checkpoint("mistral_window")  # window 48: position 192 sees blocks 9 on
+    first, other = random_prompts(9, [200, 60], 300)
+    again = first + random_prompts(10, [5], 300)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, kvcache_block_size=16, num_kvcache_blocks=16, max_num_batched_tokens=32) as llm:
+        llm.generate([first], params, use_tqdm=False)
+        llm.generate([other], params, use_tqdm=False)  # takes the free blocks, first's block 0 among them
+        assert compute_block_hash(first[:16]) not in llm.scheduler.block_manager.hash_to_block_id
+        output = llm.generate([again], params, use_tqdm=False)[0]
+    assert output.num_cached_tokens == 200  # all of first, though its block 0 was overwritten
+    assert_parity(path, [again], [output])

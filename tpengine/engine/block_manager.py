@@ -156,6 +156,8 @@ class BlockManager:
         """Whole blocks of seq the hash table holds now, by hash alone: a cheap score for admission."""
         if not self.enable_prefix_caching:
             return 0
+        if self.sliding_window is not None:  # blocks behind the window need not be cached
+            return len(self._match_in_window(seq, self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]))
         hash_to_block_id = self.hash_to_block_id
         n = 0
         for h in self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]:
@@ -186,13 +188,16 @@ class BlockManager:
             # The last block is never looked up as a whole: prefill must compute at least one token
             # to get the logits that sample the next one.
             num_full = seq.num_blocks - 1
-            for i, h in enumerate(self.block_hashes(seq, num_full)[:num_full]):
-                block_id = self.hash_to_block_id.get(h, -1)
-                # Compare tokens too, so an xxhash collision can never reuse the wrong block.
-                if block_id == -1 or self.blocks[block_id].token_ids != seq.block(i):
-                    break  # hits must be contiguous: later K/V depends on this block's
-                block_ids.append(block_id)
-                parent = h
+            hashes = self.block_hashes(seq, num_full)[:num_full]
+            if self.sliding_window is None:
+                for i, h in enumerate(hashes):
+                    block_id = self._cached_block(seq, i, h)
+                    if block_id == -1:
+                        break  # hits must be contiguous: later K/V depends on this block's
+                    block_ids.append(block_id)
+            else:
+                block_ids = self._match_in_window(seq, hashes)
+            parent = hashes[len(block_ids) - 1] if block_ids else -1
             start = len(block_ids) * block_size
             head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
             if head:
@@ -210,6 +215,28 @@ class BlockManager:
         if copy_src != -1 and copy_src not in used:
             num_new_blocks += 1  # pinning a freed source takes it out of the free queue for the step
         return PrefixMatch(block_ids, copy_src, num_copied, num_cached_tokens, num_new_blocks, num_blocks)
+
+    def _cached_block(self, seq: Sequence, i: int, h: int) -> int:
+        """The cached block holding seq's block i (chain hash h), or -1."""
+        block_id = self.hash_to_block_id.get(h, -1)
+        # Compare tokens too, so an xxhash collision can never reuse the wrong block.
+        if block_id == -1 or self.blocks[block_id].token_ids != seq.block(i):
+            return -1
+        return block_id
+
+    def _match_in_window(self, seq: Sequence, hashes: list[int]) -> list[int]:
+        """Where every layer slides, the longest run of whole blocks whose K/V the next token sees is cached:
+        a block behind that token's window may have been overwritten (its hash still chains the rest), so
+        the hit is the longest k whose blocks from num_unseen_blocks(k tokens) to k are all cached; -1 marks
+        one that is not."""
+        found = [self._cached_block(seq, i, h) for i, h in enumerate(hashes)]
+        missing_before = [-1] * (len(found) + 1)  # missing_before[k]: the last uncached block before k
+        for i, block_id in enumerate(found):
+            missing_before[i + 1] = i if block_id == -1 else missing_before[i]
+        k = len(found)
+        while k and missing_before[k] >= self.num_unseen_blocks(k * self.block_size):
+            k -= 1
+        return found[:k]
 
     def can_allocate(self, seq: Sequence, token_budget: int | None = None) -> PrefixMatch | None:
         """What seq would reuse from the prefix cache, or None if free blocks can't cover the rest (where every
