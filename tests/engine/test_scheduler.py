@@ -623,3 +623,57 @@ def test_a_child_whose_parent_already_finished_prefills_as_any_request():
     assert parent.is_finished
     seqs, _, finished = step(scheduler)
     assert seqs == [child] and finished == [child] and child.num_prompt_cached_tokens == 8  # two cached blocks
+
+
+def test_a_short_longrope_sequence_about_to_pass_the_window_is_recomputed_with_the_long_set():
+    # LongRoPE over an 8-token window: a prompt of 6 is short; the token that makes it 9 tokens long is not decoded
+    # but recomputed, the whole sequence as a long prompt (as transformers' generate does)
+    scheduler = make_scheduler(long_rope_threshold=8)
+    seq = add(scheduler, 6, max_tokens=10, ignore_eos=True)
+    _, _, plan = schedule(scheduler)
+    assert not seq.long_rope and not plan.message.prefill[0].long_rope
+    post(scheduler, plan, [TOKEN])
+    short_hashes = list(seq.block_hashes)
+    for context_len in (7, 8):  # decodes while its context stays within the window
+        rows, is_prefill, plan = schedule(scheduler)
+        assert rows == [seq] and not is_prefill and plan.message.decode_context_lens == [context_len]
+        post(scheduler, plan, [TOKEN])
+    assert seq.num_tokens == 9
+    rows, is_prefill, plan = schedule(scheduler)
+    assert scheduler.num_preemptions == 1 and is_prefill and rows == [seq] and seq.long_rope
+    chunk, = plan.message.prefill
+    assert chunk.long_rope and chunk.num_cached_tokens == 0 and len(chunk.token_ids) == 9  # no short block reused
+    assert seq.block_hashes[:1] != short_hashes[:1]  # its chain follows the long set
+    post(scheduler, plan, [TOKEN])
+    rows, is_prefill, plan = schedule(scheduler)  # long from now on: decoded past the window
+    assert rows == [seq] and not is_prefill and plan.message.decode_context_lens == [10]
+    assert run_to_completion(scheduler) and scheduler.num_preemptions == 1
+    assert_all_blocks_free(scheduler)
+
+
+def test_short_and_long_longrope_sequences_never_share_blocks():
+    scheduler = make_scheduler(long_rope_threshold=8, scheduling_policy="mixed")
+    long_seq = add(scheduler, 12, max_tokens=1)
+    step(scheduler)  # its blocks cached under the long set's root
+    short_seq = add(scheduler, 8, max_tokens=1)  # the same first 8 tokens
+    again = add(scheduler, 12, max_tokens=1)
+    rows, _, plan = schedule(scheduler)
+    assert long_seq.is_finished and {*rows} == {short_seq, again}
+    chunks = {chunk.seq_id: chunk for chunk in plan.message.prefill}
+    assert chunks[short_seq.seq_id].num_cached_tokens == 0 and not chunks[short_seq.seq_id].long_rope
+    assert chunks[again.seq_id].num_cached_tokens == 11 and chunks[again.seq_id].long_rope
+
+
+def test_a_short_longrope_sequence_s_drafts_stop_at_the_window():
+    from tpengine.config import SpeculativeConfig
+    from tpengine.engine.proposer import NgramProposer
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                        "prompt_lookup_max": 3})
+    scheduler = make_scheduler(long_rope_threshold=8, scheduling_policy="mixed", proposer=NgramProposer(spec),
+                               num_speculative_tokens=4)
+    seq = new_seq([5] * 6, SamplingParams(max_tokens=10, ignore_eos=True))
+    scheduler.add(seq)
+    step(scheduler, 5)
+    _, _, plan = schedule(scheduler)
+    # 7 tokens: its last and one draft reach the window's 8; the ngram had 4 to give
+    assert seq.draft_token_ids == [5] and plan.message.prefill[0].num_draft_tokens == 1

@@ -13,6 +13,10 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     # a verify row (speculative decoding): the sequence's last token, then this many proposed tokens, every
     # row sampled (the last num_draft_tokens + 1)
     num_draft_tokens: int = 0
+    # LongRoPE: every row rotated with the long factors (its sequence passed the pre-training window when it was
+    # admitted); decode and verify rows need no flag: theirs is the long set exactly when they attend to more
+    # tokens than the window (runner/inputs.py)
+    long_rope: bool = False
 
 
 class BlockTable(msgspec.Struct, array_like=True, gc=False):

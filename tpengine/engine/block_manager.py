@@ -10,6 +10,9 @@ On top of the seed, reuse is exact to the token: where the chain of whole-block 
 cached block that shares the longest head with the request's next block (found in a HeadIndex) has
 that head copied into the request's own fresh block, so only the tokens after it are computed.
 
+LongRoPE: a block's K/V depend on the factor set its sequence was rotated with, so a long sequence's chain
+starts from its own root (chain_root): its blocks never serve a short sequence, nor a short one's a long one.
+
 Where every layer attends within a sliding window, a sequence gives back the blocks that no later token
 can see as it grows (release_out_of_window); its table keeps -1 in their place. They keep their hash like
 any freed block, so a later request can still hit them until they are overwritten.
@@ -52,6 +55,15 @@ def compute_block_hash(token_ids: list[int], prefix: int = -1) -> int:
         h.update(prefix.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())  # same bytes as np.int64 array, cheaper for short lists
     return h.intdigest()
+
+
+# the chain hash "before" a long-RoPE sequence's first block (a short one's is -1, as every other model's)
+LONG_ROPE_ROOT = compute_block_hash([0x4C4F4E47524F5045])
+
+
+def chain_root(seq: Sequence) -> int:
+    """The chain hash before seq's first block: its tokens' K/V are found only under the same root."""
+    return LONG_ROPE_ROOT if seq.long_rope else -1
 
 
 class PrefixMatch:
@@ -146,7 +158,7 @@ class BlockManager:
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chain hashes of seq's first num_blocks (full) blocks, memoized on seq: tokens are only appended."""
         hashes = seq.block_hashes
-        h = hashes[-1] if hashes else -1
+        h = hashes[-1] if hashes else chain_root(seq)
         for i in range(len(hashes), num_blocks):
             h = compute_block_hash(seq.block(i), h)
             hashes.append(h)
@@ -184,7 +196,6 @@ class BlockManager:
         copy_src, num_copied = -1, 0
         if self.enable_prefix_caching:
             block_size = self.block_size
-            parent = -1
             # The last block is never looked up as a whole: prefill must compute at least one token
             # to get the logits that sample the next one.
             num_full = seq.num_blocks - 1
@@ -197,7 +208,7 @@ class BlockManager:
                     block_ids.append(block_id)
             else:
                 block_ids = self._match_in_window(seq, hashes)
-            parent = hashes[len(block_ids) - 1] if block_ids else -1
+            parent = hashes[len(block_ids) - 1] if block_ids else chain_root(seq)
             start = len(block_ids) * block_size
             head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
             if head:
@@ -372,7 +383,7 @@ class BlockManager:
         if start == end:
             return
         hashes = self.block_hashes(seq, end)
-        h = hashes[start - 1] if start > 0 else -1
+        h = hashes[start - 1] if start > 0 else chain_root(seq)
         for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             token_ids = seq.block(i)
@@ -393,7 +404,10 @@ class BlockManager:
             return  # its step never completed (copies are released once it did): the head may be unwritten
         if block.parent_hash is not None and len(block.token_ids) == num_written:
             return  # indexed already, as written now
-        parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 and seq.block_table[i - 1] != -1 else -1
-        if i > 0 and parent == -1:
-            return  # its context is not in the hash chain: nothing could find it
+        if i == 0:
+            parent = chain_root(seq)
+        else:
+            parent = self.blocks[seq.block_table[i - 1]].hash if seq.block_table[i - 1] != -1 else -1
+            if parent == -1:
+                return  # its context is not in the hash chain: nothing could find it
         self._index_head(block, parent, seq.token_ids[i * self.block_size:seq.num_cached_tokens])

@@ -13,13 +13,19 @@ row exactly as it would be sampled without speculation and keeping the drafts up
 from its row's token is rejection sampling for a proposal that is one token for sure: a draft x is kept
 with probability p(x), else the row's token follows p without x. So greedy and seeded requests get the very
 tokens they get without speculation, and every request the same distribution. Postprocess appends the kept
-drafts and the first differing token, and frees the blocks that hold only rejected drafts."""
+drafts and the first differing token, and frees the blocks that hold only rejected drafts.
+
+LongRoPE (long_rope_threshold: the pre-training window): transformers rotates a whole sequence with one set of
+factors, the long one once it has more tokens than the window (models/phi3.py). A sequence takes its set when
+admitted (_admit_rope_set); a short one never computes a token past the window: its drafts stop short of it, and
+the decode row that would pass it preempts it instead, so its re-prefill recomputes it all with the long set, as
+transformers' generate does."""
 from collections import deque
 from itertools import islice
 
 from tpengine.config import SCHEDULING_POLICIES
 from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage
-from tpengine.engine.block_manager import BlockManager, PrefixMatch
+from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.prefix_index import HeadIndex
@@ -44,7 +50,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
-                 draft_policy: DraftPolicy | None = None, sliding_window: int | None = None):
+                 draft_policy: DraftPolicy | None = None, sliding_window: int | None = None,
+                 long_rope_threshold: int | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -52,6 +59,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        # LongRoPE's window: a sequence of more tokens is rotated with the long factors (None: no such model)
+        self.long_rope_threshold = long_rope_threshold
         # sliding_window: every layer's, where all of them slide; the blocks behind it go back as sequences grow
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching,
                                           sliding_window)
@@ -163,6 +172,8 @@ class Scheduler:
         if self.scheduling_policy == "prefill_first":
             prefill = self._schedule_prefill(self.max_num_batched_tokens) if self.waiting else []
             decode = [] if prefill else self._schedule_decode()
+            if not decode and self.waiting and not prefill:  # its decodes preempted every running sequence
+                prefill = self._schedule_prefill(self.max_num_batched_tokens)
         else:
             # decodes first, so a long prompt never stalls them; prompt chunks take what is left
             decode = self._schedule_decode() if self.running else []
@@ -188,7 +199,7 @@ class Scheduler:
         for seq in prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             sampled = end == seq.num_tokens
-            chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled))
+            chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope))
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
@@ -200,7 +211,8 @@ class Scheduler:
         for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
             drafts = seq.draft_token_ids
             token_ids = [seq.last_token] if drafted_on_ranks else [seq.last_token, *drafts]
-            chunks.append(PrefillChunk(seq.seq_id, token_ids, seq.num_cached_tokens, True, len(drafts)))
+            chunks.append(PrefillChunk(seq.seq_id, token_ids, seq.num_cached_tokens, True, len(drafts),
+                                       seq.long_rope))
             num_verify_tokens += 1 + len(drafts)
             sampling.append(seq.sampling)
             sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))
@@ -275,6 +287,10 @@ class Scheduler:
             return scheduled
         # the requests this step may admit (read in place: a step that admits none changes nothing)
         head = list(islice(waiting, ADMISSION_WINDOW + room))
+        if self.long_rope_threshold is not None:
+            for seq in head:
+                if not seq.block_table:
+                    self._admit_rope_set(seq)
         # what this batch computes, block by block: a request sharing it waits a step to reuse it
         computing = HeadIndex() if block_manager.enable_prefix_caching else None
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
@@ -285,7 +301,7 @@ class Scheduler:
             if not seq.block_table and seq.parent is not None:
                 parent = seq.parent
                 if (parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens
-                        and block_manager.can_fork(parent)):
+                        and parent.long_rope == seq.long_rope and block_manager.can_fork(parent)):
                     if not block_manager.free_block_ids:
                         break
                     block_manager.fork(seq, parent)
@@ -385,7 +401,7 @@ class Scheduler:
         head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
         if not head:
             return False
-        parent = seq.block_hashes[k - 1] if k else -1
+        parent = seq.block_hashes[k - 1] if k else chain_root(seq)
         _, num_shared = computing.longest_match(parent, head)
         return num_shared - match.num_copied_tokens >= min(block_size, MIN_SHARED_TOKENS_TO_WAIT)
 
@@ -397,14 +413,31 @@ class Scheduler:
         first, last = start // block_size, (end - 1) // block_size
         hashes = self.block_manager.block_hashes(seq, last)
         for i in range(first, last + 1):
-            computing.add(hashes[i - 1] if i else -1,
+            computing.add(hashes[i - 1] if i else chain_root(seq),
                           seq.token_ids[i * block_size:min((i + 1) * block_size, end)], seq.seq_id)
+
+    def _admit_rope_set(self, seq: Sequence) -> None:
+        """LongRoPE: the factor set seq's K/V are computed with, taken as it is admitted (it holds no block): the
+        long one when it has more tokens than the window, for every chunk of it. Its chain of block hashes
+        follows the set (a sequence that passed the window since its last admission gets new hashes)."""
+        long_rope = seq.num_tokens > self.long_rope_threshold
+        if long_rope != seq.long_rope:
+            seq.long_rope = long_rope
+            seq.block_hashes = []
+
+    def _rope_set_room(self, seq: Sequence) -> int:
+        """How many tokens seq may still compute with its factor set beyond its next one (its drafts at most):
+        a short LongRoPE sequence stays within the window; negative: its next token passes it."""
+        if self.long_rope_threshold is None or seq.long_rope:
+            return self.num_speculative_tokens
+        return self.long_rope_threshold - seq.num_tokens
 
     def _schedule_decode(self) -> list[Sequence]:
         # This loop and postprocess run once per running sequence per step: locals are bound
         # up front and the common case (no new block needed) makes no function call.
         block_size = self.block_manager.block_size
         release_out_of_window = self.block_manager.sliding_window is not None and self.block_manager.release_out_of_window
+        long_rope_threshold = self.long_rope_threshold
         running = self.running
         scheduled: list[Sequence] = []
         num_rows = min(len(running), self.max_num_seqs, self.max_num_batched_tokens)
@@ -417,6 +450,9 @@ class Scheduler:
             if not running:
                 break  # preemptions emptied the queue
             seq = running.popleft()
+            if long_rope_threshold is not None and self._rope_set_room(seq) < 0:
+                self._preempt(seq)  # recomputed with the long set, as transformers' generate does
+                continue
             # opens_block, inlined: only a sequence whose next token opens a new block can need a free one
             if seq.num_tokens % block_size == 1:
                 if release_out_of_window:  # first give back what fell out of every layer's window
@@ -436,7 +472,8 @@ class Scheduler:
         sequence not yet scheduled may need: speculation never preempts."""
         block_manager = self.block_manager
         block_size = block_manager.block_size
-        max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1)
+        max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1,
+                         self._rope_set_room(seq))
         drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
         if not drafts:
             return 0

@@ -21,7 +21,8 @@ class Sequence:
         "num_cached_tokens", "num_scheduled_tokens", "block_table", "num_released_blocks",
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
-        "request_id", "block_hashes", "arrival_step", "sampling", "on_workers", "speculates", "draft_token_ids",
+        "request_id", "block_hashes", "long_rope", "arrival_step", "sampling", "on_workers", "speculates",
+        "draft_token_ids",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
@@ -56,6 +57,9 @@ class Sequence:
         # cycle collector frees (request -> sequences -> request); the ledger never reads it
         self.request_id = request_id
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
+        # LongRoPE: its K/V are computed with the long factors (the scheduler decides as it admits it; its chain
+        # of block hashes starts from its own root, block_manager.chain_root)
+        self.long_rope = False
         self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
         self.sampling: SamplingRecord | None = None  # how the sampler treats it; made by Scheduler.add
         self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
