@@ -492,6 +492,15 @@ def _longrope_parameters(config: HFConfig, params: dict, common: dict, head_dim:
                           attention_factor=float(attention_factor), **lists, **common)
 
 
+def long_rope_threshold_of(config: HFConfig) -> int | None:
+    """LongRoPE's pre-training window: a sequence of more tokens is rotated with the long factors, one within it
+    with the short ones (models/phi3.py); None for every other rope, whose rotation ignores the length."""
+    ropes = {rope_parameters_of(config, i) for i in range(config.num_hidden_layers)}
+    windows = {rope.original_max_position for rope in ropes if rope.rope_type == "longrope"}
+    assert len(windows) <= 1, "one LongRoPE window per checkpoint"
+    return windows.pop() if windows else None
+
+
 def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:
     """The attention window of one layer, or None where it attends to every earlier position."""
     if config.sliding_window is None:

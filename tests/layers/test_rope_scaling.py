@@ -110,11 +110,12 @@ def test_longrope_short_and_long_frequencies_and_attention_factor_equal_transfor
     rope = rope_parameters_of(as_hf_config(config))
     assert torch.equal(inverse_frequencies(32, rope)[0], short)
     assert not torch.equal(short, long) and short_scaling == long_scaling == pytest.approx(scaling)
-    # one set for every position: the short one where no sequence passes the 64-token window, else the long one
-    for max_model_len, inv_freq in [(64, short), (65, long), (None, long)]:
+    # both sets in one cache: the short one's rows at each position, the long one's at position + 1024
+    expected = []
+    for inv_freq in (short, long):
         freqs = torch.arange(1024)[:, None].float() * inv_freq
-        expected = torch.cat([freqs.cos() * short_scaling, freqs.sin() * short_scaling], dim=-1)
-        assert torch.equal(RotaryEmbedding(32, 1024, rope, max_model_len).cos_sin_cache, expected)
+        expected.append(torch.cat([freqs.cos() * short_scaling, freqs.sin() * short_scaling], dim=-1))
+    assert torch.equal(RotaryEmbedding(32, 1024, rope).cos_sin_cache, torch.cat(expected))
 
 
 @pytest.mark.parametrize("partial_rotary_factor", [0.75, 0.5])
@@ -125,14 +126,14 @@ def test_partial_rotary_turns_the_first_rotary_dim_and_passes_the_rest_as_phi3_d
     assert rotary.rotary_dim == int(32 * partial_rotary_factor)
     positions = torch.tensor([0, 5, 63, 64, 700])
     q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
-    ours_q, ours_k = rotary(positions, q.clone(), k.clone())
-    # transformers over these positions at once: past the 64-token window, the long set, as ours at max_model_len 1024
+    # transformers over these positions at once: past the 64-token window, the long set: ours at position + 1024
+    ours_q, ours_k = rotary(positions + 1024, q.clone(), k.clone())
     cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
     expected_q, expected_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     assert torch.allclose(ours_q, expected_q[0].transpose(0, 1), atol=1e-6)
     assert torch.allclose(ours_k, expected_k[0].transpose(0, 1), atol=1e-6)
     assert torch.equal(ours_q[..., rotary.rotary_dim:], q[..., rotary.rotary_dim:])
-    fallback_q, fallback_k = rotary(positions, q.double(), k.double())  # no C++ op takes float64: the torch form
+    fallback_q, fallback_k = rotary(positions + 1024, q.double(), k.double())  # no C++ op takes float64: the torch form
     assert torch.allclose(fallback_q.float(), ours_q, atol=1e-6)
     assert torch.allclose(fallback_k.float(), ours_k, atol=1e-6)
 

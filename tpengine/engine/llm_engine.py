@@ -19,8 +19,8 @@ from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
 from tpengine.errors import InvalidRequestError
-from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, max_model_len_of,
-                                sliding_window_of)
+from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
+                                max_model_len_of, max_positions_of, sliding_window_of)
 from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 
@@ -50,7 +50,15 @@ class LLMEngine:
         config.max_model_len = max_model_len_of(hf_config, config.max_model_len)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
-            config.max_model_len = max_model_len_of(load_hf_config(spec.model), config.max_model_len)
+            draft_hf_config = load_hf_config(spec.model)
+            config.max_model_len = max_model_len_of(draft_hf_config, config.max_model_len)
+            threshold = long_rope_threshold_of(hf_config)
+            if long_rope_threshold_of(draft_hf_config) != threshold or (
+                    threshold is not None and max_positions_of(draft_hf_config) != max_positions_of(hf_config)):
+                # one choice of LongRoPE factors per row, and one offset for the long set's rows, serve both models
+                raise ValueError(f"the draft model {spec.model!r} must use LongRoPE with the same "
+                                 "original_max_position_embeddings and max_position_embeddings as the model, or "
+                                 "neither may use it")
         self.config = config
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
@@ -74,7 +82,7 @@ class LLMEngine:
                 proposer=None if spec is None else make_proposer(spec),
                 num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
                 draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive),
-                sliding_window=self._ledger_window(hf_config))
+                sliding_window=self._ledger_window(hf_config), long_rope_threshold=long_rope_threshold_of(hf_config))
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise

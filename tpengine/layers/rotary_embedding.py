@@ -6,8 +6,9 @@ The rotation (with Qwen3's q/k norm) runs as its platform's op (tpengine/platfor
 partial_rotary_factor (Phi-4-mini's 0.75) only the first rotary_dim of each head turns; the rest passes.
 
 LongRoPE has two sets of factors, short_factor's for the pre-training window (original_max_position) and
-long_factor's past it; one engine rotates every token with one set: the long one when its max_model_len passes
-the window, else the short one (vLLM's choice). models/phi3.py says how that compares with transformers.
+long_factor's past it, and transformers rotates each sequence with the one its length asks for (models/phi3.py):
+its cache holds both, 2 x max_position rows, the short set's first; a token rotated with the long set comes
+with its position plus max_position (runner/inputs.py adds it, for the rows the ledger marks long).
 """
 import math
 from functools import lru_cache
@@ -75,7 +76,7 @@ def _longrope_inv_freq(rotary_dim: int, theta: float, ext_factors: tuple[float, 
 
 def inverse_frequencies(head_dim: int, rope: RopeParameters) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32 on the host, the scale applied to cos and sin); head_dim is the rotated
-    part of the head (rotary_dim). LongRoPE's are its short set (RotaryEmbedding says when the long one serves)."""
+    part of the head (rotary_dim). LongRoPE's are its short set (RotaryEmbedding adds the long one's)."""
     if rope.rope_type == "longrope":
         return _longrope_inv_freq(head_dim, rope.theta, rope.short_factor), rope.attention_factor
     if rope.rope_type == "yarn":
@@ -86,21 +87,23 @@ def inverse_frequencies(head_dim: int, rope: RopeParameters) -> tuple[torch.Tens
     return (inv_freq / rope.factor if rope.rope_type == "linear" else inv_freq), 1.0
 
 
+def _cos_sin_rows(max_position: int, inv_freq: torch.Tensor, attention_scaling: float) -> torch.Tensor:
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.to(torch.get_default_device()))
+    # transformers scales cos and sin (YaRN's and LongRoPE's attention factor, one for both sets; 1.0 otherwise)
+    return torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope: RopeParameters, max_model_len: int | None = None):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeParameters):
         super().__init__()
         self.rotary_dim = rotary_dim_of(head_dim, rope)
         self.head_dim = head_dim
         inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, rope)
-        # LongRoPE: the long factors for every token when the engine's sequences may pass the pre-training window
-        self.uses_long_factors = (rope.rope_type == "longrope"
-                                  and (max_model_len or max_position) > rope.original_max_position)
-        if self.uses_long_factors:
-            inv_freq = _longrope_inv_freq(self.rotary_dim, rope.theta, rope.long_factor)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq.to(torch.get_default_device()))
-        # transformers scales cos and sin (YaRN's and LongRoPE's attention factor; 1.0 for the other types)
-        cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
-        self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1), persistent=False)
+        cache = _cos_sin_rows(max_position, inv_freq, attention_scaling)
+        if rope.rope_type == "longrope":  # the long set's rows after the short set's: position + max_position
+            long_inv_freq = _longrope_inv_freq(self.rotary_dim, rope.theta, rope.long_factor)
+            cache = torch.cat([cache, _cos_sin_rows(max_position, long_inv_freq, attention_scaling)])
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.qk_norm_rotary = current_platform().qk_norm_rotary
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
@@ -120,14 +123,11 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([q_rot, q[..., dim:]], dim=-1), torch.cat([k_rot, k[..., dim:]], dim=-1)
 
 
-def get_rope(head_dim: int, max_position: int, rope: RopeParameters,
-             max_model_len: int | None = None) -> RotaryEmbedding:
-    """One shared instance per shape, rope, engine length and device: every layer indexes the same cos/sin
-    cache. max_model_len: the engine's longest sequence (None: max_position), for LongRoPE's choice."""
-    return _cached_rope(head_dim, max_position, rope, max_model_len, torch.get_default_device())
+def get_rope(head_dim: int, max_position: int, rope: RopeParameters) -> RotaryEmbedding:
+    """One shared instance per shape, rope and device: every layer indexes the same cos/sin cache."""
+    return _cached_rope(head_dim, max_position, rope, torch.get_default_device())
 
 
 @lru_cache(maxsize=None)
-def _cached_rope(head_dim: int, max_position: int, rope: RopeParameters, max_model_len: int | None,
-                 device: torch.device) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_position, rope, max_model_len)
+def _cached_rope(head_dim: int, max_position: int, rope: RopeParameters, device: torch.device) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_position, rope)

@@ -38,8 +38,7 @@ class DecoderFamily:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, layer_idx: int,
-                 max_model_len: int | None):
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, layer_idx: int):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
@@ -54,8 +53,7 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # each layer its own rope: Gemma 3's sliding layers have their own base
-        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config, layer_idx),
-                                   max_model_len)
+        self.rotary_emb = get_rope(head_dim, max_positions_of(config), rope_parameters_of(config, layer_idx))
         scale = family.attention_scale if family.attention_scale is not None else head_dim ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, scale, backend,
                               sliding_window=layer_sliding_window(config, layer_idx),
@@ -89,9 +87,9 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module,
-                 layer_idx: int, max_model_len: int | None):
+                 layer_idx: int):
         super().__init__()
-        self.self_attn = DecoderAttention(config, family, backend, layer_idx, max_model_len)
+        self.self_attn = DecoderAttention(config, family, backend, layer_idx)
         self.mlp = mlp
         self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
@@ -109,14 +107,14 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp,
-                 max_model_len: int | None, layer_class: type[DecoderLayer] = DecoderLayer):
+                 layer_class: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # a float32 tensor rounded to the model's dtype as it scales, as transformers keeps it
         self.register_buffer("embed_scale", None if family.embed_scale is None else
                              torch.tensor(family.embed_scale, dtype=torch.float32), persistent=False)
-        self.layers = nn.ModuleList([layer_class(config, family, backend, make_mlp(config, family, i), i,
-                                                 max_model_len) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([layer_class(config, family, backend, make_mlp(config, family, i), i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -144,12 +142,10 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: HFConfig, backend: AttentionBackend, max_model_len: int | None = None):
-        """max_model_len: the longest sequence the engine runs (None: the model's max positions); LongRoPE picks
-        its factors by it (layers/rotary_embedding.py)."""
+    def __init__(self, config: HFConfig, backend: AttentionBackend):
         super().__init__()
         family = self.family(config)
-        self.model = DecoderModel(config, family, backend, self.make_mlp, max_model_len, self.layer_class)
+        self.model = DecoderModel(config, family, backend, self.make_mlp, self.layer_class)
         self.final_logit_softcap = family.final_logit_softcap
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # one tensor: the checkpoint's embedding serves both

@@ -28,9 +28,8 @@ from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, DecoderLa
 class GemmaDecoderLayer(DecoderLayer):
     """Norms before and after both attention and MLP; the residual adds the post-normed output."""
 
-    def __init__(self, config: HFConfig, family: DecoderFamily, backend, mlp: nn.Module, layer_idx: int,
-                 max_model_len: int | None):
-        super().__init__(config, family, backend, mlp, layer_idx, max_model_len)
+    def __init__(self, config: HFConfig, family: DecoderFamily, backend, mlp: nn.Module, layer_idx: int):
+        super().__init__(config, family, backend, mlp, layer_idx)
         self.pre_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_feedforward_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -15,7 +15,7 @@ all-reduces add a latency per layer, which a draft a few layers deep keeps small
 import msgspec
 import torch
 
-from tpengine.distributed.messages import PrefillChunk, StepMessage
+from tpengine.distributed.messages import StepMessage
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.model_runner import attention_layers_of
 from tpengine.runner.sampler import greedy_on_every_rank
@@ -57,6 +57,6 @@ class Drafter:
                 tokens[r] = token
         prefill = list(step.prefill)
         for i, chunk, proposed in zip(wanted, chunks, drafts):
-            prefill[i] = PrefillChunk(chunk.seq_id, [chunk.token_ids[0], *proposed], chunk.num_cached_tokens, True,
-                                      len(proposed))
+            prefill[i] = msgspec.structs.replace(chunk, token_ids=[chunk.token_ids[0], *proposed],
+                                                 num_draft_tokens=len(proposed))
         return msgspec.structs.replace(step, prefill=prefill), [t for proposed in drafts for t in proposed]

@@ -27,8 +27,13 @@ class InputBuilder:
     attend to and no cache slot) up to the platform's row bucket (on the CPU: platforms/cpu.py), and the LM
     head's rows are padded the same way; only the first num_logits rows of its logits are real."""
 
-    def __init__(self, block_size: int, device: torch.device):
+    def __init__(self, block_size: int, device: torch.device, long_rope_threshold: int | None = None,
+                 max_positions: int = 0):
+        """long_rope_threshold: LongRoPE's window (None: another rope); a row rotated with its long factors takes
+        its position plus max_positions, where the rotary cache holds the long set (layers/rotary_embedding.py)."""
         self.block_size = block_size
+        self.long_rope_threshold = long_rope_threshold
+        self.max_positions = max_positions
         self.device = device
         self.row_bucket = platform_for(device).row_bucket
         self.block_tables = BlockTables()
@@ -72,7 +77,13 @@ class InputBuilder:
                 context_lens += range(start + 1, start + len(chunk.token_ids) + 1)
                 decode_tables += [table] * len(chunk.token_ids)
         input_ids = input_ids + [0] * num_padding
-        positions = [n - 1 for n in context_lens] + [0] * num_padding
+        positions = [n - 1 for n in context_lens]
+        threshold = self.long_rope_threshold
+        if threshold is not None:
+            # the ledger keeps a short sequence's decode and verify rows within the window (engine/scheduler.py),
+            # and a long one's past it: a row's set follows from its context
+            positions = [p + self.max_positions if p >= threshold else p for p in positions]
+        positions += [0] * num_padding
         slot_mapping = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size
                         for table, n in zip(decode_tables, context_lens)] + [-1] * num_padding
         if num_padding:
@@ -89,7 +100,8 @@ class InputBuilder:
             prefill_tables.append(table)
             start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
+            offset = self.max_positions if chunk.long_rope else 0
+            positions.extend(range(start + offset, end + offset))
             seqlens_q.append(end - start)
             seqlens_k.append(end)
             for i in range(start // block_size, blocks_for(end, block_size)):

@@ -8,7 +8,7 @@ from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
-from tpengine.hf_config import load_hf_config, quantization_config_of
+from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
@@ -113,7 +113,7 @@ class ModelRunner:
         self.activation_peak_bytes = self._warm_up() if self.device.type == "cuda" else 0
         self.num_kvcache_blocks = self._num_kvcache_blocks()
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        self.inputs = InputBuilder(self.block_size, self.device)
+        self.inputs = self.input_builder()
         # CPU ranks sample a plain step over their own vocabulary slices, with no gather of the logits
         # (rank 0 decides per step: StepMessage.temperatures), when every rank has the kernel
         self.samples_vocab_parallel = (self.device.type == "cpu" and group.size > 1
@@ -129,6 +129,12 @@ class ModelRunner:
                 logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
                             "host): decode runs eagerly", self.backend_name)
 
+    def input_builder(self) -> InputBuilder:
+        """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
+        cache wants them)."""
+        return InputBuilder(self.block_size, self.device, long_rope_threshold_of(self.hf_config),
+                            max_positions_of(self.hf_config))
+
     def load(self, path: str, hf_config, attention_backend) -> torch.nn.Module:
         """This rank's shard of a checkpoint (the model, or a draft model), loaded, quantized as the engine is
         told (a float checkpoint) or as its config says, and prepacked."""
@@ -137,7 +143,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), building_model_for(self.group):
-                model = model_class(hf_config)(hf_config, attention_backend, config.max_model_len)
+                model = model_class(hf_config)(hf_config, attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
         quantization = quantization_config_of(hf_config)
@@ -262,7 +268,7 @@ class ModelRunner:
             tables.append(BlockTable(len(tables), list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
         step = StepMessage([], [], [], chunks, new_tables=tables)
-        inputs = InputBuilder(self.block_size, self.device).prepare(step)  # its own tables: none stay behind
+        inputs = self.input_builder().prepare(step)  # its own tables: none stay behind
         self._allocate_kv_cache(num_blocks)
         cache_bytes = num_blocks * self._block_bytes()
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta)
