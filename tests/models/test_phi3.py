@@ -115,6 +115,25 @@ def test_ngram_speculation_keeps_a_short_sequence_within_the_window_and_recomput
     assert_parity(path, prompts, outputs, 24)
 
 
+def test_a_longrope_draft_model_drafts_with_each_row_s_factor_set():
+    """The model as its own draft: its drafts (decode rows on the ranks) and their verify rows rotate with the set
+    of their sequence, so every draft is accepted and the tokens are transformers'."""
+    path = family_checkpoint("phi3_longrope")
+    prompts = random_prompts(14, [ORIGINAL_WINDOW - 6, ORIGINAL_WINDOW + 3, 12], 300)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(path, kvcache_block_size=16, speculative_config=spec) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)
+        assert llm.scheduler.num_accepted_tokens == llm.scheduler.num_draft_tokens > 0
+    assert_parity(path, prompts, outputs, 16)
+
+
+def test_a_draft_model_without_the_model_s_longrope_is_refused():
+    spec = {"method": "draft_model", "model": family_checkpoint("phi3"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="must use LongRoPE with the same original_max_position_embeddings"):
+        LLM(family_checkpoint("phi3_longrope"), speculative_config=spec)
+
+
 def rank_model(path: str, rank: int, size: int):
     """One rank's shard of the checkpoint, loaded in this process (a stand-in group: nothing runs)."""
     config = load_hf_config(path)
