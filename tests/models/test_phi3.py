@@ -1,7 +1,9 @@
 """Phi-3 / Phi-3.5 / Phi-4 (Phi3ForCausalLM) give transformers' greedy tokens: plain, a sliding window shorter than
-the prompts, LongRoPE within its original window and past it, and Phi-4-mini's partial rotary; tp 1, 2 and 4, block
-sizes 16 and 256, chunked prefill, prefix hits and preemption, on the torch and auto backends. The fused checkpoint
-tensors split into each rank's q/k/v heads and gate/up slices: float, quantized at load, quantized in the checkpoint."""
+the prompts, LongRoPE within its original window, past it, passing it as it generates (recomputed, as
+transformers' generate does) and all of those in one batch, speculation included, and Phi-4-mini's partial
+rotary; tp 1, 2 and 4, block sizes 16 and 256, chunked prefill, prefix hits and preemption, on the torch and auto
+backends. The fused checkpoint tensors split into each rank's q/k/v heads and gate/up slices: float, quantized at
+load, quantized in the checkpoint."""
 import json
 import os
 
