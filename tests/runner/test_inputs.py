@@ -141,3 +141,21 @@ def test_a_verify_row_runs_as_decode_queries_over_its_growing_context_and_is_sam
     assert not inputs.meta.is_prefill and inputs.logits_rows is None and inputs.num_logits == 3
     assert inputs.meta.context_lens.tolist()[:3] == [7, 8, 9]
     assert inputs.meta.slot_mapping.tolist()[:3] == [1 * 4 + 2, 3 * 4 + 3, 4 * 4 + 0]
+
+
+def test_longrope_rows_past_the_window_and_long_chunks_take_their_position_plus_max_positions():
+    from tpengine.distributed.messages import PrefillChunk, StepMessage
+    builder = InputBuilder(4, torch.device("cpu"), long_rope_threshold=6, max_positions=100)
+    # decode rows attending to 6 (within the window) and 7 tokens; a verify row from context 6 to 8 (the rule is
+    # per row: the ledger never sends one across the window); a short
+    # prompt chunk, then the chunk of a long prompt
+    step = StepMessage([1, 2], [11, 21], [6, 7], [PrefillChunk(4, [41, 42], 0, True),
+                                                   PrefillChunk(5, [51, 52], 4, False, long_rope=True),
+                                                   PrefillChunk(3, [31, 32, 33], 5, True, 2)],
+                       new_tables=[BlockTable(1, [0, 1]), BlockTable(2, [2, 3]), BlockTable(3, [4, 5, 6]),
+                                   BlockTable(4, [7]), BlockTable(5, [8, 9])])
+    inputs = builder.prepare(step)
+    num_decode = inputs.meta.num_decode_tokens
+    positions = inputs.positions.tolist()
+    assert positions[:5] == [5, 106, 5, 106, 107]
+    assert positions[num_decode:] == [0, 1, 104, 105]
