@@ -22,7 +22,7 @@ Configurations:
 - full attention: the baseline checkpoint, every layer reading the whole context.
 
     .venv/bin/python scripts/bench_sliding_window.py               # 32k context, window 4k
-    .venv/bin/python scripts/bench_sliding_window.py --quick       # 512 tokens, window 128, in seconds
+    .venv/bin/python scripts/bench_sliding_window.py --quick       # 256 tokens, window 64, in seconds
 """
 import argparse
 import json
@@ -52,11 +52,11 @@ def parse_args(argv=None):
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens: the prompt's chunk size")
     parser.add_argument("--model", help="a Mistral checkpoint with the window (its full-attention copy is made)")
     parser.add_argument("--repeat", type=int, default=2, help="rounds; each figure keeps its best")
-    parser.add_argument("--quick", action="store_true", help="512-token context, window 128, 16 tokens, 1 round")
+    parser.add_argument("--quick", action="store_true", help="256-token context, window 64, 8 tokens, 1 round")
     add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.context_len, args.window, args.output_len, args.repeat = 512, 128, 16, 1
+        args.context_len, args.window, args.output_len, args.repeat = 256, 64, 8, 1
     return args
 
 

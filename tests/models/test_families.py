@@ -26,8 +26,8 @@ CASES = [
     ("llama_tied", 1, 16, "auto"), ("llama_tied", 1, 256, "torch"),
     ("qwen2", 1, 16, "auto"), ("qwen2", 1, 256, "torch"), ("qwen2", 4, 16, "auto"),
     ("mistral", 1, 16, "torch"), ("mistral", 1, 256, "auto"),
-    ("mistral_window", 1, 16, "auto"), ("mistral_window", 1, 256, "torch"), ("mistral_window", 2, 256, "auto"),
-    ("qwen2_window", 1, 16, "auto"), ("qwen2_window", 2, 16, "torch"), ("qwen2_window", 1, 256, "auto"),
+    ("mistral_window", 1, 16, "auto"), ("mistral_window", 2, 256, "auto"),
+    ("qwen2_window", 1, 256, "auto"), ("qwen2_window", 2, 16, "torch"),
 ]
 
 

@@ -44,11 +44,9 @@ SETUPS = {
 CASES = [
     ("phi3", 1, 16, "torch"), ("phi3", 2, 256, "auto"),
     ("phi3_window", 1, 16, "auto"), ("phi3_window", 4, 16, "torch"),  # tp 4: KV heads replicated
-    ("longrope_short", 1, 256, "torch"), ("longrope_short", 2, 16, "auto"),
-    ("longrope_long", 1, 16, "auto"), ("longrope_long", 2, 256, "torch"),
-    ("longrope_crossing", 1, 16, "torch"),
-    ("longrope_mixed", 1, 16, "auto"), ("longrope_mixed", 1, 256, "torch"),
-    ("longrope_mixed", 2, 16, "torch"), ("longrope_mixed", 2, 256, "auto"),
+    # short, long and crossing alone at tp 1; all of them in one batch at tp 1 and 2, both block sizes
+    ("longrope_short", 1, 256, "torch"), ("longrope_long", 1, 16, "auto"), ("longrope_crossing", 1, 16, "torch"),
+    ("longrope_mixed", 1, 16, "auto"), ("longrope_mixed", 2, 16, "torch"), ("longrope_mixed", 2, 256, "auto"),
     ("phi4_mini_short", 1, 16, "auto"), ("phi4_mini_long", 2, 16, "torch"), ("phi4_mini_mixed", 1, 16, "torch"),
 ]
 

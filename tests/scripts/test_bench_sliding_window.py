@@ -15,6 +15,6 @@ def test_bench_sliding_window_quick_releases_blocks_and_keeps_tokens(tmp_path):
     record = json.loads(path.read_text())
     assert record["benchmark"] == "sliding_window" and record["same_tokens"]
     rows = record["rows"]
-    # 512 + 16 tokens in blocks of 16: 33 blocks kept; the 128-token window and the block being written released
-    assert rows["window, kept"]["held_blocks"] == 33 == rows["full attention"]["held_blocks"]
-    assert rows["window, released"]["held_blocks"] <= 128 // 16 + 2
+    # 256 + 8 tokens in blocks of 16: 17 blocks kept; released, the 64-token window and the block being written
+    assert rows["window, kept"]["held_blocks"] == 17 == rows["full attention"]["held_blocks"]
+    assert rows["window, released"]["held_blocks"] <= 64 // 16 + 2
