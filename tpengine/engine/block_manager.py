@@ -169,7 +169,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         if self.sliding_window is not None:  # blocks behind the window need not be cached
-            return len(self._match_in_window(seq, self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]))
+            hashes = self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]
+            return self._longest_seen_run([self.hash_to_block_id.get(h, -1) for h in hashes])
         hash_to_block_id = self.hash_to_block_id
         n = 0
         for h in self.block_hashes(seq, seq.num_blocks - 1)[:seq.num_blocks - 1]:
@@ -241,13 +242,17 @@ class BlockManager:
         the hit is the longest k whose blocks from num_unseen_blocks(k tokens) to k are all cached; -1 marks
         one that is not."""
         found = [self._cached_block(seq, i, h) for i, h in enumerate(hashes)]
+        return found[:self._longest_seen_run(found)]
+
+    def _longest_seen_run(self, found: list[int]) -> int:
+        """The longest k such that found[num_unseen_blocks(k tokens):k] holds no -1 (an uncached block)."""
         missing_before = [-1] * (len(found) + 1)  # missing_before[k]: the last uncached block before k
         for i, block_id in enumerate(found):
             missing_before[i + 1] = i if block_id == -1 else missing_before[i]
         k = len(found)
         while k and missing_before[k] >= self.num_unseen_blocks(k * self.block_size):
             k -= 1
-        return found[:k]
+        return k
 
     def can_allocate(self, seq: Sequence, token_budget: int | None = None) -> PrefixMatch | None:
         """What seq would reuse from the prefix cache, or None if free blocks can't cover the rest (where every
