@@ -15,6 +15,24 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers the engine has (engi
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
 
 
+def layer_partition(num_layers: int, num_stages: int, override: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each pipeline stage's layers as [start, end): override's counts, or as even as can be with the later
+    stages taking one more (the last also holds the final norm and LM head, the first the embedding)."""
+    if override is None:
+        counts = [num_layers // num_stages + (i >= num_stages - num_layers % num_stages) for i in range(num_stages)]
+    else:
+        counts = list(override)
+        if len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
+                or sum(counts) != num_layers:
+            raise ValueError(f"pp_layer_partition={override!r} must be {num_stages} counts >= 1 (one per pipeline "
+                             f"stage) that add up to the model's {num_layers} layers")
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
 class SpeculativeConfig(msgspec.Struct, kw_only=True):
     """Speculative decoding, as vLLM's speculative_config: each step a speculating request's next
     num_speculative_tokens tokens are proposed and verified in one forward (engine/scheduler.py)."""
@@ -92,6 +110,10 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str
     tensor_parallel_size: int = 1
+    # pipeline stages, each a contiguous slice of the layers on its own tensor-parallel group: tp x pp ranks
+    pipeline_parallel_size: int = 1
+    # layers per stage, first stage first (None: as even as can be, the later stages taking one more)
+    pp_layer_partition: list[int] | None = None
     dtype: str = "auto"
     device: str = "auto"
     kvcache_block_size: int = 256
@@ -131,7 +153,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("tensor_parallel_size", "max_num_seqs", "max_model_len"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_model_len"):
             positive(name)
         if self.max_num_batched_tokens is not None:
             positive("max_num_batched_tokens")
@@ -181,6 +203,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.quantization is None and not self.quantize_lm_head:
             raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only; none is set")
         self._check_tensor_parallel(hf_config, "the model")
+        self._check_pipeline(hf_config)
         if self.quantization == "int4":
             self._check_groups(hf_config)
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
@@ -196,6 +219,27 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name, size in tensor_parallel_sizes(hf_config).items():
             if size % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide {whose}'s {name}={size}")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine: each pipeline stage's tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def pipeline_layers(self) -> list[tuple[int, int]]:
+        """Each pipeline stage's layers of the model, [start, end)."""
+        num_layers = load_hf_config(self.model).num_hidden_layers
+        return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+
+    def _check_pipeline(self, hf_config: HFConfig) -> None:
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is not None:
+            layer_partition(hf_config.num_hidden_layers, pp, self.pp_layer_partition)  # raises what is wrong
+        elif pp > hf_config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} "
+                             "layers: every stage needs at least one")
+        if pp > 1 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "
+                             "pipeline_parallel_size=1, or method='ngram'")
 
     def _check_draft(self, hf_config: HFConfig) -> None:
         """The draft model is sharded over the engine's ranks and reads the target's token ids."""

@@ -10,6 +10,7 @@ import os
 import socket
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -98,11 +99,14 @@ class TensorParallelGroup:
             self.process_group.shutdown()
 
     @classmethod
-    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> "TensorParallelGroup":
-        """This rank's group of an engine whose store rank 0 serves; every rank calls it at start."""
+    def create(cls, store: dist.Store, rank: int, size: int, device: torch.device,
+               stage: int = 0) -> "TensorParallelGroup":
+        """This rank's group (of pipeline stage `stage`) of an engine whose store rank 0 serves; every rank
+        calls it at start, rank being its place in its stage."""
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before the communicator exists: NCCL binds to the current device
-        group = cls(rank, size, new_process_group(dist.PrefixStore("tp", store), rank, size, device,
+        prefix = "tp" if stage == 0 else f"tp{stage}"
+        group = cls(rank, size, new_process_group(dist.PrefixStore(prefix, store), rank, size, device,
                                                   pick_backend(device)))
         group.use_shared_memory_if_one_host(device)
         return group
@@ -110,23 +114,128 @@ class TensorParallelGroup:
 
 SINGLE_RANK = TensorParallelGroup()
 
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Which slice of the layers this rank's model holds: [start_layer, end_layer); the first stage also
+    holds the embedding, the last the final norm and LM head."""
+    rank: int = 0
+    size: int = 1
+    start_layer: int = 0
+    end_layer: int = 1 << 30
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def holds(self, layer_idx: int) -> bool:
+        return self.start_layer <= layer_idx < self.end_layer
+
+
+WHOLE_MODEL = PipelineStage()
+
+
+class PipelineGroup:
+    """This rank's pipeline stage and its point-to-point links: hidden states to the same tensor-parallel
+    rank of the next stage, and the last stage's sampled tokens (or logits) to rank 0. Global rank =
+    stage * tp + tensor-parallel rank. Sends do not block; a send's buffer is kept until it is done."""
+
+    def __init__(self, stage: PipelineStage = WHOLE_MODEL, tp_size: int = 1, tp_rank: int = 0,
+                 process_group: dist.ProcessGroup | None = None):
+        assert stage.size == 1 or process_group is not None, "a pipeline needs a process group"
+        self.stage = stage
+        self.tp_size = tp_size
+        self.rank = stage.rank * tp_size + tp_rank
+        self.process_group = process_group
+        self._sends: list[tuple] = []  # (work, tensor): in flight
+
+    @property
+    def size(self) -> int:
+        return self.stage.size
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
+        self._sends.append((self.process_group.send([tensor], dst, 0), tensor))
+
+    def _recv(self, shape, dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        self.process_group.recv([tensor], src, 0).wait()
+        return tensor
+
+    def send_to_next_stage(self, tensor: torch.Tensor) -> None:
+        self._send(tensor.contiguous(), self.rank + self.tp_size)
+
+    def recv_from_previous_stage(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.rank - self.tp_size)
+
+    def send_to_first(self, tensor: torch.Tensor) -> None:
+        """The last stage's first rank hands rank 0 what it sampled."""
+        self._send(tensor.contiguous(), 0)
+
+    def recv_from_last(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, (self.size - 1) * self.tp_size)
+
+    def all_reduce_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's value, over every stage."""
+        if self.size == 1:
+            return value
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        self.process_group.allreduce([t], options).wait()
+        return int(t.item())
+
+    def finish_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    def abort(self) -> None:
+        if self.process_group is not None:
+            self.process_group.abort()
+
+    def shutdown(self) -> None:
+        if self.process_group is not None:
+            self.process_group.shutdown()
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, tp_size: int, pp_size: int, layers: list[tuple[int, int]],
+               device: torch.device) -> "PipelineGroup":
+        """Global rank `rank`'s stage and links, over every rank of an engine whose store rank 0 serves."""
+        stage_rank = rank // tp_size
+        stage = PipelineStage(stage_rank, pp_size, *layers[stage_rank])
+        if pp_size == 1:
+            return cls(stage, tp_size, rank % tp_size)
+        group = new_process_group(dist.PrefixStore("pp", store), rank, tp_size * pp_size, device, pick_backend(device))
+        return cls(stage, tp_size, rank % tp_size, group)
+
 _building = threading.local()
 
 
 @contextmanager
-def building_model_for(group: TensorParallelGroup):
-    """Layers constructed inside this block shard themselves for group (per thread, restored after)."""
-    previous = getattr(_building, "group", None)
-    _building.group = group
+def building_model_for(group: TensorParallelGroup, stage: PipelineStage = WHOLE_MODEL):
+    """Layers constructed inside this block shard themselves for group, and a model holds only stage's layers
+    (per thread, restored after)."""
+    previous = getattr(_building, "group", None), getattr(_building, "stage", None)
+    _building.group, _building.stage = group, stage
     try:
         yield
     finally:
-        _building.group = previous
+        _building.group, _building.stage = previous
 
 
 def get_tp_group() -> TensorParallelGroup:
     """The group of the model being built in this thread; a single rank outside building_model_for."""
     return getattr(_building, "group", None) or SINGLE_RANK
+
+
+def get_pipeline_stage() -> PipelineStage:
+    """The pipeline stage of the model being built in this thread; the whole model outside building_model_for."""
+    return getattr(_building, "stage", None) or WHOLE_MODEL
 
 
 def pick_backend(device: torch.device) -> str:
@@ -165,11 +274,23 @@ def connect_store(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GROUP_TIMEOUT)
 
 
-def world_tp_group(device: torch.device) -> TensorParallelGroup:
-    """Under torchrun: the launch script's global group is the engine's."""
-    group = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+def torchrun_groups(tp_size: int, layers: list[tuple[int, int]],
+                    device: torch.device) -> tuple[TensorParallelGroup, "PipelineGroup"]:
+    """Under torchrun: this rank's tensor-parallel group (the launch script's global group, without pipeline
+    parallelism; else its stage's ranks) and its pipeline links (over the global group). Collective."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    pp_size = world_size // tp_size
+    stage_rank = rank // tp_size
+    stage = PipelineStage(stage_rank, pp_size, *layers[stage_rank])
+    if pp_size == 1:
+        group = TensorParallelGroup(rank, world_size, dist.group.WORLD)
+        pipeline = PipelineGroup(stage, tp_size, rank)
+    else:
+        stage_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        group = TensorParallelGroup(rank % tp_size, tp_size, stage_groups[stage_rank] if tp_size > 1 else None)
+        pipeline = PipelineGroup(stage, tp_size, rank % tp_size, dist.group.WORLD)
     group.use_shared_memory_if_one_host(device)
-    return group
+    return group, pipeline
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -82,18 +82,21 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, first_block_id: int = 0):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         # every layer's window (the longest, where a draft model has its own): blocks behind it are released
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         # False: the seed's cache alone, reuse rounded down to whole blocks (kept for comparison)
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ids first_block_id onwards: a pipeline's virtual engines each own a range of one cache
+        self.blocks = [None] * first_block_id + [Block(i) for i in range(first_block_id, first_block_id + num_blocks)]
+        self._num_blocks = num_blocks
         self.hash_to_block_id: dict[int, int] = {}
         self.heads = HeadIndex()  # every block with written K/V, under the chain hash before it
         # FIFO: take from the head, return to the tail; values unused. O(1) removal by id.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(
+            range(first_block_id, first_block_id + num_blocks))
         self.used_block_ids: set[int] = set()
         # (src, dst, num_tokens): K/V rows to copy on every rank before this step's forward. Each
         # src is pinned (one extra reference) until release_copy_sources, so that no allocation of
@@ -104,7 +107,7 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +116,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences (freed blocks still cached count as free)."""
-        return len(self.used_block_ids) / len(self.blocks)
+        return len(self.used_block_ids) / self._num_blocks
 
     # --- blocks ---------------------------------------------------------------------------------
 

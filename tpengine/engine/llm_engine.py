@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -18,6 +19,7 @@ from tpengine.engine.request import Request
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
+from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 max_model_len_of, max_positions_of, sliding_window_of)
@@ -67,14 +69,17 @@ class LLMEngine:
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
         # before any worker starts: it may raise
         self.reasoning_end_token = None if config.reasoning_parser is None else self._reasoning_end_token()
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
         else:
             from tpengine.runner.executor import Executor
             self.executor = Executor(config)
         try:
-            self.scheduler = Scheduler(
+            # a pipeline keeps one step in flight per stage, each from its own scheduler (engine/virtual_engines.py)
+            pp = config.pipeline_parallel_size
+            make_scheduler = Scheduler if pp == 1 else partial(VirtualEngines, pp)
+            self.scheduler = make_scheduler(
                 num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
                 max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
@@ -292,6 +297,11 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
+        if isinstance(self.scheduler, VirtualEngines) and self.scheduler.in_flight and not self.executor.closed:
+            self._drain_pipeline()  # a sequence in a step in flight leaves the ledger only once that step is back
+            request = self._requests.get(request_id)
+            if request is None:  # it finished in those steps
+                return None
         if request in self._awaiting_grammar:  # never queued: its grammar is still compiling
             self._awaiting_grammar.remove(request)
             return request, self._finish_unqueued(request)
@@ -344,6 +354,8 @@ class LLMEngine:
         """One step; its outputs (with their requests) and its plan (None when nothing was queued)."""
         if self._awaiting_grammar:  # wait a moment for a grammar only when nothing else could run
             self._admit_awaiting(AWAIT_GRAMMAR_S if self.scheduler.is_finished() else 0.0)
+        if isinstance(self.scheduler, VirtualEngines):
+            return self._pipelined_step(self.scheduler)
         scheduler = self.scheduler
         started = time.perf_counter()
         num_output_tokens = scheduler.num_output_tokens
@@ -353,6 +365,51 @@ class LLMEngine:
             assert scheduler.is_finished(), "queued requests but nothing schedulable"
             return [], None
         sampled = self.executor.execute(plan)
+        return self._finish_step(scheduler, plan, sampled, started, num_output_tokens), plan
+
+    def _pipelined_step(self, engines: VirtualEngines) -> tuple[list[tuple[Request, RequestOutput]], StepPlan | None]:
+        """Pipeline parallelism: every virtual engine without a step in flight submits its next one (so each
+        stage has a step to run), then the oldest step's tokens are collected and accounted for."""
+        self.executor.check_open()
+        try:
+            for scheduler in engines.idle():
+                started, num_output_tokens = time.perf_counter(), scheduler.num_output_tokens
+                plan = scheduler.schedule()
+                if plan:
+                    self.executor.submit(plan)
+                    engines.in_flight.append((scheduler, plan, started, num_output_tokens))
+            if not engines.in_flight:
+                assert engines.is_finished(), "queued requests but nothing schedulable"
+                return [], None
+            scheduler, plan, started, num_output_tokens = engines.in_flight[0]
+            sampled = self.executor.collect(plan)
+            engines.in_flight.popleft()
+        except BaseException:
+            # steps the ranks may be running: no ledger can say which, so every rank stops (as a failed step does)
+            engines.in_flight.clear()
+            self.executor.shutdown(graceful=False)
+            raise
+        return self._finish_step(scheduler, plan, sampled, started, num_output_tokens), plan
+
+    def _drain_pipeline(self) -> None:
+        """Account for every step in flight (before an abort changes the ledger they were scheduled from);
+        their outputs go out with the next step()."""
+        engines = self.scheduler
+        while isinstance(engines, VirtualEngines) and engines.in_flight:
+            scheduler, plan, started, num_output_tokens = engines.in_flight[0]
+            try:
+                sampled = self.executor.collect(plan)
+            except BaseException:
+                engines.in_flight.clear()
+                self.executor.shutdown(graceful=False)
+                raise
+            engines.in_flight.popleft()
+            for request, output in self._finish_step(scheduler, plan, sampled, started, num_output_tokens):
+                self._report_later(request, output)
+
+    def _finish_step(self, scheduler: Scheduler, plan: StepPlan, sampled, started: float,
+                     num_output_tokens: int) -> list[tuple[Request, RequestOutput]]:
+        """Append a step's sampled tokens to its sequences and make its outputs."""
         self.prompt_tokens_total += plan.num_prefill_tokens
         # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
         # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
@@ -366,7 +423,7 @@ class LLMEngine:
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)
-        return [(request, request.output()) for request in touched.values() if request.stream or request.finished], plan
+        return [(request, request.output()) for request in touched.values() if request.stream or request.finished]
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
         """seqs: those that got a token this step, logprobs their rows'."""

@@ -51,7 +51,7 @@ class Scheduler:
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  draft_policy: DraftPolicy | None = None, sliding_window: int | None = None,
-                 long_rope_threshold: int | None = None):
+                 long_rope_threshold: int | None = None, first_block_id: int = 0):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -63,7 +63,7 @@ class Scheduler:
         self.long_rope_threshold = long_rope_threshold
         # sliding_window: every layer's, where all of them slide; the blocks behind it go back as sequences grow
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching,
-                                          sliding_window)
+                                          sliding_window, first_block_id)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

@@ -13,6 +13,7 @@ from torch import nn
 
 from tpengine.attention.backend import AttentionBackend
 from tpengine.attention.metadata import AttentionMetadata
+from tpengine.distributed.parallel_state import get_pipeline_stage
 from tpengine.hf_config import HFConfig, head_dim_of, layer_sliding_window, max_positions_of, rope_parameters_of
 from tpengine.layers.activation import SiluAndMul
 from tpengine.layers.attention import Attention
@@ -106,24 +107,37 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """The layers of this rank's pipeline stage (all of them without pipeline parallelism): the embedding on
+    the first stage, the final norm on the last; another stage's layers are empty placeholders."""
+
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, make_mlp,
                  layer_class: type[DecoderLayer] = DecoderLayer):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = get_pipeline_stage()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else None
         # a float32 tensor rounded to the model's dtype as it scales, as transformers keeps it
         self.register_buffer("embed_scale", None if family.embed_scale is None else
                              torch.tensor(family.embed_scale, dtype=torch.float32), persistent=False)
         self.layers = nn.ModuleList([layer_class(config, family, backend, make_mlp(config, family, i), i)
-                                     for i in range(config.num_hidden_layers)])
-        self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
+                                     if stage.holds(i) else nn.Module() for i in range(config.num_hidden_layers)])
+        self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps) if stage.is_last else None
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                from_previous_stage: torch.Tensor | None = None) -> torch.Tensor:
+        """The last stage's final hidden states; an earlier stage's hidden states and residual, stacked
+        [2, tokens, hidden] for the next (which passes them in as from_previous_stage)."""
+        stage = self.stage
+        if stage.is_first:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
+            residual = None
+        else:
+            hidden_states, residual = from_previous_stage[0], from_previous_stage[1]
+        for layer in self.layers[stage.start_layer:stage.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, meta)
+        if not stage.is_last:
+            return torch.stack([hidden_states, residual])
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -147,9 +161,11 @@ class DecoderForCausalLM(nn.Module):
         family = self.family(config)
         self.model = DecoderModel(config, family, backend, self.make_mlp, self.layer_class)
         self.final_logit_softcap = family.final_logit_softcap
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:  # one tensor: the checkpoint's embedding serves both
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.stage = stage = self.model.stage
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else None
+        if config.tie_word_embeddings and stage.is_first and stage.is_last:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one tensor: the checkpoint's embedding serves both
 
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
@@ -164,11 +180,29 @@ class DecoderForCausalLM(nn.Module):
         tensor the model does not serve (a vision tower beside the text model)."""
         for checkpoint_name, (packed_name, shard_id) in self.packed_modules_mapping.items():
             if f".{checkpoint_name}." in name:
-                return name.replace(f".{checkpoint_name}.", f".{packed_name}."), (shard_id,)
-        return name, ()
+                return self._on_this_stage(name.replace(f".{checkpoint_name}.", f".{packed_name}.")), (shard_id,)
+        return self._on_this_stage(name), ()
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def _on_this_stage(self, target: str) -> str | None:
+        """target if this rank's pipeline stage holds it, else None (the last stage reads a tied LM head from
+        the embedding's tensor)."""
+        stage = self.stage
+        if stage.size == 1:
+            return target
+        if target.startswith("model.layers."):
+            return target if stage.holds(int(target.split(".", 3)[2])) else None
+        if target.startswith("model.embed_tokens."):
+            if stage.is_first:
+                return target
+            return target.replace("model.embed_tokens.", "lm_head.") if stage.is_last and self.tie_word_embeddings \
+                else None
+        if target.startswith(("lm_head.", "model.norm.")):
+            return target if stage.is_last else None
+        return target
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata,
+                from_previous_stage: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, from_previous_stage)
 
     def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True,
                        num_rows: int | None = None) -> torch.Tensor | None:

@@ -7,7 +7,8 @@ import torch
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
-from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for, one_gpu_test_mode
+from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, building_model_for,
+                                                 one_gpu_test_mode)
 from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import OnlineQuantization, load_model
@@ -81,11 +82,13 @@ def free_kv_cache(attention_layers: list[torch.nn.Module]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, group: TensorParallelGroup, device: torch.device,
-                 sampler: Sampler | None = None):
+                 sampler: Sampler | None = None, pipeline: PipelineGroup | None = None):
         self.config = config
         self.sampler = sampler  # rank 0's: the warm-up measures its memory too
         self.group = group
-        self.rank = rank = group.rank
+        self.pipeline = pipeline = pipeline or PipelineGroup(tp_size=group.size, tp_rank=group.rank)
+        self.stage = pipeline.stage
+        self.rank = rank = pipeline.rank  # global: stage * tp + rank in the stage
         self.block_size = config.kvcache_block_size
         hf_config = load_hf_config(config.model)
         self.hf_config = hf_config
@@ -116,11 +119,14 @@ class ModelRunner:
         self.inputs = self.input_builder()
         # CPU ranks sample a plain step over their own vocabulary slices, with no gather of the logits
         # (rank 0 decides per step: StepMessage.temperatures), when every rank has the kernel
-        self.samples_vocab_parallel = (self.device.type == "cpu" and group.size > 1
-                                       and group.all_reduce_min(int(cpu_sampling.available()), self.device) == 1)
+        # (a pipeline's last stage samples them at any tp: only the tokens go back to rank 0, not the logits)
+        self.samples_vocab_parallel = (self.device.type == "cpu" and (group.size > 1 or pipeline.size > 1)
+                                       and self._all_ranks_min(int(cpu_sampling.available())) == 1)
         self.cuda_graphs = None
-        # a graph captures NCCL collectives, not gloo's (the one-GPU test mode): those ranks stay eager
-        if self.device.type == "cuda" and not config.enforce_eager and (group.size == 1 or not one_gpu_test_mode()):
+        # a graph captures NCCL collectives, not gloo's (the one-GPU test mode): those ranks stay eager; a
+        # pipeline stage's decode runs eagerly too (its inputs are the previous stage's hidden states)
+        if self.device.type == "cuda" and not config.enforce_eager and (group.size == 1 or not one_gpu_test_mode()) \
+                and pipeline.size == 1:
             if self.attention_backend.cuda_graph_safe:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self.model, hf_config.hidden_size, self.dtype, self.device, config.max_num_seqs,
@@ -142,7 +148,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), building_model_for(self.group):
+            with torch.device(self.device), building_model_for(self.group, self.stage):
                 model = model_class(hf_config)(hf_config, attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -170,13 +176,17 @@ class ModelRunner:
             block_bytes += kv_block_bytes(self.drafter.attention_layers, self.block_size, self.dtype)
         return block_bytes
 
+    def _all_ranks_min(self, value: int) -> int:
+        """The smallest of every rank's value: over the stage's tensor-parallel group, then every stage."""
+        return self.pipeline.all_reduce_min(self.group.all_reduce_min(value, self.device), self.device)
+
     def _max_num_blocks_per_seq(self) -> int:
         return blocks_for(self.max_model_len, self.block_size)
 
     def _num_kvcache_blocks(self) -> int:
         num_blocks, problem = self._kvcache_blocks_that_fit()
         # every rank must agree on the ledger's size, and on failing: take the smallest (0 where one fails)
-        agreed = self.group.all_reduce_min(0 if problem else num_blocks, self.device)
+        agreed = self._all_ranks_min(0 if problem else num_blocks)
         if problem:
             raise ValueError(problem)
         if agreed < 1:
@@ -195,7 +205,7 @@ class ModelRunner:
             available = free - (1.0 - config.gpu_memory_utilization) * total - self.activation_peak_bytes
             where = f"GPU {self.device.index} at gpu_memory_utilization={config.gpu_memory_utilization}"
         else:
-            ranks_on_host = self.group.size  # CPU ranks of one engine share the host's memory
+            ranks_on_host = self.config.world_size  # CPU ranks of one engine share the host's memory
             available = available_host_memory() / ranks_on_host
             where = f"this host per rank ({ranks_on_host} rank(s))"
         if config.num_kvcache_blocks is not None:
@@ -271,7 +281,13 @@ class ModelRunner:
         inputs = self.input_builder().prepare(step)  # its own tables: none stay behind
         self._allocate_kv_cache(num_blocks)
         cache_bytes = num_blocks * self._block_bytes()
-        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        from_previous_stage = None if self.stage.is_first else torch.zeros(
+            2, num_tokens, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta, from_previous_stage)
+        if not self.stage.is_last:  # stages measure their own peaks: no pipeline traffic at warm-up
+            del hidden_states
+            self._free_kv_cache()
+            return cache_bytes
         rows = torch.arange(config.max_num_seqs, device=self.device) % num_tokens
         logits = self.model.compute_logits(hidden_states[rows])
         if self.sampler is not None and logits is not None:
@@ -306,6 +322,8 @@ class ModelRunner:
         of the vocabulary. Other ranks get None."""
         if step.block_copies:
             self.copy_blocks(step)
+        if self.pipeline.size > 1:
+            return self._execute_stage(step)
         draft_token_ids = []
         if self.drafter is None:
             inputs = self.inputs.prepare(step)
@@ -337,3 +355,49 @@ class ModelRunner:
             return None
         output = self.sampler(logits, sampling)
         return output._replace(draft_token_ids=draft_token_ids) if draft_token_ids else output
+
+    # --- pipeline parallelism -------------------------------------------------------------------
+
+    def _execute_stage(self, step: StepMessage) -> None:
+        """This stage's part of a step: the previous stage's hidden states in (unless first), its layers, and
+        either the hidden states on to the next stage, or (the last) the step's tokens to rank 0: sampled here
+        when the step carries temperatures, else the logits, which rank 0 samples with its records. Sends do not
+        wait, so a stage takes the next step while the next stage runs this one."""
+        inputs = self.inputs.prepare(step)
+        stage, pipeline = self.stage, self.pipeline
+        from_previous_stage = None
+        if not stage.is_first:
+            from_previous_stage = pipeline.recv_from_previous_stage(
+                (2, inputs.input_ids.size(0), self.hf_config.hidden_size), self.dtype, self.device)
+        hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta, from_previous_stage)
+        if not stage.is_last:
+            pipeline.send_to_next_stage(hidden_states)
+            return None
+        num_logits = inputs.num_logits
+        if not num_logits:
+            return None
+        if inputs.meta.is_prefill:
+            hidden_states = hidden_states[inputs.logits_rows]
+        if step.temperatures:
+            token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
+                                              step.temperatures, step.uniforms, self.group,
+                                              self.model.lm_head.vocab_start_idx)
+            if token_ids is not None:
+                pipeline.send_to_first(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+            return None
+        logits = self.model.compute_logits(hidden_states, num_rows=num_logits)
+        if logits is not None:
+            pipeline.send_to_first(logits.float())
+        return None
+
+    def sampled_by_last_stage(self, step: StepMessage, sampling: list[SamplingRecord]) -> SamplerOutput:
+        """Rank 0: the tokens of a step it sent down the pipeline earlier (steps come back in the order they
+        went): the last stage's own, or sampled here from the logits it sent."""
+        num_logits = len(sampling)
+        if not num_logits:
+            return SamplerOutput([], [], [])
+        if step.temperatures:
+            token_ids = self.pipeline.recv_from_last((num_logits,), torch.int64, self.device).tolist()
+            return SamplerOutput(token_ids, [None] * num_logits, [])
+        logits = self.pipeline.recv_from_last((num_logits, self.hf_config.vocab_size), torch.float32, self.device)
+        return self.sampler(logits, sampling)

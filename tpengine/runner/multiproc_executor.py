@@ -26,9 +26,9 @@ import torch.distributed as dist
 from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
 from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepMessage, decode_error, encode
-from tpengine.distributed.parallel_state import (TensorParallelGroup, check_gpus_for, local_device_index,
-                                                 new_process_group, pick_backend, resolve_device, serve_store,
-                                                 world_tp_group)
+from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, check_gpus_for,
+                                                 local_device_index, new_process_group, pick_backend, resolve_device,
+                                                 serve_store, torchrun_groups)
 from tpengine.distributed.shm.ring import ShmRingWriter, stores_are_ordered
 from tpengine.distributed.shm.segment import PeerDiedError
 from tpengine.errors import WorkerFailedError
@@ -86,7 +86,8 @@ def _decode_report(data: bytes) -> str:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
+        self.pipeline: PipelineGroup | None = None
         self.processes: list[subprocess.Popen] = []  # empty under torchrun: rank 0 does not own the others
         self.ring: ShmRingWriter | None = None
         self.channel = None
@@ -108,7 +109,7 @@ class MultiprocExecutor(Executor):
             threading.Thread(target=_watch, args=(weakref.ref(self),), name="tpengine-watcher", daemon=True).start()
             with self._deadline(WORKER_START_TIMEOUT_S, "start-up"):
                 # rank 0's own shard; its setup collectives run in step with the workers'
-                super().__init__(config, self.group, self.device)
+                super().__init__(config, self.group, self.device, self.pipeline)
         except BaseException as e:
             self._stop_after(e)
 
@@ -133,8 +134,11 @@ class MultiprocExecutor(Executor):
         self._wait_for_workers_to_attach()
         if self.ring is not None:
             self.ring.unlink()  # every worker holds its mapping: nothing can leave the segment behind now
-        self.group = TensorParallelGroup.create(self.store, 0, self.world_size, self.device)
-        self._native = [self.store, self.group.process_group]
+        config = self.config
+        self.group = TensorParallelGroup.create(self.store, 0, config.tensor_parallel_size, self.device)
+        self.pipeline = PipelineGroup.create(self.store, 0, config.tensor_parallel_size, config.pipeline_parallel_size,
+                                             config.pipeline_layers(), self.device)
+        self._native = [native for native in (self.store, self.group.process_group, self.pipeline.process_group) if native]
         if self.ring is None:
             control = new_process_group(dist.PrefixStore("control", self.store), 0, self.world_size, self.device,
                                         "gloo")
@@ -154,8 +158,9 @@ class MultiprocExecutor(Executor):
 
     def _join_torchrun_group(self) -> None:
         if dist.get_world_size() != self.world_size or dist.get_rank() != 0:
-            raise ValueError(f"under torchrun, LLM(tensor_parallel_size={self.world_size}) runs on rank 0 of a "
-                             f"group of that size; this is rank {dist.get_rank()} of {dist.get_world_size()}")
+            raise ValueError(f"under torchrun, LLM(tensor_parallel_size={self.config.tensor_parallel_size}, "
+                             f"pipeline_parallel_size={self.config.pipeline_parallel_size}) runs on rank 0 of a group "
+                             f"of {self.world_size} ranks; this is rank {dist.get_rank()} of {dist.get_world_size()}")
         self.device = resolve_device(self.config.device, local_device_index(0, launched_by_torchrun=True))
         control = BroadcastChannel(dist.new_group(backend="gloo"))
         # One host (torchrun's local world is the whole world) with ordered stores: steps go through shared memory.
@@ -171,7 +176,8 @@ class MultiprocExecutor(Executor):
         if self.ring is not None:
             self.ring.wait_for_readers(timeout=WORKER_START_TIMEOUT_S)
             self.ring.unlink()
-        self.group = world_tp_group(self.device)
+        self.group, self.pipeline = torchrun_groups(self.config.tensor_parallel_size, self.config.pipeline_layers(),
+                                                    self.device)
 
     # --- steps ----------------------------------------------------------------------------------
 
@@ -179,14 +185,33 @@ class MultiprocExecutor(Executor):
         self.channel.write(encode(step))
 
     def execute(self, plan) -> SamplerOutput:
-        if self.closed:
-            raise RuntimeError("the engine is shut down (a worker failed, shutdown() was called, "
-                               "or this is a forked copy of the process that owns it)")
+        self.check_open()
         try:
             with self._deadline(self.config.step_timeout_s, "one step"):
                 return super().execute(plan)
         except BaseException as e:
             self._stop_after(e)
+
+    def submit(self, plan) -> None:
+        self.check_open()
+        try:
+            with self._deadline(self.config.step_timeout_s, "one step's first stage"):
+                super().submit(plan)
+        except BaseException as e:
+            self._stop_after(e)
+
+    def collect(self, plan) -> SamplerOutput:
+        self.check_open()
+        try:
+            with self._deadline(self.config.step_timeout_s, "one step's pipeline"):
+                return super().collect(plan)
+        except BaseException as e:
+            self._stop_after(e)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is shut down (a worker failed, shutdown() was called, "
+                               "or this is a forked copy of the process that owns it)")
 
     @contextmanager
     def _deadline(self, limit_s: float, what: str):
@@ -220,7 +245,7 @@ class MultiprocExecutor(Executor):
         if time.monotonic() - since > limit_s:
             ranks = self._silent_ranks()
             self._verdict = WorkerFailedError(
-                f"tensor-parallel worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                f"{self._worker_kind} rank{'s' if len(ranks) > 1 else ''} {', '.join(map(self._name, ranks))} "
                 f"did not answer within step_timeout_s={limit_s:g} s ({what}); every rank was stopped")
             for process in self.processes:
                 process.kill()  # gloo then fails rank 0's collective at once
@@ -236,6 +261,17 @@ class MultiprocExecutor(Executor):
             return lagging
         return list(range(1, self.world_size))
 
+    @property
+    def _worker_kind(self) -> str:
+        return "tensor-parallel worker" if self.config.pipeline_parallel_size == 1 else "worker"
+
+    def _name(self, rank: int) -> str:
+        """A rank as its errors name it: with a pipeline, its stage and its place in the stage too."""
+        if self.config.pipeline_parallel_size == 1:
+            return str(rank)
+        tp = self.config.tensor_parallel_size
+        return f"{rank} (pipeline-parallel rank {rank // tp}, tensor-parallel rank {rank % tp})"
+
     def _uses_nccl(self) -> bool:
         # gloo fails a collective whose peer died, and its abort() does not unblock one; NCCL needs the abort
         return self.group is not None and pick_backend(self.device) == "nccl"
@@ -244,6 +280,8 @@ class MultiprocExecutor(Executor):
         self._aborted = True
         try:
             self.group.abort()
+            if self.pipeline is not None:
+                self.pipeline.abort()
         except Exception:
             logger.exception("aborting the tensor-parallel group failed")
 
@@ -264,7 +302,7 @@ class MultiprocExecutor(Executor):
     def _raise_if_a_worker_died(self) -> None:
         if any(p.poll() is not None for p in self.processes):
             evidence = self._collect_evidence(None)
-            raise self._failure(None, evidence) or WorkerFailedError("a tensor-parallel worker exited during start-up")
+            raise self._failure(None, evidence) or WorkerFailedError(f"a {self._worker_kind} exited during start-up")
 
     def _collect_evidence(self, error: BaseException | None) -> tuple[dict[int, int], dict[int, bytes]] | None:
         """Exit codes of dead workers and their raw error reports; nothing decoded, nothing that raises."""
@@ -290,13 +328,13 @@ class MultiprocExecutor(Executor):
         silent_deaths = [rank for rank in sorted(dead) if rank not in reports]
         if silent_deaths:
             rank = silent_deaths[0]
-            return WorkerFailedError(f"tensor-parallel worker rank {rank} {_describe_exit(dead[rank])}")
+            return WorkerFailedError(f"{self._worker_kind} rank {self._name(rank)} {_describe_exit(dead[rank])}")
         if reports:
             causes = [rank for rank in sorted(reports) if not _reports_a_lost_peer(reports[rank])] or sorted(reports)
             rank = causes[0]
-            return WorkerFailedError(f"tensor-parallel worker rank {rank} raised an exception:\n{reports[rank]}")
+            return WorkerFailedError(f"{self._worker_kind} rank {self._name(rank)} raised an exception:\n{reports[rank]}")
         if isinstance(error, PeerDiedError) or "by peer" in str(error):
-            return WorkerFailedError(f"a tensor-parallel worker is gone: {error}")
+            return WorkerFailedError(f"a {self._worker_kind} is gone: {error}")
         return None
 
     # --- stop -----------------------------------------------------------------------------------
@@ -330,9 +368,11 @@ class MultiprocExecutor(Executor):
         if self.processes and self.group is not None:  # under torchrun the launch script owns the group
             if graceful:
                 self.group.shutdown()
+                if self.pipeline is not None:
+                    self.pipeline.shutdown()
             elif self._uses_nccl() and not self._aborted:
                 self._abort_group()
-        self.group = self.store = None
+        self.group = self.store = self.pipeline = None
         torch.set_num_threads(self.num_threads)
 
     def disown(self) -> None:

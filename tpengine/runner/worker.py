@@ -14,15 +14,16 @@ import torch.distributed as dist
 from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
 from tpengine.distributed.messages import InitMessage, ShutdownMessage, decode_control, encode_error
-from tpengine.distributed.parallel_state import (TensorParallelGroup, connect_store, local_device_index,
-                                                 new_process_group, resolve_device, world_tp_group)
+from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, connect_store, local_device_index,
+                                                 new_process_group, resolve_device, torchrun_groups)
 from tpengine.distributed.shm.ring import ShmRingReader
 from tpengine.runner.model_runner import ModelRunner
 
 
-def serve(config: EngineConfig, group: TensorParallelGroup, device, channel) -> None:
+def serve(config: EngineConfig, group: TensorParallelGroup, device, channel,
+          pipeline: PipelineGroup | None = None) -> None:
     """Execute steps from channel (a ring reader or broadcast channel) until a ShutdownMessage."""
-    runner = ModelRunner(config, group, device)
+    runner = ModelRunner(config, group, device, pipeline=pipeline)
     try:
         while True:
             message = decode_control(channel.read())
@@ -30,6 +31,7 @@ def serve(config: EngineConfig, group: TensorParallelGroup, device, channel) -> 
                 return
             runner.execute(message)
     finally:
+        runner.pipeline.finish_sends()  # the next stage may still be reading the last hidden states
         runner.close()
 
 
@@ -57,12 +59,17 @@ def spawned_worker_main(rank: int, world_size: int, store_port: int, init_bytes:
     try:
         store = connect_store(store_port)
         store.set(f"attached/{rank}", "1")  # rank 0 waits for every rank's mark before it unlinks the ring
-        device = resolve_device(init.config.device, local_device_index(rank, launched_by_torchrun=False))
-        group = TensorParallelGroup.create(store, rank, world_size, device)
+        config = init.config
+        device = resolve_device(config.device, local_device_index(rank, launched_by_torchrun=False))
+        tp = config.tensor_parallel_size
+        group = TensorParallelGroup.create(store, rank % tp, tp, device, stage=rank // tp)
+        pipeline = PipelineGroup.create(store, rank, tp, config.pipeline_parallel_size, config.pipeline_layers(),
+                                        device)
         channel = ring or BroadcastChannel(new_process_group(dist.PrefixStore("control", store), rank, world_size,
                                                              device, "gloo"), src=0)
-        serve(init.config, group, device, channel)
+        serve(config, group, device, channel, pipeline)
         group.shutdown()
+        pipeline.shutdown()
     except BaseException:
         if ring is not None:
             try:
@@ -89,7 +96,8 @@ def torchrun_worker_main() -> None:
     channel = control if init.ring_name is None else ShmRingReader(init.ring_name, rank - 1)
     try:
         device = resolve_device(init.config.device, local_device_index(rank, launched_by_torchrun=True))
-        serve(init.config, world_tp_group(device), device, channel)
+        group, pipeline = torchrun_groups(init.config.tensor_parallel_size, init.config.pipeline_layers(), device)
+        serve(init.config, group, device, channel, pipeline)
     except BaseException:
         if isinstance(channel, ShmRingReader):
             channel.post_error(encode_error(rank, traceback.format_exc(), channel.error_capacity))
