@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 4 launch/generate.py --model PATH "prompt" ...
 
-Takes every flag of `tpengine generate` (see `tpengine generate --help`) but --tp: the tensor-parallel
-size is torchrun's world size. Multi-node: see launch/multinode.sh. Reads the variables torchrun sets:
+Takes every flag of `tpengine generate` (see `tpengine generate --help`), --tp and --pp
+included: their product is torchrun's world size (--tp defaults to it over --pp). Multi-node: see
+launch/multinode.sh. Reads the variables torchrun sets:
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 import sys

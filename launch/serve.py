@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node 4 launch/serve.py --model PATH --port 8000
 
-Takes every flag of `tpengine serve` (see `tpengine serve --help`) but --tp: the tensor-parallel size is
-torchrun's world size. Stop it with SIGTERM or Ctrl-C to torchrun: rank 0 finishes or aborts what runs and
-tells the other ranks to stop, which wait for that instead of dying on the signal.
+Takes every flag of `tpengine serve` (see `tpengine serve --help`), --tp and --pp
+included: their product is torchrun's world size (--tp defaults to it over --pp). Stop it with SIGTERM or
+Ctrl-C to torchrun: rank 0 finishes or aborts what runs and tells the other ranks to stop, which wait for that instead of dying on the signal.
 """
 import sys
 

@@ -27,16 +27,20 @@ def test_help_documents_every_generate_flag(capsys):
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_launch_scripts_take_every_flag_of_their_command_but_tp(command, capsys):
+def test_launch_scripts_take_every_flag_of_their_command(command, capsys):
     def flags(parser) -> set[str]:
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
         return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
 
-    assert flags(build_parser(tensor_parallel_flag=False)) == flags(build_parser()) - {"--tp"}
-    with pytest.raises(SystemExit) as exit_info:  # under torchrun the world size is the tensor-parallel size
-        build_parser(tensor_parallel_flag=False).parse_args([command, "--tp", "2"])
-    assert exit_info.value.code == 2 and "unrecognized arguments: --tp" in capsys.readouterr().err
+    assert flags(build_parser(under_torchrun=True)) == flags(build_parser())
+    # under torchrun --tp defaults to the world size over --pp
+    args = build_parser(under_torchrun=True).parse_args([command, "--pp", "2"])
+    assert args.tp is None and args.pp == 2 and args.pp_layer_partition is None
+    assert build_parser().parse_args([command, "--pp-layer-partition", "3,1"]).pp_layer_partition == [3, 1]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--pp-layer-partition", "3,x"])
+    assert exit_info.value.code == 2 and "comma-separated layer counts" in capsys.readouterr().err
 
 
 def test_generate_json_matches_transformers(tied_model, capsys):

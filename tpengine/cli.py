@@ -22,9 +22,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tpengine: error: {message} (see: {self.prog} --help)\n")
 
 
-def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParser:
-    """Every command's flags; without tensor_parallel_flag no --tp (under torchrun the world size is the
-    tensor-parallel size)."""
+def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
+    """Every command's flags; under torchrun --tp defaults to the world size over --pp."""
     parser = _Parser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -63,7 +62,7 @@ def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParse
                         help="print one JSON object per prompt: text, token ids, finish and stop reasons, and "
                              "'outputs' with every completion (and its logprobs)")
     output.add_argument("--stream", action="store_true", help="print text as it is generated, prompt by prompt")
-    _add_engine_args(gen, tensor_parallel_flag)
+    _add_engine_args(gen, under_torchrun)
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 
     serve = commands.add_parser(
@@ -93,7 +92,7 @@ def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParse
                        help="a reasoning model's <think>...</think>: returned as reasoning_content, and structured "
                             "outputs constrain only the answer after it (qwen3, deepseek_r1)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
-    _add_engine_args(serve, tensor_parallel_flag)
+    _add_engine_args(serve, under_torchrun)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
@@ -104,14 +103,24 @@ def build_parser(*, tensor_parallel_flag: bool = True) -> argparse.ArgumentParse
     return parser
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, tensor_parallel_flag: bool) -> None:
+def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> None:
     """The flags that build the engine, the same for generate and serve."""
     parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
                                         "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss "
                                         "(default: the embedded tiny random Qwen3, written on first use; its text is "
                                         "meaningless)")
-    if tensor_parallel_flag:
-        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: number of ranks (default 1)")
+    if not under_torchrun:
+        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks per pipeline stage "
+                                                              "(default 1)")
+    else:
+        parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size: ranks per pipeline stage "
+                                                                 "(default: torchrun's world size / --pp)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel size: stages, each a slice of the layers on its own --tp ranks; "
+                             "tp x pp ranks in all (default 1)")
+    parser.add_argument("--pp-layer-partition", type=_layer_counts, default=None,
+                        help="layers per pipeline stage, first stage first, e.g. 14,14 (default: as even as can "
+                             "be, later stages taking one more)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
@@ -156,8 +165,16 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _layer_counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer counts, got {text!r}") from None
+
+
 def _engine_kwargs(args) -> dict:
-    return dict(tensor_parallel_size=args.tp, dtype=args.dtype, device=args.device,
+    return dict(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                pp_layer_partition=args.pp_layer_partition, dtype=args.dtype, device=args.device,
                 kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
                 max_model_len=args.max_model_len,
                 max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
@@ -309,15 +326,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
-    """`tpengine COMMAND ...` as one rank of a torchrun job, with the tensor-parallel size torchrun's world
-    size: rank 0 runs the command, the other ranks execute the steps it sends."""
+    """`tpengine COMMAND ...` as one rank of a torchrun job of tp x pp ranks (--tp defaults to torchrun's world
+    size / --pp): rank 0 runs the command, the other ranks execute the steps it sends."""
     import signal
 
     import torch.distributed as dist
 
     from tpengine.distributed.parallel_state import init_torchrun_process_group
 
-    args = build_parser(tensor_parallel_flag=False).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    args = build_parser(under_torchrun=True).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
     init_torchrun_process_group(args.device)
     try:
         if dist.get_rank() != 0:
@@ -329,7 +346,13 @@ def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
             from tpengine.runner.worker import torchrun_worker_main
             torchrun_worker_main()
             return 0
-        args.tp = dist.get_world_size()
+        world_size = dist.get_world_size()
+        if args.tp is None:
+            args.tp = world_size // args.pp if args.pp >= 1 and world_size % args.pp == 0 else world_size
+        if args.tp * args.pp != world_size:
+            print(f"tpengine: error: --tp {args.tp} x --pp {args.pp} must be torchrun's world size, {world_size} "
+                  "ranks", file=sys.stderr)
+            return 2
         return run(args)
     finally:
         dist.destroy_process_group()

@@ -135,8 +135,9 @@ def test_a_row_gets_the_same_token_whether_the_ranks_sample_their_slices_or_rank
     assert len({tuple(t) for t in alone}) == len(alone)
 
 
-def test_two_node_torchrun_sends_steps_over_the_gloo_broadcast(tiny_model):
-    # Two torchrun "nodes" on this host: LOCAL_WORLD_SIZE (1) != WORLD_SIZE (2), so no shared memory.
+def test_two_node_torchrun_pipeline_sends_steps_over_the_gloo_broadcast(tiny_model):
+    # Two torchrun "nodes" on this host: LOCAL_WORLD_SIZE (1) != WORLD_SIZE (2), so no shared memory; a pipeline
+    # stage per node, as across real nodes (--tp defaults to the world size over --pp: 1)
     from tpengine.distributed.parallel_state import find_free_port
     endpoint = f"127.0.0.1:{find_free_port()}"
     prompts = ["multi node", "x"]
@@ -145,7 +146,8 @@ def test_two_node_torchrun_sends_steps_over_the_gloo_broadcast(tiny_model):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                    "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                    "--rdzv-id", "tpengine-test", os.path.join(REPO, "launch", "generate.py"), "--model", tiny_model,
-                   "--max-tokens", "6", "--ignore-eos", "--block-size", "16", "--device", "cpu", "--json", *prompts]
+                   "--max-tokens", "6", "--ignore-eos", "--block-size", "16", "--device", "cpu", "--pp", "2", "--json",
+                   *prompts]
         nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO))
     try:
         results = [node.communicate(timeout=240) for node in nodes]
