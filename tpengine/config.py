@@ -114,6 +114,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     pipeline_parallel_size: int = 1
     # layers per stage, first stage first (None: as even as can be, the later stages taking one more)
     pp_layer_partition: list[int] | None = None
+    # steps in flight at once, each from its own scheduler (None: pipeline_parallel_size, so every stage has
+    # one; 1: the stages take turns, the pipeline only splits the memory)
+    max_steps_in_flight: int | None = None
     dtype: str = "auto"
     device: str = "auto"
     kvcache_block_size: int = 256
@@ -237,6 +240,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         elif pp > hf_config.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} "
                              "layers: every stage needs at least one")
+        if self.max_steps_in_flight is not None:
+            value = self.max_steps_in_flight
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= pp:
+                raise ValueError(f"max_steps_in_flight must be an integer from 1 to pipeline_parallel_size={pp}, "
+                                 f"got {value!r}")
         if pp > 1 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
             raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "
                              "pipeline_parallel_size=1, or method='ngram'")

@@ -119,3 +119,27 @@ def test_a_killed_stage_fails_the_step_naming_its_pipeline_and_tensor_parallel_r
 def test_bad_pipeline_settings_raise_before_any_process_starts(tied_model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tied_model, **kwargs)
+
+
+def test_ngram_speculation_through_the_pipeline_matches_transformers(tied_model):
+    prompts = [p * 3 for p in random_prompts(8, [5, 9, 7], 320)]  # repeats for the n-gram proposer to find
+    with LLM(tied_model, pipeline_parallel_size=2, kvcache_block_size=16,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)
+        assert llm.spec_decode_stats["num_drafts"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tied_model, prompts, 24)
+
+
+def test_shutdown_with_steps_in_flight_leaves_nothing(tied_model):
+    llm = LLM(tied_model, pipeline_parallel_size=2, kvcache_block_size=16)
+    processes = list(llm.executor.processes)
+    for prompt in random_prompts(2, [10, 14], 320):
+        llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    assert llm.scheduler.in_flight
+    started = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - started < 5  # every rank finished its steps and took the shutdown: none was killed
+    assert all(p.returncode == 0 for p in processes)

@@ -78,7 +78,7 @@ class LLMEngine:
         try:
             # a pipeline keeps one step in flight per stage, each from its own scheduler (engine/virtual_engines.py)
             pp = config.pipeline_parallel_size
-            make_scheduler = Scheduler if pp == 1 else partial(VirtualEngines, pp)
+            make_scheduler = Scheduler if pp == 1 else partial(VirtualEngines, config.max_steps_in_flight or pp)
             self.scheduler = make_scheduler(
                 num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
@@ -527,8 +527,17 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         executor = getattr(self, "executor", None)
-        if executor is not None:
-            executor.shutdown()
+        if executor is None:
+            return
+        engines = getattr(self, "scheduler", None)
+        if isinstance(engines, VirtualEngines) and engines.in_flight and not executor.closed:
+            try:  # let the ranks finish the steps they run (their tokens go nowhere), so every send is received
+                for _, plan, _, _ in engines.in_flight:
+                    executor.collect(plan)
+            except Exception:
+                pass  # the executor stopped every rank
+            engines.in_flight.clear()
+        executor.shutdown()
 
     def __enter__(self):
         return self

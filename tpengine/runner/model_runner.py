@@ -94,7 +94,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         self.platform = platform_for(device)
-        self.platform.set_up_rank(device, group.size)
+        self.platform.set_up_rank(device, config.world_size)  # every stage's ranks share the host
         self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions
