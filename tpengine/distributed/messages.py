@@ -59,6 +59,9 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     # tokens (no gather of the logits): each row's temperature (0: greedy) and uniform draw
     temperatures: list[float] = []
     uniforms: list[float] = []
+    # pipeline parallelism: which of the steps in flight this is (its virtual engine), the tag of every
+    # point-to-point send of its hidden states and tokens
+    virtual_engine: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -157,27 +157,28 @@ class PipelineGroup:
     def size(self) -> int:
         return self.stage.size
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+    # tag: the step's virtual engine (gloo pairs a send with the receive of the same tag; NCCL has no tags)
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
-        self._sends.append((self.process_group.send([tensor], dst, 0), tensor))
+        self._sends.append((self.process_group.send([tensor], dst, tag), tensor))
 
-    def _recv(self, shape, dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
+    def _recv(self, shape, dtype: torch.dtype, device: torch.device, src: int, tag: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=device)
-        self.process_group.recv([tensor], src, 0).wait()
+        self.process_group.recv([tensor], src, tag).wait()
         return tensor
 
-    def send_to_next_stage(self, tensor: torch.Tensor) -> None:
-        self._send(tensor.contiguous(), self.rank + self.tp_size)
+    def send_to_next_stage(self, tensor: torch.Tensor, tag: int) -> None:
+        self._send(tensor.contiguous(), self.rank + self.tp_size, tag)
 
-    def recv_from_previous_stage(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._recv(shape, dtype, device, self.rank - self.tp_size)
+    def recv_from_previous_stage(self, shape, dtype: torch.dtype, device: torch.device, tag: int) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.rank - self.tp_size, tag)
 
-    def send_to_first(self, tensor: torch.Tensor) -> None:
+    def send_to_first(self, tensor: torch.Tensor, tag: int) -> None:
         """The last stage's first rank hands rank 0 what it sampled."""
-        self._send(tensor.contiguous(), 0)
+        self._send(tensor.contiguous(), 0, tag)
 
-    def recv_from_last(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self._recv(shape, dtype, device, (self.size - 1) * self.tp_size)
+    def recv_from_last(self, shape, dtype: torch.dtype, device: torch.device, tag: int) -> torch.Tensor:
+        return self._recv(shape, dtype, device, (self.size - 1) * self.tp_size, tag)
 
     def all_reduce_min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value, over every stage."""

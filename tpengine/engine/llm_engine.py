@@ -376,6 +376,7 @@ class LLMEngine:
                 started, num_output_tokens = time.perf_counter(), scheduler.num_output_tokens
                 plan = scheduler.schedule()
                 if plan:
+                    plan.message.virtual_engine = engines.schedulers.index(scheduler)
                     self.executor.submit(plan)
                     engines.in_flight.append((scheduler, plan, started, num_output_tokens))
             if not engines.in_flight:

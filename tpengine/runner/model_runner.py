@@ -367,11 +367,11 @@ class ModelRunner:
         stage, pipeline = self.stage, self.pipeline
         from_previous_stage = None
         if not stage.is_first:
-            from_previous_stage = pipeline.recv_from_previous_stage(
-                (2, inputs.input_ids.size(0), self.hf_config.hidden_size), self.dtype, self.device)
+            shape = (2, inputs.input_ids.size(0), self.hf_config.hidden_size)
+            from_previous_stage = pipeline.recv_from_previous_stage(shape, self.dtype, self.device, step.virtual_engine)
         hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta, from_previous_stage)
         if not stage.is_last:
-            pipeline.send_to_next_stage(hidden_states)
+            pipeline.send_to_next_stage(hidden_states, step.virtual_engine)
             return None
         num_logits = inputs.num_logits
         if not num_logits:
@@ -383,11 +383,12 @@ class ModelRunner:
                                               step.temperatures, step.uniforms, self.group,
                                               self.model.lm_head.vocab_start_idx)
             if token_ids is not None:
-                pipeline.send_to_first(torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+                pipeline.send_to_first(torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                                       step.virtual_engine)
             return None
         logits = self.model.compute_logits(hidden_states, num_rows=num_logits)
         if logits is not None:
-            pipeline.send_to_first(logits.float())
+            pipeline.send_to_first(logits.float(), step.virtual_engine)
         return None
 
     def sampled_by_last_stage(self, step: StepMessage, sampling: list[SamplingRecord]) -> SamplerOutput:
@@ -397,7 +398,8 @@ class ModelRunner:
         if not num_logits:
             return SamplerOutput([], [], [])
         if step.temperatures:
-            token_ids = self.pipeline.recv_from_last((num_logits,), torch.int64, self.device).tolist()
-            return SamplerOutput(token_ids, [None] * num_logits, [])
-        logits = self.pipeline.recv_from_last((num_logits, self.hf_config.vocab_size), torch.float32, self.device)
+            token_ids = self.pipeline.recv_from_last((num_logits,), torch.int64, self.device, step.virtual_engine)
+            return SamplerOutput(token_ids.tolist(), [None] * num_logits, [])
+        logits = self.pipeline.recv_from_last((num_logits, self.hf_config.vocab_size), torch.float32, self.device,
+                                              step.virtual_engine)
         return self.sampler(logits, sampling)

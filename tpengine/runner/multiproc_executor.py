@@ -138,7 +138,8 @@ class MultiprocExecutor(Executor):
         self.group = TensorParallelGroup.create(self.store, 0, config.tensor_parallel_size, self.device)
         self.pipeline = PipelineGroup.create(self.store, 0, config.tensor_parallel_size, config.pipeline_parallel_size,
                                              config.pipeline_layers(), self.device)
-        self._native = [native for native in (self.store, self.group.process_group, self.pipeline.process_group) if native]
+        self._native = [native for native in (self.store, self.group.process_group, self.pipeline.process_group)
+                        if native is not None]
         if self.ring is None:
             control = new_process_group(dist.PrefixStore("control", self.store), 0, self.world_size, self.device,
                                         "gloo")
@@ -332,7 +333,8 @@ class MultiprocExecutor(Executor):
         if reports:
             causes = [rank for rank in sorted(reports) if not _reports_a_lost_peer(reports[rank])] or sorted(reports)
             rank = causes[0]
-            return WorkerFailedError(f"{self._worker_kind} rank {self._name(rank)} raised an exception:\n{reports[rank]}")
+            return WorkerFailedError(f"{self._worker_kind} rank {self._name(rank)} raised an exception:\n"
+                                     f"{reports[rank]}")
         if isinstance(error, PeerDiedError) or "by peer" in str(error):
             return WorkerFailedError(f"a {self._worker_kind} is gone: {error}")
         return None
