@@ -204,3 +204,31 @@ def test_speculation_past_a_sliding_window_that_releases_blocks_equals_transform
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.spec_decode_stats["num_accepted_tokens"] > 0
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 80)
+
+
+def test_the_draft_model_runs_only_in_steps_that_draft_and_catches_up_before_it_proposes(tiny_model):
+    """Four running: no step drafts (disable_by_batch_size=3) and the draft model does not run; once two have
+    finished, each verify row first writes the draft K/V its sequence missed, so a draft that is the model has
+    its drafts accepted again."""
+    prompts = random_prompts(23, [20, 35, 50, 12], VOCAB)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 12, 40, 40)]
+    spec = {"model": tiny_model, "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": 3}
+    with LLM(tiny_model, kvcache_block_size=16, max_model_len=256, speculative_config=spec) as llm:
+        runner = llm.executor.runner
+        counts = {"steps": 0, "draft model steps": 0}
+        execute, mirror = runner.execute, runner.drafter.mirror
+
+        def counting_execute(*args):
+            counts["steps"] += 1
+            return execute(*args)
+
+        def counting_mirror(*args):
+            counts["draft model steps"] += 1
+            return mirror(*args)
+        runner.execute, runner.drafter.mirror = counting_execute, counting_mirror
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.spec_decode_stats
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(tiny_model, [p], n)[0] for p, n in zip(prompts, (10, 12, 40, 40))]
+    assert 0 < counts["draft model steps"] < counts["steps"] - 10
+    assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0

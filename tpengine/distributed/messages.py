@@ -17,6 +17,10 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     # admitted); decode and verify rows need no flag: theirs is the long set exactly when they attend to more
     # tokens than the window (runner/inputs.py)
     long_rope: bool = False
+    # a verify row whose drafts the ranks' draft model makes: the tokens from draft_context_start up to the
+    # row's last token whose draft K/V is not written yet (it runs only in steps that draft), written first
+    draft_context_start: int = 0
+    draft_context: list[int] = []
 
 
 class BlockTable(msgspec.Struct, array_like=True, gc=False):

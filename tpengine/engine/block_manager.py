@@ -304,7 +304,7 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             if block_id != -1:
                 self._release(block_id)
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_draft_cached_tokens = 0
         seq.num_released_blocks = 0
         seq.block_table.clear()
 

@@ -79,6 +79,8 @@ class Scheduler:
         self._resend_decode_tables = False  # after a reset, until every running sequence has its table again
         self._truncated_seq_ids: list[int] = []    # tables cut since the last message (rejected drafts' blocks)
         self._truncated_num_blocks: list[int] = []
+        # a step the ranks' draft model runs in: the sequences whose draft K/V is complete once it has run
+        self._draft_caught_up: list[Sequence] = []
         # speculative decoding: the proposer and how many drafts a verify row takes at most
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
@@ -208,11 +210,21 @@ class Scheduler:
                 seq.on_workers = True
         num_verify_tokens = 0
         drafted_on_ranks = self.proposer is not None and self.proposer.on_ranks
+        if drafted_on_ranks and verify:
+            # the ranks' draft model runs in this step (only in steps that draft): the rows whose draft K/V is
+            # complete stay so, and each verify row first writes what it lacks
+            self._draft_caught_up = [seq for seq in (*decode, *prefill)
+                                     if seq.num_draft_cached_tokens == seq.num_cached_tokens] + verify
         for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
             drafts = seq.draft_token_ids
-            token_ids = [seq.last_token] if drafted_on_ranks else [seq.last_token, *drafts]
-            chunks.append(PrefillChunk(seq.seq_id, token_ids, seq.num_cached_tokens, True, len(drafts),
-                                       seq.long_rope))
+            if drafted_on_ranks:
+                # none behind a sliding window: those blocks are given back
+                start = max(seq.num_draft_cached_tokens, seq.num_released_blocks * self.block_manager.block_size)
+                chunks.append(PrefillChunk(seq.seq_id, [seq.last_token], seq.num_cached_tokens, True, len(drafts),
+                                           seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens]))
+            else:
+                chunks.append(PrefillChunk(seq.seq_id, [seq.last_token, *drafts], seq.num_cached_tokens, True,
+                                           len(drafts), seq.long_rope))
             num_verify_tokens += 1 + len(drafts)
             sampling.append(seq.sampling)
             sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))
@@ -253,6 +265,7 @@ class Scheduler:
         drops every table and takes each sequence's whole table when it next runs."""
         decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
+        self._draft_caught_up = []
         for seq in decode + verify:
             assert seq.num_cached_tokens == seq.num_tokens - 1, "a running sequence computes its last token"
             seq.num_scheduled_tokens = 0
@@ -580,6 +593,11 @@ class Scheduler:
         for seq in prefill:
             if seq.block_table:  # not finished: its partly written last block can serve others
                 block_manager.index_written_tail(seq)
+        if self._draft_caught_up:
+            for seq in self._draft_caught_up:
+                if seq.block_table:  # still running
+                    seq.num_draft_cached_tokens = seq.num_cached_tokens
+            self._draft_caught_up = []
         return (sampled + verify if verify else sampled), finished
 
     def _accept(self, verify: list[Sequence], token_ids: list[int], finished: list[Sequence]) -> None:
@@ -662,6 +680,7 @@ class Scheduler:
         seq.num_tokens = num_tokens
         seq.last_token = seq.token_ids[-1]
         seq.num_cached_tokens = min(seq.num_cached_tokens, num_tokens - 1)
+        seq.num_draft_cached_tokens = min(seq.num_draft_cached_tokens, seq.num_cached_tokens)
         self.num_output_tokens -= dropped
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

@@ -22,7 +22,7 @@ class Sequence:
         "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
         "request_id", "block_hashes", "long_rope", "arrival_step", "sampling", "on_workers", "speculates",
-        "draft_token_ids", "virtual_engine",
+        "draft_token_ids", "virtual_engine", "num_draft_cached_tokens",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
@@ -63,6 +63,9 @@ class Sequence:
         self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
         self.sampling: SamplingRecord | None = None  # how the sampler treats it; made by Scheduler.add
         self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
+        # a draft model's K/V on the ranks: written for this many first tokens (it runs only in steps that draft,
+        # and a verify row brings it up to date first)
+        self.num_draft_cached_tokens = 0
         self.virtual_engine = 0             # which of a pipeline's schedulers holds it (engine/virtual_engines.py)
         self.speculates = False             # its tokens may be proposed ahead and verified (set by Scheduler.add)
         # the proposed tokens the step in flight verifies after its last token: they have slots, no place in

@@ -1,11 +1,13 @@
 """Speculative decoding's draft model on one rank: a small checkpoint with the model's vocabulary, sharded over
 the same ranks, that proposes a verify row's drafts inside the step that verifies them.
 
-Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables, prefix
-hits and block copies serve both, and no block is ever allocated for the draft model alone. It runs every
-step's forward after the model's inputs (mirror), so its cache holds every token the model's holds, the
-verify rows' included; a verify row's drafts then take one decode forward each, from the row's last token
-(propose). Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
+Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables and block
+copies serve both, and no block is ever allocated for the draft model alone. It runs only in steps that draft
+(a step without verify rows costs what it costs without speculation): first each verify row's context that
+its cache lacks (what the sequence computed in steps that did not draft, or took from the prefix cache, which
+the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward each
+from the row's last token (propose), then the step's own forward (mirror), so the sequences whose draft K/V
+was complete stay so, the verify rows' accepted drafts included. Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
 message: they reach the ledger with rank 0's sampled tokens.
 
 Sharded rather than whole on each rank (tp = 1 per rank): the same layers, loader and collectives serve it,
@@ -15,7 +17,7 @@ all-reduces add a latency per layer, which a draft a few layers deep keeps small
 import msgspec
 import torch
 
-from tpengine.distributed.messages import StepMessage
+from tpengine.distributed.messages import PrefillChunk, StepMessage
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.model_runner import attention_layers_of
 from tpengine.runner.sampler import greedy_on_every_rank
@@ -29,7 +31,8 @@ class Drafter:
         self.kv_cache = torch.tensor([])  # the model runner allocates it with the model's: the same blocks
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Run the step's forward for its K/V alone (no logits): the draft model's cache keeps up with the model's."""
+        """Run a drafting step's forward for its K/V alone (no logits): the draft model's cache keeps up with the
+        model's for every sequence it was complete for."""
         self.model(input_ids, positions, meta)
 
     def propose(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, list[int]]:
@@ -40,6 +43,11 @@ class Drafter:
         if not wanted:
             return step, []
         chunks = [step.prefill[i] for i in wanted]
+        lacking = [PrefillChunk(chunk.seq_id, chunk.draft_context, chunk.draft_context_start, False, 0, chunk.long_rope)
+                   for chunk in chunks if chunk.draft_context]
+        if lacking:  # the K/V the draft model's proposals attend to, before they are made
+            forward = inputs.build(StepMessage([], [], [], lacking))
+            self.model(forward.input_ids, forward.positions, forward.meta)
         drafts: list[list[int]] = [[] for _ in chunks]
         tokens = [chunk.token_ids[0] for chunk in chunks]
         # forward j: the rows that want more than j drafts, each over its context so far (its last token at

@@ -332,7 +332,7 @@ class ModelRunner:
             step, draft_token_ids = self.drafter.propose(step, self.inputs)
             inputs = self.inputs.build(step)
         input_ids, positions, meta, num_logits = inputs.input_ids, inputs.positions, inputs.meta, inputs.num_logits
-        if self.drafter is not None:  # the draft model's K/V follows the model's: every token of every step
+        if draft_token_ids:  # a step that drafts: the draft model's K/V follows the model's
             self.drafter.mirror(input_ids, positions, meta)
         graphs = self.cuda_graphs
         if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
