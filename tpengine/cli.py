@@ -93,14 +93,13 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
                        help="a reasoning model's <think>...</think>: returned as reasoning_content, and structured "
                             "outputs constrain only the answer after it (qwen3, deepseek_r1)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
-    if not under_torchrun:  # under torchrun every process is one rank of one engine
-        serve.add_argument("--data-parallel-size", type=int, default=1,
-                           help="replicas of the engine, each with --tp ranks on its own CPU cores (an equal share) "
-                                "or its own GPUs, behind vLLM's router (vllm-router) on --host/--port (default 1: "
-                                "no router)")
-        serve.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
-                           help="with --data-parallel-size: cache_aware sends a request to the replica that most "
-                                "likely caches its prompt's prefix, round_robin to each in turn (default cache_aware)")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="replicas of the engine, each its own --tp x --pp ranks on its own CPU cores (an equal "
+                            "share) or its own GPUs, behind vLLM's router (vllm-router) on --host/--port (default 1: "
+                            "no router; not under torchrun)")
+    serve.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                       help="with --data-parallel-size: cache_aware sends a request to the replica that most likely "
+                            "caches its prompt's prefix, round_robin to each in turn (default cache_aware)")
     _add_engine_args(serve, under_torchrun)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
@@ -389,6 +388,10 @@ def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
     from tpengine.distributed.parallel_state import init_torchrun_process_group
 
     args = build_parser(under_torchrun=True).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    if getattr(args, "data_parallel_size", 1) != 1:  # each torchrun process is one rank of one engine
+        print("tpengine: error: --data-parallel-size starts its own replicas: run `tpengine serve "
+              "--data-parallel-size N` without torchrun", file=sys.stderr)
+        return 2
     init_torchrun_process_group(args.device)
     try:
         if dist.get_rank() != 0:
