@@ -233,6 +233,15 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
         request = parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len)
         return await chat.create(request, raw_request)
 
+    # vLLM's render endpoints: vllm-router's cache_aware policy routes by the token ids they return
+    @app.post("/v1/completions/render")
+    async def render_completion(raw_request: Request):
+        return await completions.render(parse_request(CompletionRequest, await raw_request.body(), max_request_len))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(raw_request: Request):
+        return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
