@@ -50,7 +50,7 @@ def deployment(tied_model):
     if not router_available():
         pytest.skip("vllm-router has wheels for Linux only: not installable on this platform")
     server = Server("--model", tied_model, "--data-parallel-size", "2", "--block-size", str(BLOCK_SIZE),
-                    "--max-model-len", "512", "--num-kvcache-blocks", "128")
+                    "--max-model-len", "2048", "--num-kvcache-blocks", "256")
     try:
         yield server
     finally:
@@ -98,18 +98,26 @@ def test_bad_data_parallel_settings_are_refused_before_anything_starts():
                            on_cpu=True, host="127.0.0.1", port=0, router_policy="cache_aware", quiet=True)
 
 
-def test_requests_sharing_a_long_prefix_land_on_one_replica_whose_prefix_cache_hits(client, replicas):
+def test_requests_sharing_a_long_prefix_go_to_the_replica_caching_it_even_while_it_is_busier(client, replicas):
     hits_before = [replica.prefix_cache_hits for replica in replicas]
     prompt_tokens_before = [replica.prompt_tokens for replica in replicas]
-    for question in ("Where is the fuse?", "How do I reset it?", "What voltage?", "Is it waterproof?"):
-        client.completions.create(model="tiny", prompt=SHARED_PREFIX + question, max_tokens=2, **GREEDY)
-    served = [replica.prompt_tokens - before for replica, before in zip(replicas, prompt_tokens_before)]
-    hits = [replica.prefix_cache_hits - before for replica, before in zip(replicas, hits_before)]
-    assert sorted(served)[0] == 0, f"the shared prefix went to both replicas: prompt tokens {served}"
-    chosen = served.index(max(served))
-    # the last three found the prefix's full blocks cached
-    assert hits[chosen] >= 3 * (len(SHARED_PREFIX) // BLOCK_SIZE) * BLOCK_SIZE
-    assert hits[1 - chosen] == 0
+    client.completions.create(model="tiny", prompt=SHARED_PREFIX + "Where is the fuse?", max_tokens=2, **GREEDY)
+    holder = max(range(2), key=lambda i: replicas[i].prompt_tokens - prompt_tokens_before[i])
+    # a long stream keeps the holder busier than the other replica: a least-loaded choice would pick the other
+    stream = client.completions.create(model="tiny", prompt=SHARED_PREFIX + "Read it all out.", max_tokens=1500,
+                                       stream=True, **GREEDY)
+    try:
+        next(iter(stream))
+        for question in ("How do I reset it?", "What voltage?"):
+            client.completions.create(model="tiny", prompt=SHARED_PREFIX + question, max_tokens=2, **GREEDY)
+    finally:
+        stream.close()
+    other = replicas[1 - holder]
+    assert other.prompt_tokens == prompt_tokens_before[1 - holder], "a request with the shared prefix went elsewhere"
+    assert other.prefix_cache_hits == hits_before[1 - holder]
+    # the stream's prompt and both questions found the prefix's full blocks cached
+    full_blocks = len(SHARED_PREFIX) // BLOCK_SIZE * BLOCK_SIZE
+    assert replicas[holder].prefix_cache_hits - hits_before[holder] >= 2 * full_blocks
 
 
 def test_distinct_prompts_sent_at_once_spread_over_both_replicas(client, replicas):

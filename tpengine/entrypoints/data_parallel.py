@@ -134,7 +134,8 @@ class DataParallelServer:
         if not router_available():
             raise ValueError("--data-parallel-size needs vLLM's router: pip install vllm-router "
                              "(Linux wheels; or install tpengine with the 'router' extra)")
-        self.replica_argv, self.num_replicas, self.tensor_parallel_size = replica_argv, num_replicas, tensor_parallel_size
+        self.replica_argv, self.num_replicas = replica_argv, num_replicas
+        self.tensor_parallel_size = tensor_parallel_size
         self.on_cpu, self.host, self.port, self.router_policy, self.quiet = on_cpu, host, port, router_policy, quiet
         self.api_key = api_key
         cpus, gpus = (usable_cpus(), []) if on_cpu else ([], visible_gpus())
