@@ -99,6 +99,17 @@ def _spawn(name: str, command: list[str], port: int, env: dict | None = None,
     return ManagedProcess(name, f"http://127.0.0.1:{port}", process)
 
 
+def router_command(replica_urls: list[str], host: str, port: int, policy: str, metrics_port: int,
+                   log_level: str = "info") -> list[str]:
+    """vllm-router in front of the replicas: each request to the replica by policy, a replica out of rotation
+    after ROUTER_HEALTH_FAILURE_THRESHOLD failed health checks ROUTER_HEALTH_CHECK_INTERVAL_S apart."""
+    return [sys.executable, "-m", "vllm_router.launch_router", "--host", host, "--port", str(port),
+            "--worker-urls", *replica_urls, "--policy", policy, "--worker-startup-check-interval", "1",
+            "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_INTERVAL_S),
+            "--health-failure-threshold", str(ROUTER_HEALTH_FAILURE_THRESHOLD),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", log_level]
+
+
 def http_status(url: str, path: str, timeout: float = 2.0) -> int | None:
     """The status of GET url+path, or None when nothing answers."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
@@ -181,14 +192,9 @@ class DataParallelServer:
                         f"CPU cores {cores}" if cores else f"CUDA_VISIBLE_DEVICES={device_env['CUDA_VISIBLE_DEVICES']}")
 
     def _start_router(self) -> None:
-        metrics_port = _free_port()  # the router's own Prometheus port: its default (29000) may be taken
-        command = [sys.executable, "-m", "vllm_router.launch_router", "--host", self.host, "--port", str(self.port),
-                   "--worker-urls", *(replica.url for replica in self.replicas), "--policy", self.router_policy,
-                   "--worker-startup-check-interval", "1",
-                   "--health-check-interval-secs", str(ROUTER_HEALTH_CHECK_INTERVAL_S),
-                   "--health-failure-threshold", str(ROUTER_HEALTH_FAILURE_THRESHOLD),
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                   "--log-level", "warning" if self.quiet else "info"]
+        # the router's own Prometheus port: its default (29000) may be taken by another deployment
+        command = router_command([replica.url for replica in self.replicas], self.host, self.port,
+                                 self.router_policy, _free_port(), "warning" if self.quiet else "info")
         self.router = _spawn("router", command, self.port)
         self.router.url = f"http://{self._local_address()}:{self.port}"
 
@@ -272,3 +278,27 @@ def remove_segments_of(pid: int) -> None:
                 os.unlink(os.path.join("/dev/shm", name))
             except OSError:
                 pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The router alone, in front of replicas started elsewhere (launch/dp_serve.sh): flags it does not know go
+    to vllm-router as they are."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tpengine.entrypoints.data_parallel",
+                                     description="vLLM's router in front of running `tpengine serve` replicas.")
+    parser.add_argument("--replica-url", action="append", required=True, metavar="URL",
+                        help="a replica's URL, http://HOST:PORT (repeat for each)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router listens on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                        help="cache_aware or round_robin (default cache_aware)")
+    parser.add_argument("--metrics-port", type=int, default=29000, help="the router's Prometheus port (default 29000)")
+    args, router_flags = parser.parse_known_args(argv)
+    if not router_available():
+        parser.exit(2, "the router is not installed: pip install vllm-router (Linux wheels)\n")
+    command = router_command(args.replica_url, args.host, args.port, args.router_policy, args.metrics_port)
+    os.execv(command[0], command + router_flags)
+
+
+if __name__ == "__main__":
+    main()
