@@ -2,6 +2,7 @@
 the tests in order; the last ones kill a replica, then stop the whole deployment."""
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -93,6 +94,12 @@ def test_bad_data_parallel_settings_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="at least 2"):
         DataParallelServer(replica_argv=[], num_replicas=1, tensor_parallel_size=1, on_cpu=True, host="127.0.0.1",
                            port=0, router_policy="cache_aware", quiet=True)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
+            DataParallelServer(replica_argv=[], num_replicas=2, tensor_parallel_size=1, on_cpu=True, host="127.0.0.1",
+                               port=taken.getsockname()[1], router_policy="cache_aware", quiet=True)
     with pytest.raises(ValueError, match="more replicas than the"):
         DataParallelServer(replica_argv=[], num_replicas=len(os.sched_getaffinity(0)) + 1, tensor_parallel_size=1,
                            on_cpu=True, host="127.0.0.1", port=0, router_policy="cache_aware", quiet=True)

@@ -149,6 +149,8 @@ class DataParallelServer:
         self.tensor_parallel_size = tensor_parallel_size
         self.on_cpu, self.host, self.port, self.router_policy, self.quiet = on_cpu, host, port, router_policy, quiet
         self.api_key = api_key
+        from tpengine.entrypoints.server import bind_socket
+        bind_socket(host, port).close()  # a taken port fails now, not once the replicas have loaded
         cpus, gpus = (usable_cpus(), []) if on_cpu else ([], visible_gpus())
         # checked for every replica before any starts, so a bad size starts nothing
         self.placements = [replica_device_env(i, tensor_parallel_size, on_cpu, num_replicas, cpus, gpus)
