@@ -335,7 +335,7 @@ def _serve_data_parallel(args) -> int:
     args.served_model_name = args.served_model_name or args.model or "tpengine-tiny"
     args.model = args.model or _default_model()
     server = DataParallelServer(replica_argv=_replica_argv(args), num_replicas=args.data_parallel_size,
-                                tensor_parallel_size=args.tp, on_cpu=_on_cpu(args.device), host=args.host,
+                                ranks_per_replica=args.tp * args.pp, on_cpu=_on_cpu(args.device), host=args.host,
                                 port=args.port, router_policy=args.router_policy, quiet=args.quiet,
                                 api_key=args.api_key)
     return server.run()
@@ -362,8 +362,12 @@ def _replica_argv(args: argparse.Namespace) -> list[str]:
         elif isinstance(action, argparse._AppendAction):
             for item in value:
                 argv += [flag, str(item)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, list):  # --pp-layer-partition's layer counts
+            argv += [flag, ",".join(map(str, value))]
         else:
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+            argv += [flag, str(value)]
     return argv
 
 

@@ -74,16 +74,20 @@ def client(deployment):
 def test_replicas_get_the_engine_flags_but_not_the_routers_address_or_the_key():
     args = build_parser().parse_args(["serve", "--data-parallel-size", "2", "--router-policy", "round_robin",
                                       "--host", "0.0.0.0", "--port", "9000", "--api-key", "secret", "--model", "m",
-                                      "--block-size", "16", "--no-quantize-lm-head", "--quiet",
-                                      "--speculative-config", '{"method": "ngram"}'])
-    assert _replica_argv(args) == ["--model", "m", "--block-size", "16", "--no-quantize-lm-head",
-                                   "--speculative-config", '{"method": "ngram"}', "--quiet"]
+                                      "--block-size", "16", "--no-quantize-lm-head", "--quiet", "--pp", "2",
+                                      "--pp-layer-partition", "3,1", "--speculative-config", '{"method": "ngram"}'])
+    argv = _replica_argv(args)
+    assert argv == ["--model", "m", "--pp", "2", "--pp-layer-partition", "3,1", "--block-size", "16",
+                    "--no-quantize-lm-head", "--speculative-config", '{"method": "ngram"}', "--quiet"]
+    assert vars(build_parser().parse_args(["serve", *argv])) == dict(vars(args), data_parallel_size=1, host="127.0.0.1",
+                                                                      port=8000, router_policy="cache_aware",
+                                                                      api_key=os.environ.get("TPENGINE_API_KEY"))
 
 
 def test_each_replica_gets_its_own_cores_or_gpus_and_too_many_are_refused_naming_the_limit():
     assert replica_device_env(1, 1, True, 2, [0, 1, 2, 3], []) == ({"OMP_NUM_THREADS": "2"}, [2, 3])
     assert replica_device_env(1, 2, False, 2, [], ["0", "1", "2", "3"]) == ({"CUDA_VISIBLE_DEVICES": "2,3"}, None)
-    with pytest.raises(ValueError, match="needs 6 GPUs, but 4 are visible"):
+    with pytest.raises(ValueError, match="need 6 GPUs, but 4 are visible"):
         replica_device_env(0, 2, False, 3, [], ["0", "1", "2", "3"])
     with pytest.raises(ValueError, match="more replicas than the 2 CPU cores"):
         replica_device_env(0, 1, True, 3, [0, 1], [])
@@ -92,16 +96,16 @@ def test_each_replica_gets_its_own_cores_or_gpus_and_too_many_are_refused_naming
 @requires_router
 def test_bad_data_parallel_settings_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="at least 2"):
-        DataParallelServer(replica_argv=[], num_replicas=1, tensor_parallel_size=1, on_cpu=True, host="127.0.0.1",
+        DataParallelServer(replica_argv=[], num_replicas=1, ranks_per_replica=1, on_cpu=True, host="127.0.0.1",
                            port=0, router_policy="cache_aware", quiet=True)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{taken.getsockname()[1]}"):
-            DataParallelServer(replica_argv=[], num_replicas=2, tensor_parallel_size=1, on_cpu=True, host="127.0.0.1",
+            DataParallelServer(replica_argv=[], num_replicas=2, ranks_per_replica=1, on_cpu=True, host="127.0.0.1",
                                port=taken.getsockname()[1], router_policy="cache_aware", quiet=True)
     with pytest.raises(ValueError, match="more replicas than the"):
-        DataParallelServer(replica_argv=[], num_replicas=len(os.sched_getaffinity(0)) + 1, tensor_parallel_size=1,
+        DataParallelServer(replica_argv=[], num_replicas=len(os.sched_getaffinity(0)) + 1, ranks_per_replica=1,
                            on_cpu=True, host="127.0.0.1", port=0, router_policy="cache_aware", quiet=True)
 
 

@@ -44,22 +44,22 @@ def router_available() -> bool:
     return importlib.util.find_spec("vllm_router") is not None
 
 
-def replica_device_env(index: int, tensor_parallel_size: int, on_cpu: bool, num_replicas: int,
+def replica_device_env(index: int, ranks_per_replica: int, on_cpu: bool, num_replicas: int,
                        usable_cpus: list[int], visible_gpus: list[str]) -> tuple[dict, list[int] | None]:
-    """(environment changes, CPU cores) of replica `index`: on the CPU an equal share of this process's cores
-    (its threads pinned to them), on CUDA its own tensor_parallel_size GPUs."""
+    """(environment changes, CPU cores) of replica `index`, whose engine has ranks_per_replica ranks (tp x pp):
+    on the CPU an equal share of this process's cores (its threads pinned to them), on CUDA a GPU per rank."""
     if on_cpu:
         share = len(usable_cpus) // num_replicas
         if share < 1:
             raise ValueError(f"--data-parallel-size {num_replicas} is more replicas than the {len(usable_cpus)} CPU "
                              "cores this process may use: each replica needs a core at least")
         cores = usable_cpus[index * share:(index + 1) * share]
-        return {"OMP_NUM_THREADS": str(max(1, share // tensor_parallel_size))}, cores
-    needed = num_replicas * tensor_parallel_size
+        return {"OMP_NUM_THREADS": str(max(1, share // ranks_per_replica))}, cores
+    needed = num_replicas * ranks_per_replica
     if needed > len(visible_gpus):
-        raise ValueError(f"--data-parallel-size {num_replicas} x --tp {tensor_parallel_size} needs {needed} GPUs, "
-                         f"but {len(visible_gpus)} are visible")
-    gpus = visible_gpus[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
+        raise ValueError(f"--data-parallel-size {num_replicas} replicas of {ranks_per_replica} ranks (--tp x --pp) "
+                         f"need {needed} GPUs, but {len(visible_gpus)} are visible")
+    gpus = visible_gpus[index * ranks_per_replica:(index + 1) * ranks_per_replica]
     return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}, None
 
 
@@ -136,7 +136,7 @@ class StartFailed(RuntimeError):
 class DataParallelServer:
     """Starts the replicas, then the router; stops all of them on a signal or when serving is impossible."""
 
-    def __init__(self, *, replica_argv: list[str], num_replicas: int, tensor_parallel_size: int, on_cpu: bool,
+    def __init__(self, *, replica_argv: list[str], num_replicas: int, ranks_per_replica: int, on_cpu: bool,
                  host: str, port: int, router_policy: str, quiet: bool, api_key: str | None = None):
         if num_replicas < 2:
             raise ValueError(f"--data-parallel-size must be at least 2 to start a router, got {num_replicas}")
@@ -146,14 +146,14 @@ class DataParallelServer:
             raise ValueError("--data-parallel-size needs vLLM's router: pip install vllm-router "
                              "(Linux wheels; or install tpengine with the 'router' extra)")
         self.replica_argv, self.num_replicas = replica_argv, num_replicas
-        self.tensor_parallel_size = tensor_parallel_size
+        self.ranks_per_replica = ranks_per_replica
         self.on_cpu, self.host, self.port, self.router_policy, self.quiet = on_cpu, host, port, router_policy, quiet
         self.api_key = api_key
         from tpengine.entrypoints.server import bind_socket
         bind_socket(host, port).close()  # a taken port fails now, not once the replicas have loaded
         cpus, gpus = (usable_cpus(), []) if on_cpu else ([], visible_gpus())
         # checked for every replica before any starts, so a bad size starts nothing
-        self.placements = [replica_device_env(i, tensor_parallel_size, on_cpu, num_replicas, cpus, gpus)
+        self.placements = [replica_device_env(i, ranks_per_replica, on_cpu, num_replicas, cpus, gpus)
                            for i in range(num_replicas)]
         self.replicas: list[ManagedProcess] = []
         self.router: ManagedProcess | None = None
