@@ -197,7 +197,9 @@ class DataParallelServer:
         # the router's own Prometheus port: its default (29000) may be taken by another deployment
         command = router_command([replica.url for replica in self.replicas], self.host, self.port,
                                  self.router_policy, _free_port(), "warning" if self.quiet else "info")
-        self.router = _spawn("router", command, self.port)
+        # vllm-router 0.1.17 logs at info whatever --log-level warning says; RUST_LOG it does read
+        env = {**os.environ, "RUST_LOG": "warn"} if self.quiet else None
+        self.router = _spawn("router", command, self.port, env)
         self.router.url = f"http://{self._local_address()}:{self.port}"
 
     def _local_address(self) -> str:
