@@ -1,5 +1,5 @@
-"""`tpengine serve --data-parallel-size N`: N replica servers, each its own tensor-parallel group on its own
-cores or GPUs, behind vLLM's cache-aware router (vllm-router) on the user's host and port.
+"""`tpengine serve --data-parallel-size N`: N replica servers, each its own tp x pp ranks on its own cores or
+GPUs, behind vLLM's cache-aware router (vllm-router) on the user's host and port.
 
 The replicas are plain `tpengine serve` processes on free local ports; the router sends each request to the
 replica whose prefix cache most likely holds its prompt (cache_aware) or to each in turn (round_robin), and
@@ -32,12 +32,8 @@ _PR_SET_PDEATHSIG = 1
 @dataclass
 class ManagedProcess:
     name: str
-    url: str
+    url: str  # where this host reaches it
     process: subprocess.Popen
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
 
 
 def router_available() -> bool:
@@ -89,14 +85,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(name: str, command: list[str], port: int, env: dict | None = None,
+def _spawn(name: str, command: list[str], url: str, env: dict | None = None,
            cores: list[int] | None = None) -> ManagedProcess:
     # its own session: Ctrl-C reaches the supervisor alone, which stops the router and replicas in order
     process = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if cores:
         os.sched_setaffinity(process.pid, cores)  # before it starts threads, which inherit the mask
-    return ManagedProcess(name, f"http://127.0.0.1:{port}", process)
+    return ManagedProcess(name, url, process)
 
 
 def router_command(replica_urls: list[str], host: str, port: int, policy: str, metrics_port: int,
@@ -189,7 +185,7 @@ class DataParallelServer:
                 env["TPENGINE_API_KEY"] = self.api_key  # not on the command line, where ps shows it
             command = [sys.executable, "-m", "tpengine.cli", "serve", *self.replica_argv,
                        "--host", "127.0.0.1", "--port", str(port)]
-            self.replicas.append(_spawn(f"replica {index}", command, port, env, cores))
+            self.replicas.append(_spawn(f"replica {index}", command, f"http://127.0.0.1:{port}", env, cores))
             logger.info("replica %d: pid %d on port %d (%s)", index, self.replicas[-1].process.pid, port,
                         f"CPU cores {cores}" if cores else f"CUDA_VISIBLE_DEVICES={device_env['CUDA_VISIBLE_DEVICES']}")
 
@@ -199,8 +195,7 @@ class DataParallelServer:
                                  self.router_policy, _free_port(), "warning" if self.quiet else "info")
         # vllm-router 0.1.17 logs at info whatever --log-level warning says; RUST_LOG it does read
         env = {**os.environ, "RUST_LOG": "warn"} if self.quiet else None
-        self.router = _spawn("router", command, self.port, env)
-        self.router.url = f"http://{self._local_address()}:{self.port}"
+        self.router = _spawn("router", command, f"http://{self._local_address()}:{self.port}", env)
 
     def _local_address(self) -> str:
         """Where this host reaches the router: its address, or loopback when it listens on every interface."""
@@ -234,6 +229,7 @@ class DataParallelServer:
                     reported.add(replica.name)
                     logger.warning("%s exited with status %d: the router sends its requests to the others",
                                    replica.name, replica.process.returncode)
+                    _clean_up_after(replica.process)
             if len(exited) == len(self.replicas):
                 logger.error("every replica has exited: stopping the router")
                 return 1
@@ -255,10 +251,16 @@ class DataParallelServer:
             except subprocess.TimeoutExpired:
                 logger.warning("%s did not stop within %.0f s: killing it", m.name, STOP_TIMEOUT_S)
                 _kill_session(m.process)
-            if m in self.replicas and m.process.returncode < 0 and m.process.returncode != -signal.SIGTERM:
-                # killed (by us or anyone): its workers may outlive it, and its segments do
-                _kill_session(m.process)
-                remove_segments_of(m.process.pid)
+            if m in self.replicas:
+                _clean_up_after(m.process)
+
+
+def _clean_up_after(replica: subprocess.Popen) -> None:
+    """A replica killed by a signal (by us or anyone) leaves its workers running a moment, and its /dev/shm
+    segments for good: end both. One that exited on its own has already."""
+    if replica.returncode < 0 and replica.returncode != -signal.SIGTERM:
+        _kill_session(replica)
+        remove_segments_of(replica.pid)
 
 
 def _kill_session(process: subprocess.Popen) -> None:
