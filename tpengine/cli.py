@@ -7,6 +7,7 @@ import os
 import sys
 
 from tpengine.config import ATTENTION_BACKENDS, DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS, SCHEDULING_POLICIES
+from tpengine.entrypoints.data_parallel import ROUTER_POLICIES
 from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 MAX_NUM_SEQS = 512
@@ -92,6 +93,13 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
                        help="a reasoning model's <think>...</think>: returned as reasoning_content, and structured "
                             "outputs constrain only the answer after it (qwen3, deepseek_r1)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="replicas of the engine, each its own --tp x --pp ranks on its own CPU cores (an equal "
+                            "share) or its own GPUs, behind vLLM's router (vllm-router) on --host/--port (default 1: "
+                            "no router; not under torchrun)")
+    serve.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                       help="with --data-parallel-size: cache_aware sends a request to the replica that most likely "
+                            "caches its prompt's prefix, round_robin to each in turn (default cache_aware)")
     _add_engine_args(serve, under_torchrun)
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
@@ -300,6 +308,11 @@ def _serve(args) -> int:
         raise ValueError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    data_parallel_size = getattr(args, "data_parallel_size", 1)
+    if data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
+    if data_parallel_size > 1:
+        return _serve_data_parallel(args)
     engine_kwargs = _engine_kwargs(args)
     engine_kwargs["reasoning_parser"] = args.reasoning_parser
     if args.max_num_seqs is None and _on_cpu(args.device):
@@ -312,6 +325,50 @@ def _serve(args) -> int:
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
                       engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout, tool_parser=args.tool_call_parser,
                       enable_auto_tool_choice=args.enable_auto_tool_choice)
+
+
+def _serve_data_parallel(args) -> int:
+    from tpengine.entrypoints.data_parallel import DataParallelServer
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
+    # resolved once here, so the replicas do not all write the embedded model at once, and serve one name
+    args.served_model_name = args.served_model_name or args.model or "tpengine-tiny"
+    args.model = args.model or _default_model()
+    server = DataParallelServer(replica_argv=_replica_argv(args), num_replicas=args.data_parallel_size,
+                                ranks_per_replica=args.tp * args.pp, on_cpu=_on_cpu(args.device), host=args.host,
+                                port=args.port, router_policy=args.router_policy, quiet=args.quiet,
+                                api_key=args.api_key)
+    return server.run()
+
+
+# what the supervisor decides for its replicas rather than passing on
+_NOT_FOR_REPLICAS = {"command", "host", "port", "api_key", "data_parallel_size", "router_policy", "help"}
+
+
+def _replica_argv(args: argparse.Namespace) -> list[str]:
+    """The `tpengine serve` flags that give a replica the engine and API settings args holds (the parsed
+    values, so an abbreviated or repeated flag reads as argparse read it)."""
+    serve_parser = next(action for action in build_parser()._actions
+                        if isinstance(action, argparse._SubParsersAction)).choices["serve"]
+    argv = []
+    for action in serve_parser._actions:
+        if action.dest in _NOT_FOR_REPLICAS or not action.option_strings:
+            continue
+        value, flag = getattr(args, action.dest), action.option_strings[-1]
+        if value == action.default:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                argv += [flag, str(item)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        elif isinstance(value, list):  # --pp-layer-partition's layer counts
+            argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _on_cpu(device: str) -> bool:
@@ -335,6 +392,10 @@ def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
     from tpengine.distributed.parallel_state import init_torchrun_process_group
 
     args = build_parser(under_torchrun=True).parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    if getattr(args, "data_parallel_size", 1) != 1:  # each torchrun process is one rank of one engine
+        print("tpengine: error: --data-parallel-size starts its own replicas: run `tpengine serve "
+              "--data-parallel-size N` without torchrun", file=sys.stderr)
+        return 2
     init_torchrun_process_group(args.device)
     try:
         if dist.get_rank() != 0:

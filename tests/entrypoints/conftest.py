@@ -72,6 +72,13 @@ class Server:
                 raise RuntimeError(f"server not ready within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.2)
 
+    @classmethod
+    def running_at(cls, port: int) -> "Server":
+        """A handle on a server another process started (a data-parallel replica): requests and metrics only."""
+        server = cls.__new__(cls)
+        server.port, server.url, server.process = port, f"http://127.0.0.1:{port}", None
+        return server
+
     def request(self, method: str, path: str, body=None, headers: dict | None = None,
                 timeout: float = 60.0) -> tuple[int, dict | str]:
         """One plain HTTP request: (status, the JSON body parsed, or the text)."""

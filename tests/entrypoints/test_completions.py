@@ -131,3 +131,22 @@ def test_64_concurrent_streams_all_complete_with_their_lengths(async_client, ser
     assert [num_tokens for num_tokens, _ in results] == lengths
     assert [completion_tokens for _, completion_tokens in results] == lengths
     server.wait_for_metric("tpengine:num_requests_running", 0.0, model_name="tiny")
+
+
+def test_render_gives_the_prompt_token_ids_a_request_would_run_and_generates_nothing(server, client):
+    served_before = server.metric("tpengine:prompt_tokens_total", model_name="tiny")
+    status, rendered = server.request("POST", "/v1/completions/render", {"model": "tiny", "prompt": PROMPTS[:2]})
+    assert status == 200
+    response = client.completions.create(prompt=PROMPTS[:2], max_tokens=1, **GREEDY)
+    assert [r["token_ids"] for r in rendered] == [c.prompt_token_ids for c in response.choices]
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat_rendered = server.request("POST", "/v1/chat/completions/render",
+                                           {"model": "tiny", "messages": messages})
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0.0)
+    assert status == 200 and len(chat_rendered["token_ids"]) == chat.usage.prompt_tokens
+    # only the two real requests ran
+    server.wait_for_metric("tpengine:prompt_tokens_total", served_before + sum(len(r["token_ids"]) for r in rendered)
+                           + len(chat_rendered["token_ids"]), model_name="tiny")
+    status, body = server.request("POST", "/v1/completions/render",
+                                  {"model": "tiny", "prompt": "a", "no_stop_trim": True})
+    assert status == 400 and "no_stop_trim" in body["error"]["message"]

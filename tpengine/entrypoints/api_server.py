@@ -185,9 +185,10 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
         engine.stop()
         renderer.close()
 
+    draining = draining or Draining()
     app = FastAPI(title="tpengine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
-                       draining=draining or Draining())
+                       draining=draining)
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
@@ -208,6 +209,10 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
 
     @app.get("/health")
     async def health():
+        # a router sends no new request to a server that is draining or whose engine is dead
+        if draining.is_set:
+            return error_response(ApiError(503, "the server is shutting down", "service_unavailable",
+                                           code="shutting_down"))
         if engine.is_healthy:
             return Response(status_code=200)
         return error_response(ApiError(503, f"the engine is not running: {engine.error}", "service_unavailable"))
@@ -227,6 +232,15 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     async def create_chat_completion(raw_request: Request):
         request = parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len)
         return await chat.create(request, raw_request)
+
+    # vLLM's render endpoints: vllm-router's cache_aware policy routes by the token ids they return
+    @app.post("/v1/completions/render")
+    async def render_completion(raw_request: Request):
+        return await completions.render(parse_request(CompletionRequest, await raw_request.body(), max_request_len))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat_completion(raw_request: Request):
+        return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -153,12 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise ApiError(400, f"tool_choice {mode.kind!r} makes the answer a tool call: it cannot also "
                                     "follow response_format or structured_outputs", param="tool_choice")
             spec = await self.checked_grammar(mode.grammar(request), "tools", request)
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-        try:
-            prompt = await self.renderer.render_chat(template_messages(request), request.add_generation_prompt,
-                                                     request.chat_template_kwargs, tools)
-        except ValueError as e:
-            raise self.invalid(e, request) from None
+        prompt = await self._render_prompt(request)
         max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt], request)
         params = self.sampling_params(request, max_tokens, request.num_logprobs, spec)
         submission = await self.submit([prompt], params, request)
@@ -167,6 +162,21 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._stream(request, mode, submission, fields), media_type="text/event-stream")
         fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
         return await cancel_on_disconnect(raw_request, self._complete(request, mode, submission, fields))
+
+    async def render(self, request: ChatCompletionRequest) -> dict:
+        """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating
+        nothing. vLLM's router asks for them to route a request by its tokens' prefix (cache_aware)."""
+        self.check_model(request.model)
+        return {"request_id": new_response_fields("chatcmpl", self.model_name)["id"], "model": self.model_name,
+                "token_ids": await self._render_prompt(request)}
+
+    async def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        try:
+            return await self.renderer.render_chat(template_messages(request), request.add_generation_prompt,
+                                                   request.chat_template_kwargs, tools)
+        except ValueError as e:
+            raise self.invalid(e, request) from None
 
     def _logprobs(self, completion: CompletionOutput, num_top: int) -> dict:
         content = []

@@ -28,6 +28,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
 
+    async def render(self, request: CompletionRequest) -> list[dict]:
+        """POST /v1/completions/render (vLLM's): each prompt's token ids, generating nothing. vLLM's router asks
+        for them to route a request by its tokens' prefix (cache_aware); it routes blind without them."""
+        self.check_model(request.model)
+        request_id = new_response_fields("cmpl", self.model_name)["id"]
+        return [{"request_id": f"{request_id}-{i}", "model": self.model_name, "token_ids": token_ids}
+                for i, token_ids in enumerate(await self._encode(request))]
+
     async def _encode(self, request: CompletionRequest) -> list[list[int]]:
         """Every prompt's token ids; text prompts are tokenized together, off the event loop."""
         prompts = request.prompts

@@ -29,7 +29,7 @@ FIELD_KINDS = {
 }
 
 
-# OpenAI fields this server does not implement: field -> (the values that ask for nothing, why not).
+# Fields this server does not implement: field -> (the values that ask for nothing, why not).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (lambda v: v is None or v == "", "suffix (text after the completion) is not supported"),
     "functions": (lambda v: not v, "functions are OpenAI's deprecated form of tools: send tools"),
@@ -44,6 +44,18 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "store": (lambda v: v is None or v is False, "this server does not store completions"),
     "metadata": (lambda v: v is None, "metadata belongs to stored completions, which this server does not keep"),
     "service_tier": (lambda v: v in (None, "auto", "default"), "this server has one service tier: 'auto'"),
+    # vLLM's router (vllm-router) re-serializes each request it forwards with these SGLang/vLLM fields at the
+    # values below, which ask for nothing; any other value asks for what this server does not do
+    "no_stop_trim": (lambda v: v is None or v is False, "no_stop_trim is not supported: send "
+                                                        "include_stop_str_in_output to keep a stop string"),
+    "return_hidden_states": (lambda v: v is None or v is False, "hidden states are not returned"),
+    "continue_final_message": (lambda v: v is None or v is False, "continuing the final assistant message is "
+                                                                  "not supported"),
+    "separate_reasoning": (lambda v: v is None or v is True, "reasoning is always separated (with "
+                                                             "--reasoning-parser) into reasoning_content"),
+    "stream_reasoning": (lambda v: v is None or v is True, "reasoning is always streamed as it is generated"),
+    "include_reasoning": (lambda v: v is None or v is True, "reasoning is always included (with "
+                                                            "--reasoning-parser) as reasoning_content"),
 }
 
 
@@ -123,7 +135,10 @@ class SamplingRequest(OpenAIBody):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    _service_tier = field_validator("service_tier")(_refuse_unsupported)
+    no_stop_trim: Any = None
+    return_hidden_states: Any = None
+
+    _service_tier = field_validator("service_tier", "no_stop_trim", "return_hidden_states")(_refuse_unsupported)
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's grammar and the field that asked for it; InvalidRequestError naming that field."""
@@ -314,10 +329,15 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: Any = None
     store: Any = None
     metadata: Any = None
+    continue_final_message: Any = None
+    separate_reasoning: Any = None
+    stream_reasoning: Any = None
+    include_reasoning: Any = None
 
     _unsupported = field_validator("functions", "function_call", "audio", "modalities", "prediction",
                                    "reasoning_effort", "verbosity", "web_search_options", "store",
-                                   "metadata")(_refuse_unsupported)
+                                   "metadata", "continue_final_message", "separate_reasoning", "stream_reasoning",
+                                   "include_reasoning")(_refuse_unsupported)
 
     @field_validator("tool_choice")
     @classmethod

@@ -18,7 +18,7 @@ logger = logging.getLogger("tpengine")
 GRACEFUL_SHUTDOWN_S = 3
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before the slow engine start, so a taken port fails at once (not listening yet:
     clients are refused, not left waiting, until the server is ready)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -56,7 +56,7 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
     from tpengine.engine.llm_engine import LLMEngine
 
     chat_template = load_chat_template(chat_template)
-    sock = _bind(host, port)
+    sock = bind_socket(host, port)
     # Until uvicorn takes the signals over, SIGTERM interrupts the engine's start as Ctrl-C does,
     # so the finally below still stops any worker already started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -32,9 +32,11 @@ def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
 
 
 def set_up_rank(device: torch.device, num_ranks: int) -> None:
-    """Ranks on one CPU share its cores: oversubscribed threads only slow every rank down."""
+    """Ranks on one CPU share its cores: oversubscribed threads only slow every rank down. The cores are the
+    ones this process may run on (a data-parallel replica is pinned to its share)."""
     if num_ranks > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_ranks))
+        num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, num_cores // num_ranks))
 
 
 def row_bucket(num_rows: int) -> int:
