@@ -38,6 +38,6 @@ def test_without_measurements_or_adaptivity_every_step_drafts_and_disable_by_bat
     cut = DraftPolicy(disable_by_batch_size=8, adaptive=False)
     assert cut.drafts_pay(7) and not cut.drafts_pay(8) and not cut.drafts_pay(100)
     fresh = DraftPolicy()
-    assert fresh.drafts_pay(3)  # drafts first, then measures a step without
-    fresh.observe(3, True, 3, 0.1)
-    assert not fresh.drafts_pay(3)
+    assert not fresh.drafts_pay(3)  # a step without drafts first, then measures one with
+    fresh.observe(3, False, 3, 0.1)
+    assert fresh.drafts_pay(3)

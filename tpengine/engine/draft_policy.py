@@ -34,8 +34,11 @@ class DraftPolicy:
         batch_class = num_rows.bit_length()
         step = self._steps[batch_class] = self._steps.get(batch_class, 0) + 1
         with_drafts, without = self._rates.get(batch_class, (None, None))
-        if with_drafts is None or without is None:  # measure each way once first, drafts first
-            return with_drafts is None
+        # measure each way once first, without drafts first: a first step with drafts after steps without is the
+        # dear one (the draft model writes the K/V its sequences missed), and a batch class that never pays
+        # should pay it only when it explores
+        if with_drafts is None or without is None:
+            return without is not None
         faster = with_drafts >= without
         every = EXPLORE_EVERY if abs(with_drafts - without) < FAR_APART * max(with_drafts, without) \
             else 4 * EXPLORE_EVERY

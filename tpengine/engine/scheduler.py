@@ -210,10 +210,11 @@ class Scheduler:
                 seq.on_workers = True
         num_verify_tokens = 0
         drafted_on_ranks = self.proposer is not None and self.proposer.on_ranks
-        if drafted_on_ranks and verify:
-            # the ranks' draft model runs in this step (only in steps that draft): the rows whose draft K/V is
-            # complete stay so, and each verify row first writes what it lacks
-            self._draft_caught_up = [seq for seq in (*decode, *prefill)
+        if drafted_on_ranks and (verify or prefill):
+            # the ranks' draft model runs over every row of a step that drafts, and over the prompt chunks of any
+            # step: the rows whose draft K/V is complete stay so, and each verify row first writes what it lacks
+            mirrored = (*decode, *prefill) if verify else prefill
+            self._draft_caught_up = [seq for seq in mirrored
                                      if seq.num_draft_cached_tokens == seq.num_cached_tokens] + verify
         for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
             drafts = seq.draft_token_ids

@@ -2,12 +2,13 @@
 the same ranks, that proposes a verify row's drafts inside the step that verifies them.
 
 Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables and block
-copies serve both, and no block is ever allocated for the draft model alone. It runs only in steps that draft
-(a step without verify rows costs what it costs without speculation): first each verify row's context that
-its cache lacks (what the sequence computed in steps that did not draft, or took from the prefix cache, which
-the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward each
-from the row's last token (propose), then the step's own forward (mirror), so the sequences whose draft K/V
-was complete stay so, the verify rows' accepted drafts included. Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
+copies serve both, and no block is ever allocated for the draft model alone. It follows every prompt chunk
+(mirror_prompts: its share of a prefill), but decode rows only in steps that draft, so a decode step without
+drafts costs what it costs without speculation. A step that drafts runs first each verify row's context that
+its cache lacks (the tokens its sequence decoded in steps that did not draft, or took from the prefix cache,
+which the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward
+each from the row's last token (propose), then the step's own forward over every row (mirror), so the
+sequences whose draft K/V was complete stay so, the verify rows' accepted drafts included. Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
 message: they reach the ledger with rank 0's sampled tokens.
 
 Sharded rather than whole on each rank (tp = 1 per rank): the same layers, loader and collectives serve it,
@@ -34,6 +35,13 @@ class Drafter:
         """Run a drafting step's forward for its K/V alone (no logits): the draft model's cache keeps up with the
         model's for every sequence it was complete for."""
         self.model(input_ids, positions, meta)
+
+    def mirror_prompts(self, step: StepMessage, inputs: InputBuilder) -> None:
+        """A step that does not draft: the draft model's K/V for its prompt chunks alone (its decode rows are
+        written when their sequences next draft), so a sequence that drafts later need not recompute its prompt."""
+        chunks = StepMessage([], [], [], step.prefill)
+        forward = inputs.build(chunks)
+        self.model(forward.input_ids, forward.positions, forward.meta)
 
     def propose(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, list[int]]:
         """The step with every verify row that left its drafts to the draft model (PrefillChunk: a last token
