@@ -122,7 +122,7 @@ def test_greedy_with_a_draft_model_equals_transformers_with_chunked_prefill_and_
     with LLM(tiny_model, tensor_parallel_size=tp, kvcache_block_size=block_size, max_num_batched_tokens=48,
              max_model_len=256, speculative_config=draft(layer_draft)) as llm:
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
-        second = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix hits: the draft's K/V is in those blocks too
+        second = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix hits: the draft writes its K/V again
         stats = llm.spec_decode_stats
     assert [o.outputs[0].token_ids for o in first] == expected
     assert [o.outputs[0].token_ids for o in second] == expected

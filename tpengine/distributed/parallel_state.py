@@ -31,6 +31,14 @@ def one_gpu_test_mode() -> bool:
     return os.environ.get(ONE_GPU_TEST_MODE_ENV) == "1"
 
 
+def _all_reduce_min(process_group: dist.ProcessGroup, value: int, device: torch.device) -> int:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    process_group.allreduce([t], options).wait()
+    return int(t.item())
+
+
 class TensorParallelGroup:
     """This rank's place in its engine's group; size 1 needs no torch.distributed at all."""
 
@@ -62,13 +70,7 @@ class TensorParallelGroup:
 
     def all_reduce_min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value."""
-        if self.size == 1:
-            return value
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        self.process_group.allreduce([t], options).wait()
-        return int(t.item())
+        return value if self.size == 1 else _all_reduce_min(self.process_group, value, device)
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's tensor concatenated along the last dimension in rank order, on rank 0; None on the
@@ -182,13 +184,7 @@ class PipelineGroup:
 
     def all_reduce_min(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's value, over every stage."""
-        if self.size == 1:
-            return value
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        self.process_group.allreduce([t], options).wait()
-        return int(t.item())
+        return value if self.size == 1 else _all_reduce_min(self.process_group, value, device)
 
     def finish_sends(self) -> None:
         for work, _ in self._sends:
