@@ -67,7 +67,7 @@ def test_sampling_is_the_same_with_and_without_a_pipeline(tiny_model):
     assert results[1] == results[2]
 
 
-def test_abort_during_steps_in_flight_keeps_the_ledger_whole(tied_model):
+def test_abort_and_shutdown_during_steps_in_flight_keep_the_ledger_whole_and_leave_nothing(tied_model):
     prompts = random_prompts(6, [12, 20, 7, 15], 320)
     with LLM(tied_model, pipeline_parallel_size=2, kvcache_block_size=16) as llm:
         ids = [llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)) for p in prompts]
@@ -82,6 +82,17 @@ def test_abort_during_steps_in_flight_keeps_the_ledger_whole(tied_model):
                 if output.finished:
                     finished[output.request_id] = output
         assert all(s.block_manager.num_free_blocks == s.block_manager.num_blocks for s in llm.scheduler.schedulers)
+        # shut down with steps in flight: every rank finishes its steps and takes the shutdown, none is killed
+        processes = list(llm.executor.processes)
+        for prompt in prompts[:2]:
+            llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+        for _ in range(3):
+            llm.step()
+        assert llm.scheduler.in_flight
+        started = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - started < 5
+        assert all(p.returncode == 0 for p in processes)
     expected = hf_greedy(tied_model, prompts, 30)
     for i in (0, 2, 3):
         assert finished[ids[i]].outputs[0].token_ids == expected[i]
@@ -130,16 +141,3 @@ def test_ngram_speculation_through_the_pipeline_matches_transformers(tied_model)
         assert llm.spec_decode_stats["num_drafts"] > 0
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tied_model, prompts, 24)
 
-
-def test_shutdown_with_steps_in_flight_leaves_nothing(tied_model):
-    llm = LLM(tied_model, pipeline_parallel_size=2, kvcache_block_size=16)
-    processes = list(llm.executor.processes)
-    for prompt in random_prompts(2, [10, 14], 320):
-        llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    for _ in range(3):
-        llm.step()
-    assert llm.scheduler.in_flight
-    started = time.monotonic()
-    llm.shutdown()
-    assert time.monotonic() - started < 5  # every rank finished its steps and took the shutdown: none was killed
-    assert all(p.returncode == 0 for p in processes)
