@@ -8,8 +8,9 @@ drafts costs what it costs without speculation. A step that drafts runs first ea
 its cache lacks (the tokens its sequence decoded in steps that did not draft, or took from the prefix cache,
 which the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward
 each from the row's last token (propose), then the step's own forward over every row (mirror), so the
-sequences whose draft K/V was complete stay so, the verify rows' accepted drafts included. Every rank finds the same greedy token per row (greedy_on_every_rank), so the proposals need no
-message: they reach the ledger with rank 0's sampled tokens.
+sequences whose draft K/V was complete stay so, the verify rows' accepted drafts included. Every rank finds the
+same greedy token per row (greedy_on_every_rank), so the proposals need no message: they reach the ledger with
+rank 0's sampled tokens.
 
 Sharded rather than whole on each rank (tp = 1 per rank): the same layers, loader and collectives serve it,
 its weights and cache take 1/tp of the memory on each rank, and a forward costs 1/tp of the compute; its
@@ -39,8 +40,11 @@ class Drafter:
     def mirror_prompts(self, step: StepMessage, inputs: InputBuilder) -> None:
         """A step that does not draft: the draft model's K/V for its prompt chunks alone (its decode rows are
         written when their sequences next draft), so a sequence that drafts later need not recompute its prompt."""
-        chunks = StepMessage([], [], [], step.prefill)
-        forward = inputs.build(chunks)
+        self._write_kv(step.prefill, inputs)
+
+    def _write_kv(self, chunks: list[PrefillChunk], inputs: InputBuilder) -> None:
+        """One prefill forward over chunks whose tables the step already set, for the draft model's K/V alone."""
+        forward = inputs.build(StepMessage([], [], [], chunks))
         self.model(forward.input_ids, forward.positions, forward.meta)
 
     def propose(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, list[int]]:
@@ -51,11 +55,10 @@ class Drafter:
         if not wanted:
             return step, []
         chunks = [step.prefill[i] for i in wanted]
-        lacking = [PrefillChunk(chunk.seq_id, chunk.draft_context, chunk.draft_context_start, False, 0, chunk.long_rope)
-                   for chunk in chunks if chunk.draft_context]
+        lacking = [PrefillChunk(chunk.seq_id, chunk.draft_context, chunk.draft_context_start, False, 0,
+                                chunk.long_rope) for chunk in chunks if chunk.draft_context]
         if lacking:  # the K/V the draft model's proposals attend to, before they are made
-            forward = inputs.build(StepMessage([], [], [], lacking))
-            self.model(forward.input_ids, forward.positions, forward.meta)
+            self._write_kv(lacking, inputs)
         drafts: list[list[int]] = [[] for _ in chunks]
         tokens = [chunk.token_ids[0] for chunk in chunks]
         # forward j: the rows that want more than j drafts, each over its context so far (its last token at
