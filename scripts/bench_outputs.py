@@ -45,8 +45,7 @@ def _corpus() -> list[str]:
     return [line for line in lines if not any(stop.strip() in line for stop in STOPS)]
 
 
-def _model(corpus: list[str]) -> str:
-    path = tempfile.mkdtemp(prefix="bench_outputs_")
+def _model(corpus: list[str], path: str) -> str:
     write_tiny_model(path, with_tokenizer=False, vocab_size=VOCAB, num_hidden_layers=1)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -106,7 +105,8 @@ def main(argv=None):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core: no migration noise
 
     corpus = _corpus()
-    path = _model(corpus)
+    scratch = tempfile.TemporaryDirectory(prefix="bench_outputs_")  # removed when the script ends
+    path = _model(corpus, scratch.name)
     rng = random.Random(0)
     n = args.seqs
     max_len = 1024 + args.warmup + args.steps + 16

@@ -360,8 +360,8 @@ def main(argv=None) -> None:
         paths = {os.path.basename(os.path.normpath(args.model)): args.model}
     elif args.quick:
         import tempfile
-        paths = {"quick": write_model("cpu", os.path.join(tempfile.mkdtemp(prefix="tpengine-quant-"), "model"),
-                                      QUICK_MODEL)}
+        scratch = tempfile.TemporaryDirectory(prefix="tpengine-quant-")  # removed when the script ends
+        paths = {"quick": write_model("cpu", os.path.join(scratch.name, "model"), QUICK_MODEL)}
     else:
         paths = {name: write_model("cpu", os.path.join(CACHE, MODEL_FOLDERS[name]), MODELS[name])
                  for name in args.models}

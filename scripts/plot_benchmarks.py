@@ -168,7 +168,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     inputs, out_dir = list(args.inputs), args.out_dir
     if args.quick and not inputs:
-        folder = tempfile.mkdtemp(prefix="tpengine-plots-")
+        if out_dir:
+            scratch = tempfile.TemporaryDirectory(prefix="tpengine-plots-")  # the JSON goes when the script ends
+            folder = scratch.name
+        else:
+            folder = tempfile.mkdtemp(prefix="tpengine-plots-")  # it holds the plots too: kept
         inputs = [os.path.join(folder, "low_batch_quick.json")]
         subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_low_batch.py"), "--quick", "--transformers",
                         "--json", inputs[0]], check=True, stdout=subprocess.DEVNULL)

@@ -1,5 +1,8 @@
 """What a test checks an engine left behind: live child processes and this process's /dev/shm segments."""
+import atexit
 import os
+import shutil
+import tempfile
 import time
 
 
@@ -61,3 +64,10 @@ def assert_nothing_left(since: tuple[set[str], set[int]] = (set(), set()), limit
     new_segments, new_children = left()
     assert not new_children, f"processes left running: {sorted(new_children)}"
     assert not new_segments, f"segments left: {sorted(new_segments)}"
+
+
+def session_folder(prefix: str) -> str:
+    """A temporary folder for this test process's checkpoints, removed when the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

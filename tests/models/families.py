@@ -1,8 +1,8 @@
 """Tiny random checkpoints of each supported dense family, written by transformers itself."""
 import functools
 import os
-import tempfile
 
+from tests.leftovers import session_folder
 from tpengine.tiny_model import write_tiny_model
 
 BOS = "<|begin_of_text|>"
@@ -68,4 +68,4 @@ def family_checkpoint(name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _session_dir() -> str:
-    return tempfile.mkdtemp(prefix="tpengine-families-")
+    return session_folder(prefix="tpengine-families-")

@@ -4,11 +4,11 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.leftovers import session_folder
 from tpengine.quantization.mxfp4 import FP4_VALUES, GROUP_SIZE
 from tpengine.tiny_model import write_tiny_model
 
@@ -28,7 +28,7 @@ MXFP4_CONFIG = {"quant_method": "mxfp4", "dequantize": True, "modules_to_not_con
 
 @functools.lru_cache(maxsize=None)
 def gpt_oss_checkpoint() -> str:
-    return write_tiny_model(tempfile.mkdtemp(prefix="tpengine-gpt-oss-"), seed=5, **GPT_OSS_MODEL)
+    return write_tiny_model(session_folder(prefix="tpengine-gpt-oss-"), seed=5, **GPT_OSS_MODEL)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +52,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def mxfp4_checkpoint() -> str:
     """gpt_oss_checkpoint() with its experts' weights stored as MXFP4 blocks and scales."""
-    path = tempfile.mkdtemp(prefix="tpengine-gpt-oss-mxfp4-")
+    path = session_folder(prefix="tpengine-gpt-oss-mxfp4-")
     source = gpt_oss_checkpoint()
     for name in os.listdir(source):
         if not name.endswith(".safetensors"):

@@ -1,7 +1,7 @@
 """A tiny random Qwen3-MoE checkpoint written by transformers: 8 experts, top-2, normalised, one dense layer."""
 import functools
-import tempfile
 
+from tests.leftovers import session_folder
 from tpengine.tiny_model import write_tiny_model
 
 MOE_MODEL = dict(architecture="Qwen3MoeForCausalLM", with_tokenizer=False, vocab_size=1003, hidden_size=64,
@@ -13,4 +13,4 @@ MOE_MODEL = dict(architecture="Qwen3MoeForCausalLM", with_tokenizer=False, vocab
 
 @functools.lru_cache(maxsize=None)
 def moe_checkpoint() -> str:
-    return write_tiny_model(tempfile.mkdtemp(prefix="tpengine-moe-"), seed=11, **MOE_MODEL)
+    return write_tiny_model(session_folder(prefix="tpengine-moe-"), seed=11, **MOE_MODEL)

@@ -5,13 +5,13 @@ import functools
 import glob
 import json
 import os
-import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import random_prompts
+from tests.leftovers import session_folder
 from tests.models.parity import GREEDY, assert_parity, check_preemption, check_twice_with_prefix_hits
 from tpengine import LLM, SamplingParams
 from tpengine.hf_config import check_supported, parse_hf_config
@@ -89,7 +89,7 @@ def conditional_checkpoint(layout: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _session_dir() -> str:
-    return tempfile.mkdtemp(prefix="tpengine-gemma-")
+    return session_folder(prefix="tpengine-gemma-")
 
 
 CASES = [
