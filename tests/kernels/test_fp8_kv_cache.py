@@ -29,7 +29,7 @@ def read_back(cache, scale):
     return dequantize_kv(cache, scale, torch.float32).nan_to_num()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_writes_e4m3_of_x_over_scale_bit_exactly(dtype):
     num_tokens, num_kv_heads, head_dim = 40, 2, 48
     # magnitudes from 1e-5 (e4m3's subnormals and zero) to 1e4 (past its 448 after the scale: clamped)
