@@ -29,7 +29,7 @@ def read_back(cache, scale):
     return dequantize_kv(cache, scale, torch.float32).nan_to_num()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_store_writes_e4m3_of_x_over_scale_bit_exactly(dtype):
     num_tokens, num_kv_heads, head_dim = 40, 2, 48
     # magnitudes from 1e-5 (e4m3's subnormals and zero) to 1e4 (past its 448 after the scale: clamped)
@@ -54,7 +54,7 @@ def test_store_writes_e4m3_of_x_over_scale_bit_exactly(dtype):
     assert (quantize_kv(key[written], k_scale).float().abs() == 448).any()  # the clamp was exercised
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
 def test_decode_matches_reference_over_the_dequantized_cache(dtype, tol, paged_kv, ref_attention, rel_err):
     block_size, head_dim, num_heads, num_kv_heads, context_lens = 16, 64, 4, 2, [1, 16, 17, 70]
     k_cache, v_cache, block_tables = fp8_paged_kv(paged_kv, context_lens, block_size, num_kv_heads, head_dim)
@@ -69,7 +69,7 @@ def test_decode_matches_reference_over_the_dequantized_cache(dtype, tol, paged_k
         assert rel_err(out[b:b + 1], ref) < tol
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"])
 def test_prefill_matches_reference_over_the_dequantized_cache(dtype, tol, paged_kv, ref_attention, rel_err):
     # a fresh prompt and chunks after a cached prefix, one of them a single token
     block_size, head_dim, num_heads, num_kv_heads = 16, 64, 4, 2
