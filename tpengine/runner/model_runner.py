@@ -5,7 +5,7 @@ import os
 import torch
 
 from tpengine.attention import make_backend, resolve_backend_name
-from tpengine.attention.kv_cache_dtype import kv_cache_torch_dtype
+from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, building_model_for,
@@ -109,6 +109,11 @@ class ModelRunner:
         self.attention_backend = make_backend(self.backend_name)
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.attention_layers = attention_layers_of(self.model)
+        if rank == 0 and is_fp8(self.kv_cache_dtype):
+            # vLLM warns alike: with scales of 1.0, K/V beyond e4m3's range are clamped
+            unscaled = all(layer.k_scale.item() == layer.v_scale.item() == 1.0 for layer in self.attention_layers)
+            logger.info("FP8 KV cache: %s", "every scale 1.0 (the checkpoint has none): K/V beyond +-448 are clamped"
+                        if unscaled else "each layer's K and V scales from the checkpoint")
         # speculative decoding with a draft model: its shard on this rank, and its own KV cache in the same blocks
         self.drafter = None
         spec = config.speculative_config
