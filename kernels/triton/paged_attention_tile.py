@@ -39,7 +39,7 @@ def attend_paged_kv_tile(
     acc,  # [M, BLOCK_D] fp32 running numerator
     m_i,  # [M] fp32 running row max (log2 domain)
     l_i,  # [M] fp32 running row sum
-    q,  # [M, BLOCK_D] query rows, cache dtype
+    q,  # [M, BLOCK_D] query rows, in the cache's dtype (an FP8 cache: its dequantized tiles take q's)
     k_cache,
     v_cache,
     k_scale,  # FP8 cache: pointers to the layer's float32 scales (unread otherwise)
