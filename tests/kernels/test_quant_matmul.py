@@ -1,12 +1,15 @@
 """The int4/int8 weight-only Triton GEMM (kernels/triton/quant_matmul.py) against the dequantized weight's float32
 product (on CPU under TRITON_INTERPRET=1): every bit width, group size and zero point, decode and prefill row
 counts, split along K or not, act order, and through the CUDA platform's pack/linear with tensor-parallel shards."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tests.conftest import relative_error
 from tests.kernels.conftest import DEVICE
 from tests.quantization.checkpoints import CheckpointFormat, quantize_linear
+from tpengine.kernels.cpu.quant_linear import quant_linear_reference
 from tpengine.platforms import cuda, torch_ops
 from tpengine.quantization.weights import QuantizedWeight
 
@@ -143,8 +146,8 @@ def test_embedding_rows_are_the_dequantized_rows_exactly(bits, with_zeros):
 
 def test_weights_the_kernel_does_not_take_keep_their_float_value():
     odd_groups = random_weight(4, 8, 64, 8, False)  # groups of 8: under tl.dot's 16
-    w8a8 = QuantizedWeight(8, odd_groups.qweight, odd_groups.scales, None, 8, activation="int8")
-    for weight in (odd_groups, w8a8):
+    int8_x_groups_of_48 = replace(random_weight(8, 8, 96, 48, False), activation="int8")  # not one K block
+    for weight in (odd_groups, int8_x_groups_of_48):
         kept = cuda.pack_quantized_weight(weight, torch.bfloat16)
         assert type(kept) is torch_ops.DequantizedWeight
         assert torch.equal(kept.weight, weight.dequantize(torch.bfloat16))
@@ -157,7 +160,33 @@ def test_int4_weights_take_a_quarter_of_bfloat16s_bytes():
 
 
 def test_compile_cases_name_every_kernel_argument_in_order():
-    assert len(COMPILE_CASES) == 12
+    assert len(COMPILE_CASES) == 16
     for case in COMPILE_CASES:
         assert list(case["signature"]) == _quant_matmul_kernel.arg_names
         assert all(case["signature"][name] == "constexpr" for name in case["constexprs"])
+
+
+# --- int8 activations (W8A8): the CPU kernel's numbers, bit for bit ---------------------------------
+
+@pytest.mark.parametrize("bits, group_size, with_zeros, dtype", [
+    (8, None, False, torch.float32),   # a W8A8 checkpoint: int8 weights per channel, symmetric
+    (8, 32, True, torch.float32),      # groups fold into float32 one by one; zeros make q - zero overflow int8
+    (4, 64, True, torch.bfloat16),
+])
+def test_int8_activations_equal_the_cpu_reference_bit_for_bit(bits, group_size, with_zeros, dtype):
+    weight = replace(random_weight(bits, OUT_FEATURES, 128, group_size, with_zeros), activation="int8")
+    matmul_weight = cuda.pack_quantized_weight(weight, dtype)
+    x = torch.randn(5, 128, device=DEVICE).to(dtype)
+    x[2] = 0  # a zero row: the bias alone
+    bias = torch.randn(OUT_FEATURES, device=DEVICE)
+    out = cuda.linear(x, torch.empty(0), bias, matmul_weight)
+    expected = quant_linear_reference(x, weight.qweight, weight.scales, weight.zeros, weight.group_size, "int8")
+    assert out.dtype == dtype and torch.equal(out, rounded_as_the_kernel_rounds(expected + bias, dtype))
+
+
+def rounded_as_the_kernel_rounds(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype as the kernel's float32 -> dtype conversion rounds: to nearest on a GPU; Triton's interpreter
+    truncates to bfloat16."""
+    if dtype == torch.bfloat16 and t.device.type == "cpu":
+        return (t.view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.platforms import torch_ops
+from tpengine.quantization.weights import quantize_per_token
 
 logger = logging.getLogger("tpengine")
 
@@ -133,25 +134,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if type(packed_weight) is torch_ops.DequantizedWeight:
         return torch_ops.dequantized_linear(x, packed_weight, bias)
     from tpengine.kernels.triton.quant_matmul import quant_matmul
+    if packed_weight.activation == "int8":
+        values, scales = quantize_per_token(x)
+        return quant_matmul(values, packed_weight, bias, x_scales=scales, out_dtype=x.dtype)
     return quant_matmul(x, packed_weight, bias)
 
 
 # --- quantized weights -----------------------------------------------------------------------------
 
-# the GEMM reads int4/int8 weights and float inputs: a float checkpoint quantized at load keeps its inputs
+# weight-only: a decode step is bound by the weight's bytes, and float inputs need no quantizing per call
 ONLINE_QUANTIZATION_ACTIVATION = "float"
 
 
 def pack_quantized_weight(quantized, dtype: torch.dtype):
     """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (kernels/triton/quant_matmul.py)
-    where it takes the weight, else its float value in dtype. Int8-activation (W8A8) weights keep the float
-    value: the GEMM has no per-token int8 input path yet."""
-    if HAS_TRITON and quantized.activation == "float" and dtype in (torch.float16, torch.bfloat16, torch.float32):
+    where it takes the weight, else its float value in dtype."""
+    if HAS_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32):
         from tpengine.kernels.triton.quant_matmul import pack_weight
         contiguous, input_order = quantized.with_contiguous_groups()
         try:
             return pack_weight(contiguous.qweight, contiguous.scales, contiguous.zeros, contiguous.bits,
-                               contiguous.group_size, input_order, quantized.shape[1])
+                               contiguous.group_size, input_order, quantized.shape[1], quantized.activation)
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
