@@ -26,7 +26,7 @@ _INT4_OFFSET = tl.constexpr(INT4_OFFSET)
 MIN_BLOCK_K = 16  # tl.dot's smallest K: a group must be a multiple of it
 NUM_SMS = 132  # H100/H200; decode splits K until about two programs per SM stream the weight
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_INT8_X_GROUP = 256  # int8 x: a group is one K block
+MIN_INT8_X_GROUP, MAX_INT8_X_GROUP = 32, 256  # int8 x: a group is one K block; int8 tl.dot needs K >= 32
 MAX_INT8_X_COLUMNS = 65536  # int8 x: a group's int32 sum of 255 * 127 a column stays under 2^31
 
 
@@ -78,9 +78,10 @@ def block_config(m: int, n: int, k: int, group_size: int, int8_x: bool = False) 
         block_m, block_n, warps, stages = 64, 128, 4, 3
     split_k = 1
     programs = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    # a few rows and few programs: split K while each split keeps at least two K blocks (int8 x: never, its
+    # a few rows and few programs: split K while each split keeps at least four K blocks (int8 x: never, its
     # groups fold into float32 in order)
-    while not int8_x and m <= 64 and programs * split_k < 2 * NUM_SMS and 4 * split_k * largest_k <= k and split_k < 8:
+    while (not int8_x and m <= 64 and programs * split_k < 2 * NUM_SMS and 4 * split_k * largest_k <= k
+           and split_k < 8):
         split_k *= 2
     return BlockConfig(block_m, block_n, largest_k, split_k, warps, stages)
 
@@ -186,9 +187,10 @@ def pack_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     elif group_size * num_groups != columns or group_size % MIN_BLOCK_K:
         raise ValueError(f"{num_groups} groups of {group_size} columns: the kernel takes groups that are a "
                          f"multiple of {MIN_BLOCK_K} columns and cover the weight's {columns}")
-    if activation == "int8" and num_groups > 1 and (group_size & (group_size - 1) or group_size > MAX_INT8_X_GROUP):
+    if activation == "int8" and num_groups > 1 and (group_size & (group_size - 1)
+                                                    or not MIN_INT8_X_GROUP <= group_size <= MAX_INT8_X_GROUP):
         raise ValueError(f"with int8 activations a group is one K block: group_size {group_size} must be a power "
-                         f"of two up to {MAX_INT8_X_GROUP}")
+                         f"of two from {MIN_INT8_X_GROUP} to {MAX_INT8_X_GROUP}")
     if activation == "int8" and group_size > MAX_INT8_X_COLUMNS:
         raise ValueError(f"a group of {group_size} columns is over the {MAX_INT8_X_COLUMNS} whose int8 sums fit int32")
     if bits == 4 and columns % 2:
@@ -289,8 +291,8 @@ def compile_case(dtype: torch.dtype, bits: int, group_size: int | None, has_zero
                          "stride_osplit"], "i32"),
     }
     constexprs = dict(BITS=bits, HAS_ZEROS=has_zeros, HAS_BIAS=has_bias, HAS_ORDER=has_order, INT8_X=int8_x,
-                      ONE_GROUP=int8_x and group_size is None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                      SPLIT_K=config.split_k)
+                      ONE_GROUP=int8_x and group_size is None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      BLOCK_K=config.block_k, SPLIT_K=config.split_k)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     groups = f"g{group_size}" if group_size else "per-channel"
     flags = "".join(f"+{flag}" for flag, on in (("zeros", has_zeros), ("act-order", has_order), ("bias", has_bias),
@@ -301,12 +303,12 @@ def compile_case(dtype: torch.dtype, bits: int, group_size: int | None, has_zero
 
 
 # AWQ / GPTQ with zero points, GPTQ act order (symmetric), W8A16 per channel with a bias (Qwen2's q/k/v),
-# W8A8 per channel; each for decode (split K) and prefill, in bfloat16 and float16
+# W8A8 per channel; each for decode (split K) and prefill, in bfloat16 and float16, and batched decode in bfloat16
 COMPILE_CASES = [
     compile_case(dtype, bits, group_size, has_zeros, has_order, has_bias, m, int8_x)
-    for dtype in (torch.bfloat16, torch.float16)
+    for dtype, row_counts in ((torch.bfloat16, (16, 64, 512)), (torch.float16, (16, 512)))
     for bits, group_size, has_zeros, has_order, has_bias, int8_x in (
         (4, 128, True, False, False, False), (4, 128, False, True, False, False), (8, None, False, False, True, False),
         (8, None, False, False, False, True))
-    for m in (16, 512)
+    for m in row_counts
 ]
