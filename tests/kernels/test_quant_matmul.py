@@ -1,6 +1,7 @@
-"""The int4/int8 weight-only Triton GEMM (kernels/triton/quant_matmul.py) against the dequantized weight's float32
-product (on CPU under TRITON_INTERPRET=1): every bit width, group size and zero point, decode and prefill row
-counts, split along K or not, act order, and through the CUDA platform's pack/linear with tensor-parallel shards."""
+"""The int4/int8 Triton GEMM (kernels/triton/quant_matmul.py) against the dequantized weight's float32 product (on
+CPU under TRITON_INTERPRET=1): every bit width, group size and zero point, decode and prefill row counts, split along
+K or not, act order, and through the CUDA platform's pack/linear with tensor-parallel shards; with int8 activations
+(W8A8), the CPU kernel's reference bit for bit."""
 from dataclasses import replace
 
 import pytest
@@ -42,7 +43,7 @@ def reference(x, weight: QuantizedWeight, bias=None):
 
 # float32 accumulation in another order than torch's: a few ulps of the largest output
 FLOAT32_TOLERANCE = 1e-5
-BFLOAT16_TOLERANCE = 2 ** -7  # the output rounded to bfloat16, relative to its largest value
+BFLOAT16_TOLERANCE = 2 ** -7  # the output rounded to bfloat16 (truncated, in the interpreter), relative to its largest
 
 
 @pytest.mark.parametrize("bits, group_size, with_zeros, in_features", [
@@ -83,7 +84,7 @@ def test_a_split_along_k_adds_the_bias_once_and_equals_no_split():
         assert relative_error(quant_matmul(x, packed(weight), bias, config), expected) < FLOAT32_TOLERANCE
 
 
-def test_batched_strided_inputs_and_no_rows():
+def test_takes_batched_strided_inputs_and_no_rows():
     weight = random_weight(8, OUT_FEATURES, 128, 64, False)
     x = torch.randn(2, 3, 256, device=DEVICE)[..., ::2]  # every other column: not contiguous
     out = quant_matmul(x, packed(weight))
@@ -153,7 +154,7 @@ def test_weights_the_kernel_does_not_take_keep_their_float_value():
         assert torch.equal(kept.weight, weight.dequantize(torch.bfloat16))
 
 
-def test_int4_weights_take_a_quarter_of_bfloat16s_bytes():
+def test_int4_weights_take_about_a_quarter_of_bfloat16s_bytes():
     weight = random_weight(4, 256, 1024, 128, True)
     matmul_weight = packed(weight)
     assert matmul_weight.resident_bytes() / (2 * 256 * 1024) < 0.29  # 0.5 + 8 / 128 bytes per parameter, of 2
