@@ -15,10 +15,13 @@ from tpengine.config import EngineConfig
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.hf_config import load_hf_config, quantization_config_of
 from tpengine.layers.linear import packed_quantized
-from tpengine.models.loader import load_model
+from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
 from tpengine.quantization.config import QuantizationConfig
 from tpengine.quantization.fp8 import E4M3_MAX, Fp8Weight, cat_fp8_rows, quantize_fp8_activation, quantize_fp8_weight
+from tpengine.runner.model_runner import online_quantization
+
+
 
 QWEN_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
 
@@ -190,14 +193,19 @@ def fp8_checkpoint(tiny_model, tmp_path_factory) -> str:
     return out_dir
 
 
-def _linear_weights(path: str, rank: int, size: int, keep_fp8: bool) -> dict[str, object]:
-    """Each linear's weight on one rank (a stand-in group: nothing runs): its joined Fp8Weight, or float tensor."""
+def _loaded(path: str, rank: int, size: int, keep_fp8: bool, online=None) -> dict[str, object]:
+    """Each parameter on one rank (a stand-in group: nothing runs): its joined Fp8Weight, or its float tensor."""
     config = load_hf_config(path)
     with building_model_for(TensorParallelGroup(rank, size, process_group=object())):
         model = model_class(config)(config, make_backend("torch"))
-    load_model(model, path, quantization_config_of(config), keep_fp8=keep_fp8)
-    return {name: packed_quantized(param, lambda whole, dtype: whole) if keep_fp8 else param.data.clone()
-            for name, param in model.named_parameters() if QUANTIZED_LINEAR.match(name.rpartition(".")[0])}
+    load_model(model, path, quantization_config_of(config), online, keep_fp8=keep_fp8)
+    return {name: packed_quantized(param, lambda whole, dtype: whole) or param.data.clone()
+            for name, param in model.named_parameters()}
+
+
+def _linear_weights(path: str, rank: int, size: int, keep_fp8: bool) -> dict[str, object]:
+    return {name: weight for name, weight in _loaded(path, rank, size, keep_fp8).items()
+            if QUANTIZED_LINEAR.match(name.rpartition(".")[0])}
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -223,3 +231,20 @@ def test_an_fp8_checkpoint_whose_blocks_a_rank_would_split_is_refused(fp8_checkp
                                                               "weight_block_size": [32, 32]}))
     with pytest.raises(ValueError, match="not a multiple of the block's 32 rows"):
         _linear_weights(str(tmp_path), 0, 2, True)
+
+
+def test_online_fp8_quantizes_every_linear_but_leaves_embedding_head_and_norms_float(tiny_model):
+    online = OnlineQuantization(8, None, "fp8", lm_head=False, fp8=True)  # what the runner builds on sm_89+
+    floats = _loaded(tiny_model, 0, 1, False)
+    for name, weight in _loaded(tiny_model, 0, 1, False, online).items():
+        if QUANTIZED_LINEAR.match(name.rpartition(".")[0]) and name.endswith(".weight"):
+            assert isinstance(weight, Fp8Weight) and weight.scales.shape == (weight.shape[0], 1), name
+            assert torch.equal(weight.dequantize(), quantize_fp8_weight(floats[name]).dequantize()), name
+        else:
+            assert torch.equal(weight, floats[name]), name
+
+
+def test_online_fp8_where_the_platform_has_no_fp8_matmul_is_refused_naming_int8():
+    from tpengine.platforms import cpu
+    with pytest.raises(ValueError, match="on this cpu device use quantization='int8'"):
+        online_quantization(EngineConfig(model="unused", quantization="fp8"), cpu, torch.device("cpu"))

@@ -14,10 +14,10 @@ The loader groups a checkpoint's tensors by module prefix and asks, for each mod
 `tensor_suffixes` names every suffix a quantized linear of this checkpoint may have (a "bias" stays the
 loader's). int-quantized and float-quantized keep the suffix "weight" for the quantized tensor, so a
 module is quantized when it is not skipped and carries that format's scale ("weight_scale"), not by its
-names alone. read_linear takes one whole, unsharded linear and returns its QuantizedWeight; an FP8 linear (compressed-tensors
-float-quantized, or the "fp8" method of DeepSeek-V3's and Qwen's FP8 releases) is read as its float32 [out, in]
-weight, its input_scale unused (the CPU converts FP8 at load), or with keep_fp8 as an Fp8Weight with its
-scales and input_scale (a platform with FP8 matmuls).
+names alone. read_linear takes one whole, unsharded linear and returns its QuantizedWeight; an FP8 linear
+(compressed-tensors float-quantized, or the "fp8" method of DeepSeek-V3's and Qwen's FP8 releases) is read as
+its float32 [out, in] weight, its input_scale unused (the CPU converts FP8 at load), or with keep_fp8 as an
+Fp8Weight with its scales and input_scale (a platform with FP8 matmuls).
 """
 import math
 import re
@@ -37,8 +37,9 @@ _AWQ_SUFFIXES = frozenset({"qweight", "qzeros", "scales"})
 # the "fp8" method's: a block-scaled weight's scale is weight_scale_inv (it multiplies, despite its name)
 _FP8_SUFFIXES = frozenset({"weight", "weight_scale", "weight_scale_inv", "input_scale"})
 _FP8_FORMATS = ("e4m3",)
+# transformers' FineGrainedFP8Config and vLLM's Fp8Config keys; "dequantize" is transformers' choice at load, not ours
 _FP8_KNOWN_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "ignored_layers",
-                   "modules_to_not_convert"}
+                   "modules_to_not_convert", "dequantize"}
 # AWQ's gemm packing puts output column order[i] of each run of 8 in nibble i
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -80,7 +81,11 @@ class QuantizationConfig:
 
     def describe(self) -> str:
         scheme = self.schemes[0][1]
-        weight = f"fp{scheme.bits}" if scheme.weight_type == "float" else f"int{scheme.bits}"
+        if scheme.weight_type == "float":  # FP8: its activations are the platform's (float on the CPU)
+            blocks = "x".join(map(str, scheme.block_structure)) + " " if scheme.block_structure else ""
+            layout = "" if scheme.layout == self.method else f" {scheme.layout}"
+            return f"{self.method}{layout} e4m3 weights, scale per {blocks}{scheme.strategy}"
+        weight = f"int{scheme.bits}"
         groups = f"group {scheme.group_size}" if scheme.group_size else scheme.strategy
         return f"{self.method} {scheme.layout} {weight} {groups} activation {scheme.activation}"
 

@@ -164,7 +164,7 @@ class ModelRunner:
         if rank == 0 and quantization is not None:
             fp8 = ("FP8 W8A8 linears" if keep_fp8 else "FP8 weights converted to float at load: no FP8 matmul here")
             logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(),
-                        f" ({fp8})" if "fp8" in quantization.describe() else "")
+                        f" ({fp8})" if "e4m3" in quantization.describe() else "")
         elif rank == 0 and online is not None:
             logger.info("%s: weights quantized at load: %s, inputs %s", path, config.quantization, online.activation)
         for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
