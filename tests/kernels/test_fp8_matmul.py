@@ -62,3 +62,4 @@ def test_compile_cases_list_every_kernel_argument_in_order():
         assert list(signature) == kernel.arg_names
         assert {name for name, kind in signature.items() if kind == "constexpr"} == set(case["constexprs"])
         assert case["constexprs"]["BLOCK_K"] == 128 and signature["a"] == signature["b"] == "*fp8e4nv"
+        assert case["min_capability"] == 89  # FP8 tensor cores; Triton refuses fp8e4nv for sm_80
