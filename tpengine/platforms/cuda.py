@@ -12,7 +12,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tpengine.platforms import torch_ops
+from tpengine.platforms import cuda_fp8, torch_ops
+from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation
 from tpengine.quantization.weights import quantize_per_token
 
 logger = logging.getLogger("tpengine")
@@ -127,10 +128,12 @@ def pack_linear_weight(weight: torch.Tensor) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight) -> torch.Tensor:
-    """x @ weight^T (+ bias): cuBLAS on a float weight, Triton's int4/int8 GEMM on a weight
-    pack_quantized_weight packed for it, else the float value of a quantized one."""
+    """x @ weight^T (+ bias): cuBLAS on a float weight, FP8 GEMMs on an FP8 one (cuda_fp8.py), Triton's
+    int4/int8 GEMM on a weight pack_quantized_weight packed for it, else the float value of a quantized one."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if type(packed_weight) is cuda_fp8.Fp8Linear:
+        return cuda_fp8.fp8_linear(x, packed_weight, bias, quantize_fp8_activation_compiled)
     if type(packed_weight) is torch_ops.DequantizedWeight:
         return torch_ops.dequantized_linear(x, packed_weight, bias)
     from tpengine.kernels.triton.quant_matmul import quant_matmul
@@ -148,7 +151,9 @@ ONLINE_QUANTIZATION_ACTIVATION = "float"
 
 def pack_quantized_weight(quantized, dtype: torch.dtype):
     """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (kernels/triton/quant_matmul.py)
-    where it takes the weight, else its float value in dtype."""
+    where it takes the weight, an FP8 one for cuda_fp8.py's GEMMs, else its float value in dtype."""
+    if isinstance(quantized, Fp8Weight):
+        return cuda_fp8.pack_fp8_weight(quantized, dtype)
     if HAS_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32):
         from tpengine.kernels.triton.quant_matmul import pack_weight
         contiguous, input_order = quantized.with_contiguous_groups()
@@ -158,6 +163,17 @@ def pack_quantized_weight(quantized, dtype: torch.dtype):
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
+
+
+# --- FP8 W8A8 (cuda_fp8.py): sm_89+ only ---------------------------------------------------------
+
+quantize_fp8_activation_compiled = compiled(quantize_fp8_activation)
+
+
+def runs_fp8_linears(device: torch.device) -> bool:
+    """FP8 tensor cores (sm_89+) and Triton for the block kernel; below, FP8 checkpoints load as float weights
+    (the runner's log line says so) and quantization="fp8" is refused."""
+    return HAS_TRITON and cuda_fp8.runs_fp8(torch.cuda.get_device_capability(device))
 
 
 def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
