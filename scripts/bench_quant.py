@@ -1,5 +1,6 @@
 """Quantized weights on the CPU: float32, bfloat16, int8 and int4 side by side, with llama.cpp's Q8_0 and Q4_0 of
-the same weights as the anchor, in one run.
+the same weights as the anchor, in one run. With --device cuda: bfloat16, fp8 (sm_89+), int8 and int4 on the GPU,
+checked against the GPU issue's aims (FP8's decode step at most 0.6x bfloat16's, its throughput 1.3x).
 
 Models (random weights, written once and cached in ~/.cache/tpengine-bench/, or --model):
 - qwen3-0.6b: Qwen3-0.6B's shape (bench.py's QWEN3_0_6B: vocab 151,936, 28 layers, hidden 1024, intermediate
@@ -40,6 +41,7 @@ model), measured the same way in the same run, after tpengine's rounds:
     .venv/bin/python scripts/bench_quant.py --llamacpp ~/.cache/llamacpp-anchor/llama.cpp/build/bin
     .venv/bin/python scripts/bench_quant.py --models small --repeat 2 --json /tmp/quant.json
     .venv/bin/python scripts/bench_quant.py --quick        # seconds: bench.py's QUICK_MODEL, no llama.cpp
+    python scripts/bench_quant.py --device cuda --model DIR --batch-sizes 1 16 64   # scripts/gpu_check.sh's part 5
 """
 import argparse
 import gc
@@ -61,7 +63,9 @@ from results import Record, add_json_flag, load_average
 
 MODELS = {"qwen3-0.6b": QWEN3_0_6B, "small": LOW_BATCH_MODEL}
 MODEL_FOLDERS = {"qwen3-0.6b": "qwen3_0_6b_model", "small": "low_batch_model"}  # in CACHE; bench_low_batch's too
-FORMATS = ("float32", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "fp8", "int8", "int4")
+DEFAULT_FORMATS = {"cpu": ("float32", "bfloat16", "int8", "int4"),  # no FP8 matmul on a CPU
+                   "cuda": ("bfloat16", "fp8", "int8", "int4")}
 BASELINE = "bfloat16"  # the aims are ratios to it
 CACHE = os.path.expanduser("~/.cache/tpengine-bench")
 CONVERTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "bench",
@@ -73,7 +77,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     p.add_argument("--model", help="a float checkpoint folder instead of --models' random ones")
-    p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: weights on the GPU (bfloat16, fp8 where sm_89+, int8, int4); memory growth is "
+                        "torch.cuda's allocated bytes, not RSS")
+    p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: every format the device runs")
     p.add_argument("--quantized-dtype", choices=("float32", "bfloat16"), default="bfloat16",
                    help="dtype of the int8/int4 engines (activations, norms, KV cache)")
     p.add_argument("--group-size", type=int, default=128, help="int4's quantization_group_size")
@@ -103,12 +110,17 @@ def parse_args(argv=None):
         p.error("sizes and counts must be >= 1 (--throughput-seqs, --agreement-prompts, --warm-up-steps >= 0)")
     if args.quick and args.llamacpp:
         p.error("--quick runs no llama.cpp")
+    args.formats = args.formats or list(DEFAULT_FORMATS[args.device])
+    if args.device == "cpu" and "fp8" in args.formats:
+        p.error("fp8 needs a GPU with FP8 matmuls (sm_89+): a CPU has none")
     return args
 
 
 # --- tpengine -------------------------------------------------------------------------------------
 
 def engine_kwargs(fmt: str, args) -> dict:
+    if fmt == "fp8":  # e4m3 per output channel, activations per token; the LM head stays bfloat16
+        return dict(dtype="bfloat16", quantization=fmt)
     if fmt == "int4":
         return dict(dtype=args.quantized_dtype, quantization=fmt, quantization_group_size=args.group_size)
     if fmt == "int8":  # one scale per output channel: no group size
@@ -116,7 +128,11 @@ def engine_kwargs(fmt: str, args) -> dict:
     return dict(dtype=fmt)
 
 
-def rss_bytes() -> int:
+def memory_bytes(device: str) -> int:
+    """This process's resident bytes (CPU), or the bytes torch holds on the GPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -170,15 +186,16 @@ def measure_format(model_path: str, fmt: str, args, agreement_prompts) -> dict:
 
     rng = random.Random(0)  # every format decodes the same prompts
     gc.collect()
-    rss_before = rss_bytes()
+    memory_before = memory_bytes(args.device)
     max_len = max(args.context_len, args.short_prompt_len) + max(args.warm_up_steps + args.steps + 2,
                                                                  args.throughput_output, args.agreement_tokens) + 8
-    llm = LLM(model_path, device="cpu", max_num_seqs=max(args.batch_sizes + [args.throughput_seqs, 1]),
+    llm = LLM(model_path, device=args.device, max_num_seqs=max(args.batch_sizes + [args.throughput_seqs, 1]),
               max_model_len=max_len, enable_prefix_caching=False, **engine_kwargs(fmt, args))
     try:
         runner = llm.executor.runner
         result = dict(runs_in=str(runner.dtype).removeprefix("torch."),
-                      weight_bytes=resident_weight_bytes(runner.model), rss_growth=rss_bytes() - rss_before,
+                      weight_bytes=resident_weight_bytes(runner.model),
+                      rss_growth=memory_bytes(args.device) - memory_before,
                       step_ms={b: decode_step_ms(llm, rng, b, args) for b in args.batch_sizes})
         if args.throughput_seqs:
             prompts = random_prompts(rng, args.throughput_seqs, args.short_prompt_len, llm.vocab_size)
@@ -261,7 +278,8 @@ def measure_llamacpp(bin_dir: str, model_path: str, args) -> dict[str, dict]:
 def table(ours: dict[str, dict], llama: dict[str, dict], args, reference: str) -> list[str]:
     base = ours.get(BASELINE)
     vs = lambda value, of: f" ({value / of:.2f}x)" if of else ""  # noqa: E731
-    lines = ["| format (runs in) | resident weights MB | RSS growth at load MB | "
+    growth = "RSS growth at load MB" if args.device == "cpu" else "GPU memory taken at load MB (KV cache too)"
+    lines = [f"| format (runs in) | resident weights MB | {growth} | "
              + " | ".join(f"batch {b} tok/s" for b in args.batch_sizes)
              + (f" | {args.throughput_seqs} seqs output tok/s" if args.throughput_seqs else "")
              + f" | top-1 vs {reference}: before first divergence, all positions |",
@@ -292,6 +310,17 @@ def aims(ours: dict[str, dict], llama: dict[str, dict], args) -> list[str]:
     """The issue's aims, each met or not with its numbers (those the run measured)."""
     lines, base = [], ours.get(BASELINE)
     check = lambda ok, text: lines.append(f"- {'met' if ok else 'NOT met'}: {text}")  # noqa: E731
+    if args.device == "cuda":  # the GPU issue's: FP8's step at most 0.6x bfloat16's, its throughput 1.3x
+        if base is not None and "fp8" in ours:
+            fp8 = ours["fp8"]
+            for b in args.batch_sizes:
+                ratio = fp8["step_ms"][b] / base["step_ms"][b]
+                check(ratio <= 0.6, f"fp8 batch-{b} decode step <= 0.6x bfloat16's: {fp8['step_ms'][b]:.2f} vs "
+                                    f"{base['step_ms'][b]:.2f} ms = {ratio:.2f}x")
+            if args.throughput_seqs:
+                ratio = base["throughput_s"] / fp8["throughput_s"]
+                check(ratio >= 1.3, f"fp8 {args.throughput_seqs}-sequence throughput >= 1.3x bfloat16's: {ratio:.2f}x")
+        return lines
     first = args.batch_sizes[0]
     for fmt, llama_name, speed_aim, weight_aim in (("int8", "Q8_0", 1.6, 0.55), ("int4", "Q4_0", 2.5, 0.3)):
         r = ours.get(fmt)
@@ -354,7 +383,7 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    record = Record("bench_quant", argv, machine_line("cpu", torch.get_num_threads()))
+    record = Record("bench_quant", argv, machine_line(args.device, torch.get_num_threads()))
     models = {}
     if args.model:
         paths = {os.path.basename(os.path.normpath(args.model)): args.model}
@@ -378,7 +407,8 @@ def main(argv=None) -> None:
             fmt: {k: v for k, v in r.items() if k != "tokens"} for fmt, r in ours.items()}, llama_cpp=llama)
     fields = record.fields
     print(f"command: `{fields['command']}`")
-    print(f"machine: {fields['machine']}; CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"machine: {fields['machine']}; CPU capability {torch.backends.cpu.get_cpu_capability()}"
+          + (f"; GPU capability {torch.cuda.get_device_capability()}" if args.device == "cuda" else ""))
     print(f"date {fields['date']}, tpengine revision {fields['revision']}, load average (1/5/15 min) "
           f"{fields['load_average_before']} before, {load_average()} after")
     print(f"decode: context {args.context_len}, median of {args.steps} steps after {args.warm_up_steps}; throughput: "

@@ -3,18 +3,21 @@
 #
 # What it does, and what each part takes on one H200 (estimates: it has not run there yet). Each part
 # has its own time limit (then SIGINT, SIGKILL 5 s later), so the whole run ends within 8 minutes
-# even when a part hangs:
+# even when a part hangs (its parts' limits sum to 470 s):
 #   1. environment, wheels, tpengine importable                                     ~10 s
 #   2. every CUDA test on one GPU, no early stop (tests/layers first: dynamo's explain
 #      resets compiled code); tests/distributed and the CLI's --tp 2 test need two GPUs
 #      and run only where two are visible; tests/entrypoints needs the serve extra
-#      (FastAPI, uvicorn, openai), which such a host lacks                  ~2-3 min, cut at 195 s
+#      (FastAPI, uvicorn, openai), which such a host lacks                  ~2-3 min, cut at 160 s
 #   3. scripts/bench.py --device cuda: nano-vllm's workload (256 requests, inputs and
 #      outputs 100-1024, Qwen3-0.6B shape, bf16, max_num_seqs 256), then transformers
 #      generate in one batch of 256 (one size only, to fit); TORCH_LOGS=recompiles,
-#      graph_breaks on                                                      ~3 min, cut at 195 s
+#      graph_breaks on                                                      ~2.5 min, cut at 160 s
 #   4. scripts/profile_decode.py: 64 sequences x 1024 tokens, per-step host vs GPU time,
-#      CUDA-graph replays, decode-attention KV read bandwidth against a device copy   ~40 s, cut at 60 s
+#      CUDA-graph replays, decode-attention KV read bandwidth against a device copy   ~40 s, cut at 50 s
+#   5. scripts/bench_quant.py --device cuda on the same model: bfloat16, fp8, int8 and int4 weights,
+#      decode steps at batch 1, 16 and 64, 256-sequence throughput, greedy agreement with bfloat16,
+#      and the GPU issue's aims (FP8 step <= 0.6x bfloat16's, throughput >= 1.3x)      ~80 s, cut at 100 s
 # A part cut at its limit gets SIGINT: pytest still prints the summary of what ran.
 #
 # The host needs torch, triton (>= 3.4), transformers, pytest and xxhash; msgspec and flash-attn may be
@@ -35,6 +38,7 @@
 #   torch_logs.txt     the benchmark's stderr: TORCH_LOGS recompiles and graph breaks, with markers
 #                      around the timed window, and each side's time as it finishes
 #   profile_decode.txt the decode profile
+#   quant.md           the quantized weights' table and aims
 #   summary.txt        each part's exit status and seconds
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,16 +102,20 @@ else
 fi
 timeout_flag=()
 $PY -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout 120)  # a hung test fails, the rest run
-part tests 195 $PY -m pytest -v -rfEs --durations=15 -p no:cacheprovider "${timeout_flag[@]}" "${tests[@]}" \
+part tests 160 $PY -m pytest -v -rfEs --durations=15 -p no:cacheprovider "${timeout_flag[@]}" "${tests[@]}" \
     > >(tee "$LOGS/tests.log") 2>&1
 
 # --- 3. benchmark --------------------------------------------------------------------------------
-TORCH_LOGS=recompiles,graph_breaks part bench 195 $PY scripts/bench.py --device cuda --max-num-seqs 256 \
+TORCH_LOGS=recompiles,graph_breaks part bench 160 $PY scripts/bench.py --device cuda --max-num-seqs 256 \
     --hf-batch-size 256 --model-dir "$MODEL_DIR" > >(tee "$LOGS/bench.md") 2> >(tee "$LOGS/torch_logs.txt" >&2)
 
 # --- 4. decode profile ---------------------------------------------------------------------------
-part profile 60 $PY scripts/profile_decode.py --device cuda --model-dir "$MODEL_DIR" --batch-size 64 \
+part profile 50 $PY scripts/profile_decode.py --device cuda --model-dir "$MODEL_DIR" --batch-size 64 \
     --context-len 1024 --steps 32 > >(tee "$LOGS/profile_decode.txt") 2>&1
+
+# --- 5. quantized weights ------------------------------------------------------------------------
+part quant 100 $PY scripts/bench_quant.py --device cuda --model "$MODEL_DIR" --batch-sizes 1 16 64 \
+    --context-len 512 --steps 16 --throughput-seqs 256 --throughput-output 64 > >(tee "$LOGS/quant.md") 2>&1
 
 echo "total: $SECONDS s" | tee -a "$LOGS/summary.txt"
 exit $status

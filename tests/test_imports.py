@@ -19,7 +19,7 @@ KERNELS = ["tpengine.kernels.cpu.build", "tpengine.kernels.cpu.bf16_linear", "tp
            "tpengine.kernels.cpu.paged_decode_attention", "tpengine.kernels.cpu.sampling",
            "tpengine.kernels.cpu.shm_allreduce", "tpengine.kernels.triton.fused_moe",
            "tpengine.kernels.triton.paged_decode_attention", "tpengine.kernels.triton.paged_prefill_attention",
-           "tpengine.kernels.triton.store_kvcache"]
+           "tpengine.kernels.triton.quant_matmul", "tpengine.kernels.triton.store_kvcache"]
 
 
 def loaded_after_importing(modules: list[str], before: str = "") -> list[str]:

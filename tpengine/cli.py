@@ -157,8 +157,9 @@ def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> N
     parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     parser.add_argument("--quantization", default=None, choices=ONLINE_QUANTIZATIONS,
                         help="quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
-                             "groups (--quantization-group-size), symmetric; a quantized checkpoint (GPTQ, AWQ, "
-                             "compressed-tensors) needs no flag (default: none)")
+                             "groups (--quantization-group-size), symmetric; fp8 (e4m3 per output channel, inputs "
+                             "per token) on CUDA sm_89+ only; a quantized checkpoint (GPTQ, AWQ, compressed-tensors, "
+                             "fp8) needs no flag (default: none)")
     parser.add_argument("--quantization-group-size", type=int, default=128,
                         help="input features per int4 scale (default 128)")
     parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",

@@ -12,7 +12,10 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
-ONLINE_QUANTIZATIONS = ("int8", "int4")  # a float checkpoint quantized at load (tpengine/models/loader.py)
+ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")  # a float checkpoint quantized at load (tpengine/models/loader.py)
+# the CPU has no FP8 matmul: online fp8 there would only round the weights and keep them float (as vLLM, refused)
+FP8_NEEDS_A_GPU = ("quantization='fp8' runs FP8 matmuls, which need a CUDA GPU of compute capability 8.9 or "
+                   "newer (Ada, Hopper); on {where} use quantization='int8'")
 SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers the engine has (engine/proposer.py, runner/drafter.py)
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
 
@@ -146,7 +149,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     # quantize a float checkpoint's linears as they load: "int8" (per output channel) or "int4" (groups of
     # quantization_group_size input features), symmetric; the LM head and embedding too unless
-    # quantize_lm_head is False. A quantized checkpoint needs none of this: its own config says how.
+    # quantize_lm_head is False. "fp8": e4m3 per output channel with inputs quantized per token, the linears
+    # only (LM head and embedding stay float), CUDA sm_89+ only. A quantized checkpoint needs none of this:
+    # its own config says how.
     quantization: str | None = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = True
@@ -204,12 +209,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"quantization={self.quantization!r} is not supported for gpt-oss: its experts, most "
                                  "of its weights, would stay float")
             positive("quantization_group_size")
+            if self.quantization == "fp8" and self.device == "cpu":
+                raise ValueError(FP8_NEEDS_A_GPU.format(where="the CPU"))
         # settings of online quantization that would do nothing are refused, not ignored
         if self.quantization != "int4" and self.quantization_group_size != 128:
             raise ValueError(f"quantization_group_size={self.quantization_group_size} applies to quantization='int4' "
                              f"only, not quantization={self.quantization!r}")
-        if self.quantization is None and not self.quantize_lm_head:
-            raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only; none is set")
+        if self.quantization in (None, "fp8") and not self.quantize_lm_head:
+            raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only, not "
+                             f"quantization={self.quantization!r}")
         self._check_tensor_parallel(hf_config, "the model")
         self._check_pipeline(hf_config)
         if self.quantization == "int4":

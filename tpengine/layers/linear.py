@@ -1,8 +1,9 @@
 """Linear layers that shard across the tensor-parallel group; each parameter loads its own shard. They
 multiply through their platform's linear: on the CPU, on a copy of the weight packed once after loading.
 
-A weight loads either as a float tensor or as a QuantizedWeight (a quantized checkpoint's, or a float one's
-quantized at load): the same shard of rows or columns is taken of either. A quantized weight's parts wait
+A weight loads either as a float tensor, as a QuantizedWeight (a quantized checkpoint's, or a float one's
+quantized at load) or as an Fp8Weight (where the platform multiplies FP8): the same shard of rows or columns is
+taken of each. A quantized weight's parts wait
 on the parameter (`quantized_parts`, keyed by the loader arguments) until prepack joins and packs them.
 """
 import torch
@@ -10,9 +11,10 @@ from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
 from tpengine.platforms import current_platform
+from tpengine.quantization.fp8 import Fp8Weight, cat_fp8_rows
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
-Loaded = torch.Tensor | QuantizedWeight  # what a weight loader takes: a float tensor or a quantized weight
+Loaded = torch.Tensor | QuantizedWeight | Fp8Weight  # what a weight loader takes: a float tensor or a quantized one
 # the shard id of a checkpoint tensor that holds every part of a packed parameter at once, in order (Phi-3's
 # qkv_proj and gate_up_proj): its loader splits it and loads each part as the split checkpoints' are loaded
 FUSED = "fused"
@@ -28,7 +30,7 @@ def take_rows(loaded: Loaded, start: int, size: int) -> Loaded:
     return loaded.narrow(0, start, size) if isinstance(loaded, torch.Tensor) else loaded.rows(start, size)
 
 
-def keep_quantized(param: nn.Parameter, part: QuantizedWeight, loader_args: tuple = ()) -> None:
+def keep_quantized(param: nn.Parameter, part: QuantizedWeight | Fp8Weight, loader_args: tuple = ()) -> None:
     """Hold one quantized part of param until prepack (packed_quantized) joins and packs them."""
     if not hasattr(param, "quantized_parts"):
         param.quantized_parts = {}
@@ -46,7 +48,8 @@ def packed_quantized(param: nn.Parameter, pack):
         if len(parts) != len(order):  # some parts loaded as floats: one matmul cannot mix them
             raise ValueError(f"a packed weight of shape {list(param.shape)} is quantized in part: its quantized "
                              f"parts are {sorted(parts, key=str)}, it needs all of {order} or none")
-        whole = cat_rows([parts[args] for args in order]).to(param.device)
+        ordered = [parts[args] for args in order]
+        whole = (cat_fp8_rows if isinstance(ordered[0], Fp8Weight) else cat_rows)(ordered).to(param.device)
         param.packed_quantized = pack(whole, param.dtype)
         param.data = param.data.new_empty(0)
         del param.quantized_parts
@@ -86,6 +89,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.weight.takes_quantized = True  # the loader may hand its weight_loader a QuantizedWeight
+        self.weight.takes_fp8 = True  # and, where the platform multiplies FP8, an Fp8Weight
         platform = current_platform()
         self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.pack_quantized_weight = platform.pack_quantized_weight
@@ -108,7 +112,7 @@ class LinearBase(nn.Module):
         if self.tp_dim is not None and self.tp_size > 1:
             shard_size = param.size(self.tp_dim)
             start = self.tp_rank * shard_size
-            if isinstance(loaded_weight, QuantizedWeight):
+            if not isinstance(loaded_weight, torch.Tensor):
                 loaded_weight = loaded_weight.rows(start, shard_size) if self.tp_dim == 0 else \
                     loaded_weight.columns(start, shard_size, self.tp_size)
             else:
@@ -118,7 +122,7 @@ class LinearBase(nn.Module):
     @staticmethod
     def store(param: nn.Parameter, shard: Loaded, offset: int = 0, loader_args: tuple = ()) -> None:
         """This rank's shard into the parameter, from row offset on; a quantized shard waits for prepack."""
-        if isinstance(shard, QuantizedWeight):
+        if not isinstance(shard, torch.Tensor):
             keep_quantized(param, shard, loader_args)
         else:
             param.data.narrow(0, offset, shard.size(0)).copy_(shard)

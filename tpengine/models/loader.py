@@ -2,7 +2,9 @@
 
 A quantized checkpoint's linear is several tensors (GPTQ's qweight, qzeros, scales, g_idx, say): they are
 read together into one QuantizedWeight (tpengine/quantization) and handed to the weight_loader of the
-linear's weight. A float checkpoint quantized at load (`quantization="int8" | "int4"`) hands over each
+linear's weight; an FP8 linear is read as an Fp8Weight where the platform multiplies FP8 (keep_fp8) and the
+parameter takes one, else as its float weight. A float checkpoint quantized at load
+(`quantization="int8" | "int4" | "fp8"`) hands over each
 linear's weight quantized whole, before any rank takes its shard, so every tensor-parallel size computes
 with the same scales.
 
@@ -25,20 +27,25 @@ from tpengine.layers.linear import FUSED, check_weight_shape
 @dataclass(frozen=True)
 class OnlineQuantization:
     """A float checkpoint's linears quantized as they load, symmetric: int8 per output channel or int4 in
-    groups of group_size input features."""
+    groups of group_size input features; or FP8 (e4m3 per output channel, inputs per token), the linears only."""
     bits: int
     group_size: int | None  # None: one group per output channel
-    activation: str  # "float", or "int8": inputs quantized per token as they arrive
+    activation: str  # "float", or "int8" ("fp8" with fp8): inputs quantized per token as they arrive
     lm_head: bool  # the LM head and embedding too (they are one tensor when tied)
+    fp8: bool = False  # e4m3 weights (bits 8, group_size None), for a platform with FP8 matmuls
 
     def applies_to(self, target: str, param: nn.Parameter) -> bool:
-        if not getattr(param, "takes_quantized", False) or target.endswith(".bias"):
+        takes = "takes_fp8" if self.fp8 else "takes_quantized"
+        if not getattr(param, takes, False) or target.endswith(".bias"):
             return False
         if ".mlp.gate." in target:  # an MoE router: tiny, and its top-k choice is sensitive
             return False
         return self.lm_head or not (target.startswith("lm_head.") or "embed_tokens." in target)
 
     def quantize(self, weight: torch.Tensor):
+        if self.fp8:
+            from tpengine.quantization.fp8 import quantize_fp8_weight
+            return quantize_fp8_weight(weight)
         from tpengine.quantization.online import quantize_weight
         return quantize_weight(weight.float(), self.bits, self.group_size, self.activation)
 
@@ -94,7 +101,7 @@ def _load(param: nn.Parameter, loaded, args: tuple, what: str) -> None:
 
 
 def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
-                    tensors: dict[str, torch.Tensor]) -> tuple[int, tuple]:
+                    tensors: dict[str, torch.Tensor], keep_fp8: bool) -> tuple[int, tuple]:
     """One quantized linear read from its tensors into its weight's loader; its (parameter, arguments) key. A
     format read into floats (FP8 on the CPU, MXFP4) loads into any parameter, as a float checkpoint's would."""
     target, args = model.checkpoint_target(quantization.weight_name(module))
@@ -102,7 +109,7 @@ def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
         raise ValueError(f"quantized checkpoint module {module!r} has no matching linear in the model")
     param = params[target]
     try:
-        weight = quantization.read_linear(module, tensors)
+        weight = quantization.read_linear(module, tensors, keep_fp8=keep_fp8 and getattr(param, "takes_fp8", False))
     except (ValueError, RuntimeError, IndexError) as e:
         raise ValueError(f"quantized checkpoint module {module!r} cannot be read: {e}") from None
     if not isinstance(weight, torch.Tensor) and not getattr(param, "takes_quantized", False):
@@ -112,8 +119,9 @@ def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
 
 
 def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
-               online: OnlineQuantization | None = None) -> None:
-    """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one."""
+               online: OnlineQuantization | None = None, keep_fp8: bool = False) -> None:
+    """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one;
+    keep_fp8: the platform multiplies FP8, so an FP8 checkpoint's linears load as Fp8Weight."""
     path = os.fspath(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
@@ -151,7 +159,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
                 if file not in handles:
                     handles[file] = stack.enter_context(_open(file))
                 read[suffix] = handles[file].get_tensor(name)
-            chosen[_load_quantized(model, params, quantization, module, read)] = (files_of[name], module)
+            chosen[_load_quantized(model, params, quantization, module, read, keep_fp8)] = (files_of[name], module)
     loaded: dict[int, set[tuple]] = {}
     for param_id, args in chosen:
         loaded.setdefault(param_id, set()).add(args)

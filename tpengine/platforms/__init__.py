@@ -28,6 +28,9 @@ class Platform(Protocol):
     def row_bucket(self, num_rows: int) -> int:
         """The rows a forward of num_rows rows is padded to."""
 
+    def runs_fp8_linears(self, device: torch.device) -> bool:
+        """Whether linears multiply FP8 (Fp8Weight) here; where not, FP8 checkpoints load as float weights."""
+
     # --- the layers', picked when each is built ---
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -54,8 +57,8 @@ class Platform(Protocol):
         """x @ weight^T (+ bias), on packed_weight where there is one (then weight may be empty)."""
 
     def pack_quantized_weight(self, quantized, dtype: torch.dtype):
-        """After loading: a QuantizedWeight (tpengine/quantization) in the form linear() multiplies; on a
-        platform without a kernel for it, its float value in dtype."""
+        """After loading: a QuantizedWeight or Fp8Weight (tpengine/quantization) in the form linear() multiplies;
+        on a platform without a kernel for it, its float value in dtype."""
 
     def embedding_rows(self, token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
         """Rows of an embedding table stored as pack_quantized_weight made it, in dtype."""

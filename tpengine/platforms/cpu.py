@@ -170,6 +170,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 ONLINE_QUANTIZATION_ACTIVATION = "int8"
 
 
+def runs_fp8_linears(device: torch.device) -> bool:
+    """No FP8 matmul on the CPU: an FP8 checkpoint is read into float weights at load."""
+    return False
+
+
 class QuantizedLinear(NamedTuple):
     """A quantized weight packed for the C++ int8/int4 linear (kernels/cpu/quant_linear.cpp)."""
     packed: quant_kernel.PackedQuantWeight

@@ -1,5 +1,5 @@
 """The CUDA platform: the decoder's small elementwise ops compiled by torch.compile (each a kernel or two
-instead of several), Triton's fused experts, and the dtype a model runs in.
+instead of several), Triton's fused experts and int4/int8 weight-only GEMM, and the dtype a model runs in.
 
 The CPU runs the same torch code as written (torch_ops.py): compiled, these ops were faster on 2 CPU cores
 at prefill sizes, but the first compile costs 1-14 s, which would dominate short CPU runs, and the fused
@@ -12,7 +12,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tpengine.platforms import torch_ops
+from tpengine.platforms import cuda_fp8, torch_ops
+from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation
+from tpengine.quantization.weights import quantize_per_token
 
 logger = logging.getLogger("tpengine")
 
@@ -125,21 +127,58 @@ def pack_linear_weight(weight: torch.Tensor) -> None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch_ops.DequantizedWeight | None) -> torch.Tensor:
-    if packed_weight is not None:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight) -> torch.Tensor:
+    """x @ weight^T (+ bias): cuBLAS on a float weight, FP8 GEMMs on an FP8 one (cuda_fp8.py), Triton's
+    int4/int8 GEMM on a weight pack_quantized_weight packed for it, else the float value of a quantized one."""
+    if packed_weight is None:
+        return F.linear(x, weight, bias)
+    if type(packed_weight) is cuda_fp8.Fp8Linear:
+        return cuda_fp8.fp8_linear(x, packed_weight, bias, quantize_fp8_activation_compiled)
+    if type(packed_weight) is torch_ops.DequantizedWeight:
         return torch_ops.dequantized_linear(x, packed_weight, bias)
-    return F.linear(x, weight, bias)
+    from tpengine.kernels.triton.quant_matmul import quant_matmul
+    if packed_weight.activation == "int8":
+        values, scales = quantize_per_token(x)
+        return quant_matmul(values, packed_weight, bias, x_scales=scales, out_dtype=x.dtype)
+    return quant_matmul(x, packed_weight, bias)
 
 
-# --- quantized weights: no CUDA kernel yet, so their float value -----------------------------------
+# --- quantized weights -----------------------------------------------------------------------------
 
+# weight-only: a decode step is bound by the weight's bytes, and float inputs need no quantizing per call
 ONLINE_QUANTIZATION_ACTIVATION = "float"
 
-def pack_quantized_weight(quantized, dtype: torch.dtype) -> torch_ops.DequantizedWeight:
+
+def pack_quantized_weight(quantized, dtype: torch.dtype):
+    """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (kernels/triton/quant_matmul.py)
+    where it takes the weight, an FP8 one for cuda_fp8.py's GEMMs, else its float value in dtype."""
+    if isinstance(quantized, Fp8Weight):
+        return cuda_fp8.pack_fp8_weight(quantized, dtype)
+    if HAS_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from tpengine.kernels.triton.quant_matmul import pack_weight
+        contiguous, input_order = quantized.with_contiguous_groups()
+        try:
+            return pack_weight(contiguous.qweight, contiguous.scales, contiguous.zeros, contiguous.bits,
+                               contiguous.group_size, input_order, quantized.shape[1], quantized.activation)
+        except ValueError as error:  # a group size or zero point the kernel does not take
+            logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
 
 
-def embedding_rows(token_ids: torch.Tensor, packed_weight: torch_ops.DequantizedWeight,
-                   dtype: torch.dtype) -> torch.Tensor:
-    return F.embedding(token_ids, packed_weight.weight).to(dtype)
+# --- FP8 W8A8 (cuda_fp8.py): sm_89+ only ---------------------------------------------------------
+
+quantize_fp8_activation_compiled = compiled(quantize_fp8_activation)
+
+
+def runs_fp8_linears(device: torch.device) -> bool:
+    """FP8 tensor cores (sm_89+) and Triton for the block kernel; below, FP8 checkpoints load as float weights
+    (the runner's log line says so) and quantization="fp8" is refused."""
+    return HAS_TRITON and cuda_fp8.runs_fp8(torch.cuda.get_device_capability(device))
+
+
+def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a quantized embedding table, dequantized as they are gathered."""
+    if type(packed_weight) is torch_ops.DequantizedWeight:
+        return F.embedding(token_ids, packed_weight.weight).to(dtype)
+    from tpengine.kernels.triton.quant_matmul import dequantize_rows
+    return dequantize_rows(packed_weight, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)

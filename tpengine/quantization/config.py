@@ -14,9 +14,10 @@ The loader groups a checkpoint's tensors by module prefix and asks, for each mod
 `tensor_suffixes` names every suffix a quantized linear of this checkpoint may have (a "bias" stays the
 loader's). int-quantized and float-quantized keep the suffix "weight" for the quantized tensor, so a
 module is quantized when it is not skipped and carries that format's scale ("weight_scale"), not by its
-names alone. read_linear takes one whole, unsharded linear and returns its QuantizedWeight, or for FP8 the
-float32 [out, in] weight (the CPU converts FP8 at load); float-quantized's input_scale is accepted and
-not used, since the activations then stay float.
+names alone. read_linear takes one whole, unsharded linear and returns its QuantizedWeight; an FP8 linear
+(compressed-tensors float-quantized, or the "fp8" method of DeepSeek-V3's and Qwen's FP8 releases) is read as
+its float32 [out, in] weight, its input_scale unused (the CPU converts FP8 at load), or with keep_fp8 as an
+Fp8Weight with its scales and input_scale (a platform with FP8 matmuls).
 """
 import math
 import re
@@ -24,14 +25,21 @@ from dataclasses import dataclass
 
 import torch
 
+from tpengine.quantization.fp8 import Fp8Weight
 from tpengine.quantization.weights import Activation, QuantizedWeight
 
-SUPPORTED_METHODS = "compressed-tensors, gptq, awq and mxfp4"
+SUPPORTED_METHODS = "compressed-tensors, fp8, gptq, awq and mxfp4"
 
 _PACKED_SUFFIXES = frozenset({"weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx"})
 _UNPACKED_SUFFIXES = frozenset({"weight", "weight_scale", "weight_zero_point", "input_scale"})
 _GPTQ_SUFFIXES = frozenset({"qweight", "qzeros", "scales", "g_idx"})
 _AWQ_SUFFIXES = frozenset({"qweight", "qzeros", "scales"})
+# the "fp8" method's: a block-scaled weight's scale is weight_scale_inv (it multiplies, despite its name)
+_FP8_SUFFIXES = frozenset({"weight", "weight_scale", "weight_scale_inv", "input_scale"})
+_FP8_FORMATS = ("e4m3",)
+# transformers' FineGrainedFP8Config and vLLM's Fp8Config keys; "dequantize" is transformers' choice at load, not ours
+_FP8_KNOWN_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "ignored_layers",
+                   "modules_to_not_convert", "dequantize"}
 # AWQ's gemm packing puts output column order[i] of each run of 8 in nibble i
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -39,7 +47,7 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 @dataclass(frozen=True)
 class LinearScheme:
     """How one set of linears is stored: `layout` is a compressed-tensors format, "gptq" or "awq"."""
-    layout: str
+    layout: str  # a compressed-tensors format, "gptq", "awq" or "fp8"
     bits: int
     group_size: int | None  # None: one scale per output channel (or per tensor, or per block for FP8)
     symmetric: bool
@@ -52,7 +60,7 @@ class LinearScheme:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # "compressed-tensors", "gptq" or "awq"
+    method: str  # "compressed-tensors", "fp8", "gptq" or "awq"
     schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...]  # (targets, scheme), compressed-tensors' groups
     ignore: tuple[str, ...] = ()  # exact module names and "re:" patterns left float (compressed-tensors)
     not_converted: tuple[str, ...] = ()  # dotted parts of module names left float (GPTQ, AWQ)
@@ -73,7 +81,11 @@ class QuantizationConfig:
 
     def describe(self) -> str:
         scheme = self.schemes[0][1]
-        weight = f"fp{scheme.bits}" if scheme.weight_type == "float" else f"int{scheme.bits}"
+        if scheme.weight_type == "float":  # FP8: its activations are the platform's (float on the CPU)
+            blocks = "x".join(map(str, scheme.block_structure)) + " " if scheme.block_structure else ""
+            layout = "" if scheme.layout == self.method else f" {scheme.layout}"
+            return f"{self.method}{layout} e4m3 weights, scale per {blocks}{scheme.strategy}"
+        weight = f"int{scheme.bits}"
         groups = f"group {scheme.group_size}" if scheme.group_size else scheme.strategy
         return f"{self.method} {scheme.layout} {weight} {groups} activation {scheme.activation}"
 
@@ -91,6 +103,8 @@ class QuantizationConfig:
             return _gptq_config(d)
         if method == "awq":
             return _awq_config(d)
+        if method == "fp8":
+            return _fp8_config(d)
         raise ValueError(f"quant_method {method!r} is not supported; tpengine reads {SUPPORTED_METHODS}")
 
     @property
@@ -98,7 +112,7 @@ class QuantizationConfig:
         suffixes = set()
         for _, scheme in self.schemes:
             suffixes |= {"pack-quantized": _PACKED_SUFFIXES, "gptq": _GPTQ_SUFFIXES,
-                         "awq": _AWQ_SUFFIXES}.get(scheme.layout, _UNPACKED_SUFFIXES)
+                         "awq": _AWQ_SUFFIXES, "fp8": _FP8_SUFFIXES}.get(scheme.layout, _UNPACKED_SUFFIXES)
         return frozenset(suffixes)
 
     @staticmethod
@@ -129,8 +143,9 @@ class QuantizationConfig:
         quantized tensor (an int-quantized or FP8 "weight" comes with a "weight_scale"; a norm's does not)."""
         if self.skips(module_name):
             return False
+        scheme = self.scheme_for(module_name)
         marker = {"pack-quantized": "weight_packed", "gptq": "qweight", "awq": "qweight"}
-        return marker.get(self.scheme_for(module_name).layout, "weight_scale") in suffixes_present
+        return marker.get(scheme.layout, _fp8_scale_suffix(scheme)) in suffixes_present
 
     def scheme_for(self, module_name: str) -> LinearScheme | None:
         """The scheme of the most specific target that names this module: exact name, then "re:" pattern,
@@ -142,9 +157,11 @@ class QuantizationConfig:
                         return scheme
         return None
 
-    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight | torch.Tensor:
+    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor],
+                    keep_fp8: bool = False) -> QuantizedWeight | Fp8Weight | torch.Tensor:
         """One whole linear's tensors, keyed by suffix, as a QuantizedWeight in the checkpoint's column order,
-        or for FP8 the float32 [out, in] weight. A ValueError names the module and the tensor at fault."""
+        or for FP8 the float32 [out, in] weight (an Fp8Weight with keep_fp8). A ValueError names the module and
+        the tensor at fault."""
         scheme = self.scheme_for(module_name)
         if scheme is None or self.skips(module_name):
             raise ValueError(f"{module_name} is not quantized in this {self.method} checkpoint")
@@ -152,6 +169,9 @@ class QuantizationConfig:
         if unexpected:
             raise ValueError(f"{module_name}: unexpected tensors {sorted(unexpected)} for {scheme.layout}; "
                              f"expected some of {sorted(self.tensor_suffixes)}")
+        if scheme.weight_type == "float":
+            fp8 = _read_fp8(_Tensors(module_name, tensors), scheme)
+            return fp8 if keep_fp8 else fp8.dequantize()
         reader = {"pack-quantized": _read_pack_quantized, "gptq": _read_gptq, "awq": _read_awq}.get(
             scheme.layout, _read_unpacked)
         return reader(_Tensors(module_name, tensors), scheme)
@@ -266,7 +286,8 @@ def _compressed_tensors_activation(name: str, inputs: dict | None, weight_type: 
         return "float"
     input_type = inputs.get("type", "int")
     if weight_type == "float" and input_type == "float" and inputs.get("num_bits", 8) == 8:
-        # FP8 weights are dequantized to float for now, so FP8 activations (dynamic or static) run as float
+        # "float" on the CPU, which reads FP8 weights into floats; where FP8 is kept (Fp8Weight), a static scheme is
+        # told by its input_scale, and dynamic activations are quantized per token (or per block columns)
         return "float"
     if input_type != "int" or weight_type != "int":
         raise ValueError(f"compressed-tensors config group {name!r}: {input_type} activations with {weight_type} "
@@ -281,6 +302,34 @@ def _compressed_tensors_activation(name: str, inputs: dict | None, weight_type: 
         raise ValueError(f"compressed-tensors config group {name!r}: int8 activations by {inputs.get('strategy')!r} "
                          "are not supported; tpengine quantizes activations per token")
     return "int8"
+
+
+def _fp8_config(d: dict) -> QuantizationConfig:
+    """The "fp8" method (transformers' FineGrainedFP8Config, vLLM's Fp8Config): with weight_block_size, e4m3
+    weights with a weight_scale_inv per block and activations quantized dynamically per 1 x block columns;
+    without, one weight_scale per tensor and a dynamic or static (input_scale) per-tensor activation scale."""
+    unknown = sorted(set(d) - _FP8_KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"fp8 quantization_config keys {unknown} are not supported; tpengine reads "
+                         f"{sorted(_FP8_KNOWN_KEYS)}")
+    if d.get("fmt", "e4m3") not in _FP8_FORMATS:
+        raise ValueError(f"fp8 fmt {d.get('fmt')!r} is not supported; tpengine reads {_FP8_FORMATS}")
+    activation_scheme = d.get("activation_scheme", "dynamic")
+    if activation_scheme not in ("dynamic", "static"):
+        raise ValueError(f"fp8 activation_scheme {activation_scheme!r} is not supported; use 'dynamic' or 'static'")
+    block = d.get("weight_block_size")
+    if block is not None:
+        if not isinstance(block, (list, tuple)) or len(block) != 2 or \
+                not all(isinstance(b, int) and b > 0 for b in block):
+            raise ValueError(f"fp8 weight_block_size {block!r} must be [rows, columns] of positive integers")
+        if activation_scheme != "dynamic":
+            raise ValueError("fp8 with weight_block_size quantizes activations dynamically per group: "
+                             f"activation_scheme {activation_scheme!r} is not supported with blocks")
+    scheme = LinearScheme(layout="fp8", bits=8, group_size=None, symmetric=True, activation="float",
+                          weight_type="float", strategy="tensor" if block is None else "block",
+                          block_structure=None if block is None else tuple(block))
+    not_converted = tuple(d.get("ignored_layers") or ()) + tuple(d.get("modules_to_not_convert") or ())
+    return QuantizationConfig(method="fp8", schemes=((("Linear",), scheme),), not_converted=not_converted)
 
 
 def _gptq_config(d: dict) -> QuantizationConfig:
@@ -413,9 +462,7 @@ def _int_scales(tensors: _Tensors, scheme: LinearScheme, out_features: int, num_
     return tensors.scale("weight_scale", (out_features, num_groups))
 
 
-def _read_unpacked(tensors: _Tensors, scheme: LinearScheme) -> QuantizedWeight | torch.Tensor:
-    if scheme.weight_type == "float":
-        return _read_fp8(tensors, scheme)
+def _read_unpacked(tensors: _Tensors, scheme: LinearScheme) -> QuantizedWeight:
     weight = tensors.get("weight", (torch.int8,))
     if weight.dim() != 2:
         raise tensors.error("weight", f"shape {list(weight.shape)}, expected [out, in]")
@@ -437,25 +484,34 @@ def _read_unpacked(tensors: _Tensors, scheme: LinearScheme) -> QuantizedWeight |
                            group_size=group_size, activation=scheme.activation)
 
 
-def _read_fp8(tensors: _Tensors, scheme: LinearScheme) -> torch.Tensor:
+def _fp8_scale_suffix(scheme: LinearScheme) -> str:
+    return "weight_scale_inv" if scheme.layout == "fp8" and scheme.strategy == "block" else "weight_scale"
+
+
+def _read_fp8(tensors: _Tensors, scheme: LinearScheme) -> Fp8Weight:
     weight = tensors.get("weight", (torch.float8_e4m3fn,))
     if weight.dim() != 2:
         raise tensors.error("weight", f"shape {list(weight.shape)}, expected [out, in]")
     out_features, in_features = weight.shape
+    suffix = _fp8_scale_suffix(scheme)
     if scheme.strategy == "tensor":
-        scale = tensors.scale("weight_scale")
+        scale = tensors.scale(suffix)
         if scale.numel() != 1:
-            raise tensors.error("weight_scale", f"shape {list(scale.shape)}, expected one per-tensor scale")
+            raise tensors.error(suffix, f"shape {list(scale.shape)}, expected one per-tensor scale")
         scale = scale.reshape(1, 1)
     elif scheme.strategy == "channel":
-        scale = tensors.scale("weight_scale", (out_features, 1))
+        scale = tensors.scale(suffix, (out_features, 1))
     else:
         block_rows, block_columns = scheme.block_structure
-        scale = tensors.scale("weight_scale", (math.ceil(out_features / block_rows),
-                                               math.ceil(in_features / block_columns)))
-        scale = scale.repeat_interleave(block_rows, 0)[:out_features].repeat_interleave(block_columns, 1)
-        scale = scale[:, :in_features]
-    return weight.float() * scale
+        scale = tensors.scale(suffix, (math.ceil(out_features / block_rows), math.ceil(in_features / block_columns)))
+    input_scale = None
+    if tensors.has("input_scale"):
+        input_scale = tensors.scale("input_scale")
+        if input_scale.numel() != 1:
+            raise tensors.error("input_scale", f"shape {list(input_scale.shape)}, expected one per-tensor scale")
+        input_scale = input_scale.reshape(1, 1)
+    return Fp8Weight(weight=weight, scales=scale.contiguous(), block_size=scheme.block_structure,
+                     input_scale=input_scale)
 
 
 def _read_gptq(tensors: _Tensors, scheme: LinearScheme) -> QuantizedWeight:

@@ -73,7 +73,8 @@ class Mxfp4Config:
     def is_quantized(self, module_name: str, suffixes_present: set[str]) -> bool:
         return "blocks" in suffixes_present
 
-    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor], keep_fp8: bool = False) -> torch.Tensor:
+        """The float tensor (keep_fp8 is QuantizationConfig's: MXFP4 is always read into floats)."""
         missing = sorted(self.tensor_suffixes - set(tensors))
         if missing:
             raise ValueError(f"{module_name}: missing tensor {missing[0]!r}")

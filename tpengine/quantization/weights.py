@@ -96,8 +96,9 @@ class QuantizedWeight:
         # pad each present group to group_size columns; a pad column reads input 0 with the zero point as its value
         order = torch.argsort(self.group_index, stable=True)
         size = self.group_size
-        slots = torch.zeros(len(present) * size, dtype=torch.int64)
-        real = torch.zeros(len(present) * size, dtype=torch.bool)
+        # on the weight's device: a GPU kernel reads slots as its column order
+        slots = torch.zeros(len(present) * size, dtype=torch.int64, device=self.qweight.device)
+        real = torch.zeros(len(present) * size, dtype=torch.bool, device=self.qweight.device)
         start = 0
         for slot, group in enumerate(present.tolist()):
             count = int(counts[group])

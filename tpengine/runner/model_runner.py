@@ -6,7 +6,7 @@ import torch
 
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
-from tpengine.config import EngineConfig
+from tpengine.config import FP8_NEEDS_A_GPU, EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, building_model_for,
                                                  one_gpu_test_mode)
@@ -38,10 +38,15 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def online_quantization(config: EngineConfig, activation: str) -> OnlineQuantization | None:
+def online_quantization(config: EngineConfig, platform, device: torch.device) -> OnlineQuantization | None:
     """How a float checkpoint's linears are quantized as they load, if the engine is told to."""
     if config.quantization is None:
         return None
+    if config.quantization == "fp8":
+        if not platform.runs_fp8_linears(device):
+            raise ValueError(FP8_NEEDS_A_GPU.format(where=f"this {device.type} device"))
+        return OnlineQuantization(8, None, "fp8", lm_head=False, fp8=True)  # inputs: e4m3 per token
+    activation = platform.ONLINE_QUANTIZATION_ACTIVATION
     bits = 8 if config.quantization == "int8" else 4
     return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation,
                               lm_head=config.quantize_lm_head)
@@ -163,13 +168,13 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         quantization = quantization_config_of(hf_config)
-        online = None if quantization is not None else online_quantization(
-            config, self.platform.ONLINE_QUANTIZATION_ACTIVATION)
-        load_model(model, path, quantization, online)
+        online = None if quantization is not None else online_quantization(config, self.platform, self.device)
+        keep_fp8 = self.platform.runs_fp8_linears(self.device)
+        load_model(model, path, quantization, online, keep_fp8)
         if rank == 0 and quantization is not None:
-            converted = " (FP8 weights converted to float at load: no FP8 matmul here)" \
-                if "fp8" in quantization.describe() else ""
-            logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(), converted)
+            fp8 = ("FP8 W8A8 linears" if keep_fp8 else "FP8 weights converted to float at load: no FP8 matmul here")
+            logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(),
+                        f" ({fp8})" if "e4m3" in quantization.describe() else "")
         elif rank == 0 and online is not None:
             logger.info("%s: weights quantized at load: %s, inputs %s", path, config.quantization, online.activation)
         for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
