@@ -170,3 +170,23 @@ def test_serve_on_the_cpu_runs_at_most_128_sequences_unless_told(monkeypatch, ar
     monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
     assert main(["serve", "--model", "unused", *argv]) == 0
     assert seen["max_num_seqs"] == expected
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_kv_cache_dtype_flag_takes_vllms_names_and_refuses_others(command, capsys):
+    parser = build_parser()
+    assert parser.parse_args([command]).kv_cache_dtype == "auto"
+    assert parser.parse_args([command, "--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parser.parse_args([command, "--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args([command, "--kv-cache-dtype", "fp16"])
+    assert exit_info.value.code == 2 and re.search(r"choose from '?auto'?, '?fp8'?, '?fp8_e4m3'?",
+                                                              capsys.readouterr().err)
+
+
+def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
+    import tpengine.entrypoints.server as server
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
+    assert main(["serve", "--model", "unused", "--kv-cache-dtype", "fp8"]) == 0
+    assert seen["kv_cache_dtype"] == "fp8"

@@ -6,7 +6,8 @@ import logging
 import os
 import sys
 
-from tpengine.config import ATTENTION_BACKENDS, DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS, SCHEDULING_POLICIES
+from tpengine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS,
+                             SCHEDULING_POLICIES)
 from tpengine.entrypoints.data_parallel import ROUTER_POLICIES
 from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
@@ -135,6 +136,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> N
                              "dtype the CPU has no instructions for runs as float32")
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV-cache element type; auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-layer "
+                             "K and V scales (the checkpoint's, else 1.0), twice the tokens of a 16-bit cache in the "
+                             "same memory; attention through triton on CUDA (compute capability 8.9+), torch on the "
+                             "CPU (default auto)")
     parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help=f"most sequences running at once (default {MAX_NUM_SEQS}; "
@@ -185,6 +191,7 @@ def _engine_kwargs(args) -> dict:
     return dict(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                 pp_layer_partition=args.pp_layer_partition, dtype=args.dtype, device=args.device,
                 kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
+                kv_cache_dtype=args.kv_cache_dtype,
                 max_model_len=args.max_model_len,
                 max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,

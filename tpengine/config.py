@@ -8,6 +8,8 @@ from tpengine.hf_config import HFConfig, head_dim_of, load_hf_config, tensor_par
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# "auto": the model's dtype; "fp8" / "fp8_e4m3" (vLLM's names): e4m3 with per-layer K and V scales, twice the tokens
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")  # a float checkpoint quantized at load (tpengine/models/loader.py)
@@ -123,6 +125,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "auto"
     device: str = "auto"
     kvcache_block_size: int = 256
+    kv_cache_dtype: str = "auto"               # KV_CACHE_DTYPES; fp8: the triton or torch attention backend
     num_kvcache_blocks: int | None = None
     kvcache_memory_gb: float | None = None     # CPU: KV-cache budget per rank (default: what the limits need, at most 4)
     gpu_memory_utilization: float = 0.9        # CUDA: fraction of the GPU the engine may fill
@@ -182,6 +185,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             positive("num_kvcache_blocks")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

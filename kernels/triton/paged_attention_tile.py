@@ -2,7 +2,8 @@
 
 Shared by the decode and prefill kernels: both walk a sequence's keys in tiles
 of BLOCK_N positions, map positions to cache slots through the block table and
-fold each tile into a running (max, sum, accumulator) softmax state.
+fold each tile into a running (max, sum, accumulator) softmax state. An FP8 cache's
+tile is dequantized on load: float32(fp8) * scale, rounded to the query's dtype.
 """
 
 import triton
@@ -38,9 +39,11 @@ def attend_paged_kv_tile(
     acc,  # [M, BLOCK_D] fp32 running numerator
     m_i,  # [M] fp32 running row max (log2 domain)
     l_i,  # [M] fp32 running row sum
-    q,  # [M, BLOCK_D] query rows, cache dtype
+    q,  # [M, BLOCK_D] query rows, in the cache's dtype (an FP8 cache: its dequantized tiles take q's)
     k_cache,
     v_cache,
+    k_scale,  # FP8 cache: pointers to the layer's float32 scales (unread otherwise)
+    v_scale,
     block_table,  # pointer to this sequence's row of the block table
     kv_head_offset,  # kv_head * stride of the head dim in the cache
     stride_block,
@@ -55,6 +58,7 @@ def attend_paged_kv_tile(
     d_mask,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < kv_len) & (offs_n >= tl.min(row_start, axis=0))
@@ -66,6 +70,9 @@ def attend_paged_kv_tile(
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache + kv_ptrs, mask=kv_mask, other=0.0)
     v = tl.load(v_cache + kv_ptrs, mask=kv_mask, other=0.0)
+    if FP8_KV:  # then the products run as with a cache of the query's dtype
+        k = (k.to(tl.float32) * tl.load(k_scale)).to(q.dtype)
+        v = (v.to(tl.float32) * tl.load(v_scale)).to(q.dtype)
 
     s = _dot(q, tl.trans(k)) * qk_scale
     if softcap > 0:  # qk_scale carries log2(e): cap the natural-log scores, then return to log2

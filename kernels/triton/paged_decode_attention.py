@@ -18,6 +18,8 @@ def _paged_decode_kernel(
     block_tables,
     context_lens,
     sinks,
+    k_scale,  # FP8 cache: pointers to the layer's float32 scales (unread otherwise)
+    v_scale,
     qk_scale,
     window,
     softcap,
@@ -36,6 +38,7 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # One program per (sequence, kv head): the group's query heads share each K/V tile load.
     seq = tl.program_id(0)
@@ -62,10 +65,10 @@ def _paged_decode_kernel(
     row_start = tl.zeros([BLOCK_G], tl.int32) + first_key
     for start_n in range(first_key - first_key % BLOCK_N, kv_len, BLOCK_N):
         acc, m_i, l_i = attend_paged_kv_tile(
-            acc, m_i, l_i, q_tile, k_cache, v_cache,
+            acc, m_i, l_i, q_tile, k_cache, v_cache, k_scale, v_scale,
             block_tables + seq * stride_bt, kv_head * stride_kv_head, stride_block, stride_slot,
             start_n, kv_len, row_limit, row_start, qk_scale, softcap, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N,
+            BLOCK_SIZE, BLOCK_N, FP8_KV,
         )
 
     # An empty context (a padded batch slot) has l_i == 0: emit zeros instead of NaN.
@@ -85,6 +88,8 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens[b] cached tokens.
 
@@ -92,22 +97,26 @@ def paged_decode_attention(
     block_tables: int32 [batch, max_num_blocks]; context_lens: int32 [batch].
     window > 0: only the last `window` of them (the blocks before are never read); softcap > 0: scores become
     softcap * tanh(scores / softcap); sinks: [num_heads] logits, one more softmax term each, with no value.
+    An FP8 (e4m3) cache is read as float32(fp8) * scale in q's dtype, k_scale and v_scale float32 of one element.
     Returns [batch, num_heads, head_dim] in q's dtype (zeros where context_lens[b] == 0).
     """
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (fp8_kv or q.dtype == k_cache.dtype)
+    assert not fp8_kv or (k_scale is not None and v_scale is not None)
     group_size = num_heads // num_kv_heads
 
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(batch, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, context_lens, sinks if sinks is not None else q,
-        scale * LOG2E, window, softcap,
+        k_scale if fp8_kv else q, v_scale if fp8_kv else q, scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size,
         BLOCK_G=dot_block(group_size), BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
+        FP8_KV=fp8_kv,
     )
     return out

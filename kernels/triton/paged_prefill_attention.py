@@ -24,6 +24,8 @@ def _paged_prefill_kernel(
     cu_seqlens_k,
     block_tables,
     sinks,
+    k_scale,  # FP8 cache: pointers to the layer's float32 scales (unread otherwise)
+    v_scale,
     qk_scale,
     window,
     softcap,
@@ -42,6 +44,7 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     # One program per (query tile, sequence, query head).
     tile = tl.program_id(0)
@@ -80,10 +83,10 @@ def _paged_prefill_kernel(
     kv_start = tl.maximum(prefix_len + start_m - span + 1, 0)
     for start_n in range(kv_start - kv_start % BLOCK_N, kv_end, BLOCK_N):
         acc, m_i, l_i = attend_paged_kv_tile(
-            acc, m_i, l_i, q_tile, k_cache, v_cache,
+            acc, m_i, l_i, q_tile, k_cache, v_cache, k_scale, v_scale,
             block_tables + seq * stride_bt, (head // GROUP_SIZE) * stride_kv_head, stride_block, stride_slot,
             start_n, seqlen_k, row_limit, row_start, qk_scale, softcap, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N,
+            BLOCK_SIZE, BLOCK_N, FP8_KV,
         )
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows may see no key
@@ -104,29 +107,35 @@ def paged_prefill_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over all its cached keys.
 
     q: [total_q, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
     cu_seqlens_q, cu_seqlens_k: int32 [batch + 1]; block_tables: int32 [batch, max_num_blocks].
     Query i of sequence b attends to keys [0, seqlen_k - seqlen_q + i], only the last `window` of them when
-    window > 0; softcap and sinks as in paged_decode_attention. Returns [total_q, num_heads, head_dim].
+    window > 0; softcap, sinks and an FP8 cache's k_scale, v_scale as in paged_decode_attention.
+    Returns [total_q, num_heads, head_dim].
     """
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = cu_seqlens_q.shape[0] - 1
     assert num_heads % num_kv_heads == 0
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+    fp8_kv = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (fp8_kv or q.dtype == k_cache.dtype)
+    assert not fp8_kv or (k_scale is not None and v_scale is not None)
 
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
     _paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, sinks if sinks is not None else q,
-        scale * LOG2E, window, softcap,
+        k_scale if fp8_kv else q, v_scale if fp8_kv else q, scale * LOG2E, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
+        FP8_KV=fp8_kv,
     )
     return out

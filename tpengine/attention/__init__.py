@@ -1,10 +1,13 @@
-"""Attention backends behind one seam; `resolve_backend_name` picks one for the device, block size and dtype."""
+"""Attention backends behind one seam; `resolve_backend_name` picks one for the device, block size, dtype and
+KV-cache dtype. An FP8 KV cache runs on 'triton' and 'torch': flash-attn 2 reads no FP8 KV, and the CPU's C++
+decode kernel reads the model's dtype only, so 'auto' takes 'triton' on CUDA and 'torch' on the CPU for it."""
 import importlib.util
 import logging
 
 import torch
 
 from tpengine.attention.backend import AttentionBackend
+from tpengine.attention.kv_cache_dtype import is_fp8
 from tpengine.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("tpengine")
@@ -14,12 +17,17 @@ logger = logging.getLogger("tpengine")
 TRITON_MIN_VERSION = "3.4"
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV: page_block_size must be a multiple of 256
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+FP8_KV_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions: Ada and Hopper, not Ampere
+FP8_KV_NOTE = "kv_cache_dtype='fp8' runs on attention_backend 'triton' or 'torch'"
 
 
-def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str | None:
+def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype | None = None,
+                       kv_cache_dtype: torch.dtype | None = None) -> str | None:
     """Why flash_attn cannot run with these settings, or None; the device is checked first."""
     if device.type != "cuda":
         return f"needs CUDA, and the engine runs on {device.type}"
+    if is_fp8(kv_cache_dtype):
+        return f"has no FP8 KV cache (flash-attn 2 reads none); {FP8_KV_NOTE}"
     if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
         return (f"needs kvcache_block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
                 f"(flash-attn's paged-KV rule), got {block_size}")
@@ -30,7 +38,7 @@ def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype
     return None
 
 
-def triton_problem(device: torch.device) -> str | None:
+def triton_problem(device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str | None:
     """Why the triton backend cannot run here, or None. Imports triton: only this backend needs it."""
     try:
         import triton
@@ -43,13 +51,20 @@ def triton_problem(device: torch.device) -> str | None:
     if device.type == "cpu" and not knobs.runtime.interpret:
         return ("runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, for tests); "
                 "use attention_backend='cpu' or 'torch'")
+    if is_fp8(kv_cache_dtype) and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device) < FP8_KV_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        return (f"has no FP8 KV cache on this GPU (compute capability {major}.{minor}; Triton's e4m3 needs "
+                f"{FP8_KV_MIN_CAPABILITY[0]}.{FP8_KV_MIN_CAPABILITY[1]} or newer); use attention_backend='torch'")
     return None
 
 
-def cpu_kernel_problem(device: torch.device) -> str | None:
+def cpu_kernel_problem(device: torch.device, kv_cache_dtype: torch.dtype | None = None) -> str | None:
     """Why the cpu backend cannot run here, or None; builds its C++ kernel on first use on this machine."""
     if device.type != "cpu":
         return f"runs on the CPU, and the engine runs on {device.type}"
+    if is_fp8(kv_cache_dtype):
+        return f"has no FP8 KV cache (its C++ decode kernel reads the model's dtype); {FP8_KV_NOTE}"
     from tpengine.kernels.cpu import paged_decode_attention as cpu_paged_attention
     try:
         cpu_paged_attention.load()
@@ -58,17 +73,24 @@ def cpu_kernel_problem(device: torch.device) -> str | None:
     return None
 
 
-def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> str:
-    """The backend that `name` means here; ValueError when it cannot run."""
+def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None,
+                         kv_cache_dtype: torch.dtype | None = None) -> str:
+    """The backend that `name` means here; ValueError when it cannot run. kv_cache_dtype: None or the model's
+    dtype for a cache of the model's dtype."""
     if name == "auto":
         if device.type == "cuda":
             if flash_attn_problem(device, block_size, dtype) is None:
-                return "flash_attn"
-            problem = triton_problem(device)
+                if not is_fp8(kv_cache_dtype):
+                    return "flash_attn"
+                logger.info("attention backend 'triton', not 'flash_attn': flash-attn 2 has no FP8 KV cache")
+            problem = triton_problem(device, kv_cache_dtype)
             if problem is None:
                 return "triton"
             logger.warning("attention backend 'triton' %s; using 'torch', which decodes without CUDA graphs",
                            problem)
+            return "torch"
+        if is_fp8(kv_cache_dtype):
+            logger.info("attention backend 'torch', not 'cpu': the C++ decode kernel has no FP8 KV cache")
             return "torch"
         problem = cpu_kernel_problem(device)
         if problem is None:
@@ -76,15 +98,15 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
         logger.warning("attention backend 'cpu' %s; using 'torch', several times slower in decode", problem)
         return "torch"
     if name == "cpu":
-        problem = cpu_kernel_problem(device)
+        problem = cpu_kernel_problem(device, kv_cache_dtype)
         if problem is not None:
             raise ValueError(f"attention_backend='cpu' {problem}")
     if name == "flash_attn":
-        problem = flash_attn_problem(device, block_size, dtype)
+        problem = flash_attn_problem(device, block_size, dtype, kv_cache_dtype)
         if problem is not None:
             raise ValueError(f"attention_backend='flash_attn' {problem}")
     if name == "triton":
-        problem = triton_problem(device)
+        problem = triton_problem(device, kv_cache_dtype)
         if problem is not None:
             raise ValueError(f"attention_backend='triton' {problem}")
     return name

@@ -15,11 +15,15 @@ class AttentionParams:
         rule), so blocks wholly before that are never read; None: every earlier position.
     logit_softcap: scores become logit_softcap * tanh(scores / logit_softcap) before the mask (Gemma 2).
     sinks: [num_heads] this rank's heads' sink logits, one more softmax term that has no value (gpt-oss).
+    k_scale, v_scale: float32 [1] each, the per-tensor scales of an FP8 KV cache (kv_cache_dtype.py); the layer's
+        parameters, so a checkpoint's scales load into them in place.
     """
     scale: float
     sliding_window: int | None = None
     logit_softcap: float | None = None
     sinks: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __post_init__(self):
         assert self.sliding_window is None or self.sliding_window >= 1
@@ -46,8 +50,10 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]."""
+                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]; an
+        FP8 cache takes e4m3(x / scale) (k_scale, v_scale: AttentionParams')."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -60,7 +66,7 @@ class AttentionBackend(ABC):
         """One query per sequence over its paged context."""
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams) -> torch.Tensor:
-        self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, params.k_scale, params.v_scale)
         if not meta.is_prefill:
             return self.decode(q, k_cache, v_cache, meta, params)
         n = meta.num_decode_tokens

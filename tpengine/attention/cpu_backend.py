@@ -11,7 +11,9 @@ from tpengine.platforms import cpu
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    store_kvcache = staticmethod(cpu.store_kvcache)  # the C++ store where it takes the tensors, else torch's
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        # the C++ store where it takes the tensors, else torch's; the cache is the model's dtype (no FP8 here)
+        cpu.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,

@@ -30,8 +30,8 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError("attention_backend='flash_attn' has no attention sinks, which this model's layers "
                              "have; use attention_backend='triton'")
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        # both skip slot -1 (a padding row)
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        # both skip slot -1 (a padding row); the cache is the model's dtype (flash-attn 2 reads no FP8 KV)
         (triton_store_kvcache or store_kvcache_masked)(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):

@@ -1,8 +1,12 @@
-"""Paged attention in plain PyTorch: runs anywhere, and is the reference for the other backends."""
+"""Paged attention in plain PyTorch: runs anywhere, and is the reference for the other backends.
+
+An FP8 cache is quantized in the store and dequantized wherever a cache row is read (kv_cache_dtype.py), the
+Triton kernels' math; the CPU keeps twice the tokens in the same memory this way."""
 import torch
 import torch.nn.functional as F
 
 from tpengine.attention.backend import AttentionBackend, AttentionParams
+from tpengine.attention.kv_cache_dtype import dequantize_kv, is_fp8, quantize_kv
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.paging import blocks_for
 from tpengine.platforms.torch_ops import store_kvcache_masked
@@ -61,7 +65,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: int, pa
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        if is_fp8(k_cache.dtype):  # stored as bytes: index_copy_ has no float8 kernel
+            k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
@@ -71,12 +78,13 @@ class TorchAttentionBackend(AttentionBackend):
         for b, (len_q, len_k) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
             end = start + len_q
             first = first_block_in_window(len_k - len_q, params, block_size)
-            if len_k == len_q:  # nothing cached before: attend to the fresh K/V directly
+            # nothing cached before: attend to the fresh K/V directly (an FP8 cache's are read back quantized)
+            if len_k == len_q and not is_fp8(k_cache.dtype):
                 k_b, v_b, key_start = k[start:end], v[start:end], 0
             else:
                 block_table = meta.block_tables[b]
-                k_b = gather_paged(k_cache, block_table, len_k, first)
-                v_b = gather_paged(v_cache, block_table, len_k, first)
+                k_b = dequantize_kv(gather_paged(k_cache, block_table, len_k, first), params.k_scale, q.dtype)
+                v_b = dequantize_kv(gather_paged(v_cache, block_table, len_k, first), params.v_scale, q.dtype)
                 key_start = first * block_size
             out[start:end] = attend(q[start:end], k_b, v_b, key_start, params)
             start = end
@@ -102,14 +110,15 @@ class TorchAttentionBackend(AttentionBackend):
             first_key = 0 if window is None else max(0, context_len - window)
             pieces = [(block_table[i], max(first_key - i * block_size, 0), min(block_size, context_len - i * block_size))
                       for i in range(first_key // block_size, blocks_for(context_len, block_size))]
-            keys = [k_cache[block, lo:hi] for block, lo, hi in pieces]
+            keys = [dequantize_kv(k_cache[block, lo:hi], params.k_scale, q.dtype) for block, lo, hi in pieces]
             # scores over the whole context, one softmax; [kv_heads, group, context_len]
             probs = torch.cat([q_b @ k.permute(1, 2, 0) for k in keys], dim=-1).mul_(scale).softmax(dim=-1)
             start = 0
             out_b = None
             for block, lo, hi in pieces:
                 n = hi - lo
-                part = probs[..., start:start + n] @ v_cache[block, lo:hi].transpose(0, 1)
+                values = dequantize_kv(v_cache[block, lo:hi], params.v_scale, q.dtype)
+                part = probs[..., start:start + n] @ values.transpose(0, 1)
                 out_b = part if out_b is None else out_b.add_(part)
                 start += n
             out[b] = out_b.view(-1, q.size(-1))
@@ -125,7 +134,8 @@ class TorchAttentionBackend(AttentionBackend):
                 out[b] = 0
                 continue
             first = first_block_in_window(context_len - 1, params, block_size)
-            k_b = gather_paged(k_cache, meta.block_tables[b], context_len, first)
-            v_b = gather_paged(v_cache, meta.block_tables[b], context_len, first)
+            block_table = meta.block_tables[b]
+            k_b = dequantize_kv(gather_paged(k_cache, block_table, context_len, first), params.k_scale, q.dtype)
+            v_b = dequantize_kv(gather_paged(v_cache, block_table, context_len, first), params.v_scale, q.dtype)
             out[b] = attend(q[b:b + 1], k_b, v_b, first * block_size, params)[0]
         return out

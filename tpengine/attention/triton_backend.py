@@ -10,15 +10,17 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     cuda_graph_safe = True
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         # every key, the new tokens' too, is read back through the block table after the store
         return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
                                        meta.block_tables, params.scale, meta.max_seqlen_q, window=params.window,
-                                       softcap=params.softcap, sinks=params.sinks)
+                                       softcap=params.softcap, sinks=params.sinks, k_scale=params.k_scale,
+                                       v_scale=params.v_scale)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,
-                                      window=params.window, softcap=params.softcap, sinks=params.sinks)
+                                      window=params.window, softcap=params.softcap, sinks=params.sinks,
+                                      k_scale=params.k_scale, v_scale=params.v_scale)

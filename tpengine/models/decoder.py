@@ -16,7 +16,7 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.distributed.parallel_state import get_pipeline_stage
 from tpengine.hf_config import HFConfig, head_dim_of, layer_sliding_window, max_positions_of, rope_parameters_of
 from tpengine.layers.activation import SiluAndMul
-from tpengine.layers.attention import Attention
+from tpengine.layers.attention import Attention, kv_scale_target
 from tpengine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.layernorm import RMSNorm
 from tpengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -178,6 +178,9 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
         """Our parameter for a checkpoint tensor, and the extra arguments its weight_loader takes; None for a
         tensor the model does not serve (a vision tower beside the text model)."""
+        kv_scale = kv_scale_target(name)  # before the packed names: k_proj.output_scale is attention's, not k_proj's
+        if kv_scale is not None:
+            return self._on_this_stage(kv_scale), ()
         for checkpoint_name, (packed_name, shard_id) in self.packed_modules_mapping.items():
             if f".{checkpoint_name}." in name:
                 return self._on_this_stage(name.replace(f".{checkpoint_name}.", f".{packed_name}.")), (shard_id,)

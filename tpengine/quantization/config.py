@@ -191,10 +191,22 @@ def _matches(module_name: str, pattern: str) -> bool:
 
 # --- configs -----------------------------------------------------------------------------------------------
 
+# the one kv_cache_scheme read: FP8 with a static per-tensor scale per layer, its k/v_proj.output_scale tensors,
+# which kv_cache_dtype="fp8" takes as each layer's k_scale, v_scale (layers/attention.py)
+FP8_KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+# compressed-tensors' QuantizationArgs defaults, for the keys a config leaves out
+_KV_CACHE_SCHEME_DEFAULTS = {"type": "int", "num_bits": 8, "strategy": "tensor", "dynamic": False}
+
+
 def _compressed_tensors_config(d: dict) -> QuantizationConfig:
-    for key in ("kv_cache_scheme", "transform_config"):
-        if d.get(key):
-            raise ValueError(f"compressed-tensors {key} is not supported")
+    if d.get("transform_config"):
+        raise ValueError("compressed-tensors transform_config is not supported")
+    kv_cache_scheme = d.get("kv_cache_scheme")
+    if kv_cache_scheme:
+        read = {key: kv_cache_scheme.get(key) or default for key, default in _KV_CACHE_SCHEME_DEFAULTS.items()}
+        if read != FP8_KV_CACHE_SCHEME:
+            raise ValueError(f"compressed-tensors kv_cache_scheme is not supported unless it is {FP8_KV_CACHE_SCHEME} "
+                             f"(FP8 scales per layer, for kv_cache_dtype='fp8'), got {read}")
     sparsity = d.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise ValueError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is not supported")

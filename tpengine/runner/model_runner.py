@@ -5,6 +5,7 @@ import os
 import torch
 
 from tpengine.attention import make_backend, resolve_backend_name
+from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import FP8_NEEDS_A_GPU, EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, building_model_for,
@@ -103,12 +104,21 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions
-        self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype)
+        # the cache's element: 1 byte for FP8, so the same memory holds 2x the tokens of a half-precision cache
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend_name = resolve_backend_name(config.attention_backend, self.device, self.block_size, self.dtype,
+                                                 self.kv_cache_dtype)
         if rank == 0:
-            logger.info("attention backend: %s on %s (%s)", self.backend_name, self.device, self.dtype)
+            logger.info("attention backend: %s on %s (%s, KV cache %s)", self.backend_name, self.device, self.dtype,
+                        str(self.kv_cache_dtype).removeprefix("torch."))
         self.attention_backend = make_backend(self.backend_name)
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.attention_layers = attention_layers_of(self.model)
+        if rank == 0 and is_fp8(self.kv_cache_dtype):
+            # vLLM warns alike: with scales of 1.0, K/V beyond e4m3's range are clamped
+            unscaled = all(layer.k_scale.item() == layer.v_scale.item() == 1.0 for layer in self.attention_layers)
+            logger.info("FP8 KV cache: %s", "every scale 1.0 (the checkpoint has none): K/V beyond +-448 are clamped"
+                        if unscaled else "each layer's K and V scales from the checkpoint")
         # speculative decoding with a draft model: its shard on this rank, and its own KV cache in the same blocks
         self.drafter = None
         spec = config.speculative_config
@@ -176,9 +186,9 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         """One block's K/V on this rank: the model's layers', and the draft model's, which uses the same blocks."""
-        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.kv_cache_dtype)
         if self.drafter is not None:
-            block_bytes += kv_block_bytes(self.drafter.attention_layers, self.block_size, self.dtype)
+            block_bytes += kv_block_bytes(self.drafter.attention_layers, self.block_size, self.kv_cache_dtype)
         return block_bytes
 
     def _all_ranks_min(self, value: int) -> int:
@@ -233,11 +243,11 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         try:
-            self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype,
-                                              self.device)
+            self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size,
+                                              self.kv_cache_dtype, self.device)
             if self.drafter is not None:
                 self.drafter.kv_cache = allocate_kv_cache(self.drafter.attention_layers, num_blocks, self.block_size,
-                                                          self.dtype, self.device)
+                                                          self.kv_cache_dtype, self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError included: the sizing above misjudged what is free
             self._free_kv_cache()
             size = num_blocks * self._block_bytes()
