@@ -104,7 +104,7 @@ def paged_decode_attention(
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(batch, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, context_lens, sinks if sinks is not None else q,
-        scale * LOG2E, window, softcap,
+        scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size,

@@ -123,7 +123,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
     _paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, sinks if sinks is not None else q,
-        scale * LOG2E, window, softcap,
+        scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
