@@ -7,6 +7,9 @@ import triton.language as tl
 from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
 
 BLOCK_N = 64
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -107,7 +110,33 @@ def paged_decode_attention(
         scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size,
-        BLOCK_G=dot_block(group_size), BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
+        **_constexprs(head_dim, group_size, block_size, sinks is not None),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
+
+
+def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool) -> dict:
+    """The kernel's compile-time arguments for one model shape: what the launcher passes and COMPILE_CASES compile."""
+    return dict(HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size, BLOCK_G=dot_block(group_size),
+                BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=has_sinks)
+
+
+def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_size: int, has_sinks: bool) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it."""
+    ints = ["stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_bt", "stride_block", "stride_slot",
+            "stride_kv_head"]
+    signature = {"out": f"*{dtype}", "q": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}",
+                 "block_tables": "*i32", "context_lens": "*i32", "sinks": "*fp32" if has_sinks else f"*{dtype}",
+                 "qk_scale": "fp32", "window": "i32", "softcap": "fp32", **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(head_dim, group_size, block_size, has_sinks)
+    return {"kernel": _paged_decode_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+
+
+# The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
+# sizes and sink settings (any group up to 16 gives BLOCK_G 16, the MMA minimum); each costs the test suite seconds.
+COMPILE_CASES = [
+    _compile_case("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False),
+    _compile_case("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True),
+]

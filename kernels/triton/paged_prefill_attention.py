@@ -12,6 +12,9 @@ from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
 
 BLOCK_M = 64
 BLOCK_N = 64
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -126,7 +129,34 @@ def paged_prefill_attention(
         scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
+        **_constexprs(head_dim, num_heads // num_kv_heads, block_size, sinks is not None),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
+
+
+def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool) -> dict:
+    """The kernel's compile-time arguments for one model shape: what the launcher passes and COMPILE_CASES compile."""
+    return dict(HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+                BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=has_sinks)
+
+
+def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_size: int, has_sinks: bool) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it."""
+    ints = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
+            "stride_kv_head"]
+    signature = {"out": f"*{dtype}", "q": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}",
+                 "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "block_tables": "*i32",
+                 "sinks": "*fp32" if has_sinks else f"*{dtype}", "qk_scale": "fp32", "window": "i32", "softcap": "fp32",
+                 **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(head_dim, group_size, block_size, has_sinks)
+    return {"kernel": _paged_prefill_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+
+
+# The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
+# sizes and sink settings (the group size only picks a head's kv head); each costs the test suite seconds.
+COMPILE_CASES = [
+    _compile_case("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False),
+    _compile_case("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True),
+]

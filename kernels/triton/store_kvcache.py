@@ -4,6 +4,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
+
 
 @triton.jit
 def _store_kvcache_kernel(
@@ -66,6 +70,25 @@ def store_kvcache(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        **_constexprs(num_kv_heads, head_dim, block_size), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+
+
+def _constexprs(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """The kernel's compile-time arguments for one cache shape: what the launcher passes and COMPILE_CASES compile."""
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def _compile_case(name: str, dtype: str, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it."""
+    ints = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_block", "stride_slot", "stride_kv_head"]
+    signature = {"key": f"*{dtype}", "value": f"*{dtype}", "k_cache": f"*{dtype}", "v_cache": f"*{dtype}",
+                 "slot_mapping": "*i64", **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(num_kv_heads, head_dim, block_size)
+    return {"kernel": _store_kvcache_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+
+
+# The largest tile a supported model stores per token (Gemma 2 9B: 8 kv heads x 256); it uses no shared memory.
+COMPILE_CASES = [_compile_case("8 kv heads x head_dim 256, bf16, block 256", "bf16", 8, 256, 256)]
