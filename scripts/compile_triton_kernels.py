@@ -5,7 +5,9 @@ reports for it.
     python scripts/compile_triton_kernels.py [--jobs N] [--json PATH]
 
 Prints one table row per (case, target); exits 1 when a case does not compile or needs more shared memory than
-its target has, or when a @triton.jit function is compiled by no case. tests/kernels/test_triton_compile.py runs it.
+its target has, or when a @triton.jit function is compiled by no case. A case whose signature has an fp8 type the
+target has no code for (fp8e4nv before sm_89) is not compiled for it, and its row says so.
+tests/kernels/test_triton_compile.py runs it.
 
 A kernel module lists what to compile in a module-level COMPILE_CASES, each entry
     {"kernel": the @triton.jit function,
@@ -14,8 +16,8 @@ A kernel module lists what to compile in a module-level COMPILE_CASES, each entr
 built by the function that picks the launcher's constexprs, so the cases compile what runs. A helper (a jit function
 only other jit functions call) needs no case: it is compiled inside the kernels that call it.
 
-Registers and spills come from ptxas' own log of each compile, so every run compiles afresh in a temporary Triton
-cache. Integer arguments get none of the divisibility hints the runtime adds to multiples of 16, so loads may
+Registers and spills come from ptxas' own log of each compile, so every run compiles afresh (into a temporary Triton
+cache). Integer arguments get none of the divisibility hints the runtime adds to multiples of 16, so loads may
 vectorize less than on a GPU and registers differ a little from the launched kernel.
 """
 import argparse
@@ -41,10 +43,13 @@ import triton
 from results import Record, add_json_flag
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction, KernelInterface
 
 KERNEL_PACKAGE = "tpengine.kernels.triton"
 CASE_KEYS = {"kernel", "signature", "constexprs", "num_warps", "num_stages", "name"}
+# Triton 3.9 warns that its default will change; the launchers leave it unset too (fusion on), as do these compiles
+FP_FUSION_WARNING = "TRITON_DEFAULT_FP_FUSION"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +78,11 @@ class CaseResult:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     error: str | None = None
+    not_for_target: str | None = None  # why the case was not compiled for this target (a type it has no code for)
 
     @property
     def fits(self) -> bool:
-        return self.error is None and self.shared_bytes <= self.max_shared_bytes
+        return self.not_for_target is not None or (self.error is None and self.shared_bytes <= self.max_shared_bytes)
 
 
 def python_function(jit_fn):
@@ -171,7 +177,10 @@ def coverage_problems(modules: list) -> list[str]:
 
 
 def compile_case(module_name: str, index: int, target: Target) -> CaseResult:
-    """COMPILE_CASES[index] of the module compiled for the target; a compile error is returned, not raised."""
+    """COMPILE_CASES[index] of the module compiled for the target; a compile error is returned, not raised.
+    Sets Triton's knobs for this process: every compile runs ptxas, which prints its report."""
+    triton.knobs.compilation.always_compile = True  # a cached kernel would skip ptxas and its report
+    triton.knobs.nvidia.dump_ptxas_log = True
     case = importlib.import_module(module_name).COMPILE_CASES[index]
     kernel = case["kernel"]
     while not isinstance(kernel, JITFunction):  # under autotune or heuristics
@@ -180,6 +189,10 @@ def compile_case(module_name: str, index: int, target: Target) -> CaseResult:
                   kernel=python_function(case["kernel"]).__name__, target=target.name,
                   max_shared_bytes=target.max_shared_bytes)
     start, cpu_start = time.perf_counter(), _cpu_seconds()
+    missing = fp8_types_without_code(case, target)
+    if missing:  # such a kernel cannot run there: its launcher's caller must not pick it on this target
+        return CaseResult(**fields, seconds=0.0, cpu_seconds=0.0,
+                          not_for_target=f"Triton has no {' or '.join(missing)} code for {target.name}")
     source = ASTSource(kernel, case["signature"], case["constexprs"])
     options = {"num_warps": case["num_warps"], "num_stages": case["num_stages"]}
     ptxas_log = io.StringIO()
@@ -198,6 +211,15 @@ def compile_case(module_name: str, index: int, target: Target) -> CaseResult:
                       registers=int(registers[1]), spill_store_bytes=int(spills[1]), spill_load_bytes=int(spills[2]))
 
 
+def fp8_types_without_code(case, target: Target) -> list[str]:
+    """The fp8 types of the case's signature that Triton cannot compile for the target (fp8e4nv needs sm_89+)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FP_FUSION_WARNING)
+        supported = make_backend(GPUTarget("cuda", target.capability, 32)).parse_options({}).supported_fp8_dtypes
+    used = {kind.lstrip("*") for kind in case["signature"].values()}
+    return sorted(kind for kind in used if kind.startswith("fp8") and kind not in supported)
+
+
 def _compile_error(e: Exception) -> str:
     """One line: where the compile failed (a CompilationError starts "at line:column:") and the root cause."""
     cause = e
@@ -213,10 +235,8 @@ def _cpu_seconds() -> float:
 
 
 def _start_worker(cache_dir: str) -> None:
-    triton.knobs.cache.dir = cache_dir  # empty: every case compiles, so ptxas prints its report
-    triton.knobs.nvidia.dump_ptxas_log = True
-    # the runtime leaves it unset too (fusion on): the warning is about a future default
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+    triton.knobs.cache.dir = cache_dir  # always compiling, the run leaves no cubins in the user's cache
+    warnings.filterwarnings("ignore", message=FP_FUSION_WARNING)
 
 
 def compile_all(modules: list, jobs: int, targets=TARGETS) -> list[CaseResult]:
@@ -243,8 +263,9 @@ def table(results: list[CaseResult]) -> str:
              "|---|---|---|---:|---:|---:|---:|"]
     for r in results:
         seconds = f"{r.seconds:.1f} ({r.cpu_seconds:.1f})"
-        if r.error is not None:
-            lines.append(f"| {r.module} | {r.case} | {r.target} | did not compile: {r.error} | | | {seconds} |")
+        if r.error is not None or r.not_for_target is not None:
+            why = r.not_for_target or f"did not compile: {r.error}"
+            lines.append(f"| {r.module} | {r.case} | {r.target} | {why} | | | {seconds} |")
             continue
         shared = f"{_kib(r.shared_bytes)} ({_kib(r.max_shared_bytes)})" + ("" if r.fits else " **over**")
         lines.append(f"| {r.module} | {r.case} | {r.target} | {shared} | {r.registers} "

@@ -111,3 +111,10 @@ def test_a_case_whose_signature_misses_an_argument_fails(aot, tmp_path, monkeypa
     modules = fake_kernel_package(aot, tmp_path, monkeypatch, {"new": source})
     problems = aot.coverage_problems(modules)
     assert any("must list the kernel's arguments ['out', 'N']" in p for p in problems)
+
+
+def test_an_fp8e4nv_case_is_not_compiled_for_sm_80_which_has_no_code_for_it(aot):
+    case = {"signature": {"x": "*fp8e4nv", "y": "*fp8e5", "out": "*bf16", "n": "i32", "N": "constexpr"}}
+    sm_90, sm_80 = aot.TARGETS
+    assert aot.fp8_types_without_code(case, sm_90) == []
+    assert aot.fp8_types_without_code(case, sm_80) == ["fp8e4nv"]
