@@ -97,8 +97,9 @@ def is_jit_function(obj) -> bool:
 
 
 def kernel_modules(package: str = KERNEL_PACKAGE) -> list:
+    """Every module of the package, those of its subpackages too."""
     root = importlib.import_module(package)
-    return [importlib.import_module(f"{package}.{info.name}") for info in pkgutil.iter_modules(root.__path__)]
+    return [importlib.import_module(info.name) for info in pkgutil.walk_packages(root.__path__, f"{package}.")]
 
 
 def jit_functions_defined_in(module) -> dict:
@@ -159,8 +160,9 @@ def coverage_problems(modules: list) -> list[str]:
         for case in getattr(module, "COMPILE_CASES", []):
             found = case_problems(module, case)
             problems += found
-            if not found:
-                reached.add(python_function(case["kernel"]))
+            if not found:  # its kernel, and any jit function handed to it as a constexpr
+                reached |= {python_function(fn) for fn in [case["kernel"], *case["constexprs"].values()]
+                            if is_jit_function(fn)}
     pending = list(reached)
     while pending:
         for fn in called_jit_functions(pending.pop()) - reached:

@@ -118,3 +118,12 @@ def test_an_fp8e4nv_case_is_not_compiled_for_sm_80_which_has_no_code_for_it(aot)
     sm_90, sm_80 = aot.TARGETS
     assert aot.fp8_types_without_code(case, sm_90) == []
     assert aot.fp8_types_without_code(case, sm_80) == ["fp8e4nv"]
+
+
+def test_a_helper_handed_to_a_kernel_as_a_constexpr_counts_as_compiled(aot, tmp_path, monkeypatch):
+    source = KERNEL_MODULE.replace("_double(offs)", "FN(offs)").replace("(out, N", "(out, FN: tl.constexpr, N")
+    case = CASE.format(sig='{"out": "*i32", "FN": "constexpr", "N": "constexpr"}')
+    case = case.replace('{"N": 16}', '{"FN": _double, "N": 16}')
+    modules = fake_kernel_package(aot, tmp_path, monkeypatch, {"new": source + f"\nCOMPILE_CASES = [{case}]\n"})
+    [problem] = aot.coverage_problems(modules)
+    assert "['_other_kernel'] compiled by no COMPILE_CASES entry" in problem
