@@ -237,7 +237,7 @@ def _cpu_seconds() -> float:
 
 
 def _start_worker(cache_dir: str) -> None:
-    triton.knobs.cache.dir = cache_dir  # always compiling, the run leaves no cubins in the user's cache
+    triton.knobs.cache.dir = cache_dir  # a temporary cache: the compiles leave no cubins in the user's
     warnings.filterwarnings("ignore", message=FP_FUSION_WARNING)
 
 
