@@ -5,14 +5,13 @@ reports for it.
     python scripts/compile_triton_kernels.py [--jobs N] [--json PATH]
 
 Prints one table row per (case, target); exits 1 when a case does not compile or needs more shared memory than
-its target has, or when a @triton.jit function is compiled by no case. A case whose signature has an fp8 type the
-target has no code for (fp8e4nv before sm_89) is not compiled for it, and its row says so.
-tests/kernels/test_triton_compile.py runs it.
+its target has, or when a @triton.jit function is compiled by no case. tests/kernels/test_triton_compile.py runs it.
 
 A kernel module lists what to compile in a module-level COMPILE_CASES, each entry
     {"kernel": the @triton.jit function,
      "signature": {argument: "*bf16", "*fp8e4nv", "*i32", "i32", "fp32", ... or "constexpr"}, every argument in order,
-     "constexprs": {argument: value}, "num_warps": int, "num_stages": int, "name": a short description}
+     "constexprs": {argument: value}, "num_warps": int, "num_stages": int, "name": a short description,
+     optionally "min_capability": int, below which it is not compiled (89 for fp8e4nv: Triton refuses it for sm_80)}
 built by the function that picks the launcher's constexprs, so the cases compile what runs. A helper (a jit function
 only other jit functions call) needs no case: it is compiled inside the kernels that call it.
 
@@ -43,13 +42,11 @@ import triton
 from results import Record, add_json_flag
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction, KernelInterface
 
 KERNEL_PACKAGE = "tpengine.kernels.triton"
 CASE_KEYS = {"kernel", "signature", "constexprs", "num_warps", "num_stages", "name"}
-# Triton 3.9 warns that its default will change; the launchers leave it unset too (fusion on), as do these compiles
-FP_FUSION_WARNING = "TRITON_DEFAULT_FP_FUSION"
+OPTIONAL_CASE_KEYS = {"min_capability"}  # e.g. 89 for fp8e4nv, which Triton cannot compile for sm_80
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +75,7 @@ class CaseResult:
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     error: str | None = None
-    not_for_target: str | None = None  # why the case was not compiled for this target (a type it has no code for)
+    not_for_target: str | None = None  # why the case was not compiled for this target (its min_capability)
 
     @property
     def fits(self) -> bool:
@@ -131,8 +128,8 @@ def called_jit_functions(fn) -> set:
 def case_problems(module, case) -> list[str]:
     """What makes one COMPILE_CASES entry unusable, each naming the entry; empty when it can be compiled."""
     where = f"{module.__name__}: COMPILE_CASES entry {case.get('name', '?')!r}"
-    if not isinstance(case, dict) or set(case) != CASE_KEYS:
-        return [f"{where} must be a dict with exactly the keys {sorted(CASE_KEYS)}"]
+    if not isinstance(case, dict) or not CASE_KEYS <= set(case) <= CASE_KEYS | OPTIONAL_CASE_KEYS:
+        return [f"{where} must be a dict with the keys {sorted(CASE_KEYS)}, optionally {sorted(OPTIONAL_CASE_KEYS)}"]
     if not is_jit_function(case["kernel"]):
         return [f"{where}: its kernel is not a @triton.jit function"]
     arguments = list(inspect.signature(python_function(case["kernel"])).parameters)
@@ -181,20 +178,19 @@ def coverage_problems(modules: list) -> list[str]:
 def compile_case(module_name: str, index: int, target: Target) -> CaseResult:
     """COMPILE_CASES[index] of the module compiled for the target; a compile error is returned, not raised.
     Sets Triton's knobs for this process: every compile runs ptxas, which prints its report."""
-    triton.knobs.compilation.always_compile = True  # a cached kernel would skip ptxas and its report
-    triton.knobs.nvidia.dump_ptxas_log = True
     case = importlib.import_module(module_name).COMPILE_CASES[index]
-    kernel = case["kernel"]
-    while not isinstance(kernel, JITFunction):  # under autotune or heuristics
-        kernel = kernel.fn
     fields = dict(module=module_name.rsplit(".", 1)[-1], case=case["name"],
                   kernel=python_function(case["kernel"]).__name__, target=target.name,
                   max_shared_bytes=target.max_shared_bytes)
     start, cpu_start = time.perf_counter(), _cpu_seconds()
-    missing = fp8_types_without_code(case, target)
-    if missing:  # such a kernel cannot run there: its launcher's caller must not pick it on this target
+    if case.get("min_capability", 0) > target.capability:  # its callers never launch it there
         return CaseResult(**fields, seconds=0.0, cpu_seconds=0.0,
-                          not_for_target=f"Triton has no {' or '.join(missing)} code for {target.name}")
+                          not_for_target=f"not for {target.name}: min_capability {case['min_capability']}")
+    triton.knobs.compilation.always_compile = True  # a cached kernel would skip ptxas and its report
+    triton.knobs.nvidia.dump_ptxas_log = True
+    kernel = case["kernel"]
+    while not isinstance(kernel, JITFunction):  # under autotune or heuristics
+        kernel = kernel.fn
     source = ASTSource(kernel, case["signature"], case["constexprs"])
     options = {"num_warps": case["num_warps"], "num_stages": case["num_stages"]}
     ptxas_log = io.StringIO()
@@ -213,15 +209,6 @@ def compile_case(module_name: str, index: int, target: Target) -> CaseResult:
                       registers=int(registers[1]), spill_store_bytes=int(spills[1]), spill_load_bytes=int(spills[2]))
 
 
-def fp8_types_without_code(case, target: Target) -> list[str]:
-    """The fp8 types of the case's signature that Triton cannot compile for the target (fp8e4nv needs sm_89+)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=FP_FUSION_WARNING)
-        supported = make_backend(GPUTarget("cuda", target.capability, 32)).parse_options({}).supported_fp8_dtypes
-    used = {kind.lstrip("*") for kind in case["signature"].values()}
-    return sorted(kind for kind in used if kind.startswith("fp8") and kind not in supported)
-
-
 def _compile_error(e: Exception) -> str:
     """One line: where the compile failed (a CompilationError starts "at line:column:") and the root cause."""
     cause = e
@@ -238,7 +225,8 @@ def _cpu_seconds() -> float:
 
 def _start_worker(cache_dir: str) -> None:
     triton.knobs.cache.dir = cache_dir  # a temporary cache: the compiles leave no cubins in the user's
-    warnings.filterwarnings("ignore", message=FP_FUSION_WARNING)
+    # Triton 3.9 warns that its default will change; the launchers leave it unset too (fusion on), as these compiles do
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
 
 
 def compile_all(modules: list, jobs: int, targets=TARGETS) -> list[CaseResult]:

@@ -11,7 +11,8 @@ import pytest
 
 from tests.scripts import SCRIPTS, import_script
 
-KERNELS = {"_store_kvcache_kernel", "_paged_decode_kernel", "_paged_prefill_kernel", "_grouped_gemm_kernel"}
+KERNELS = {"_store_kvcache_kernel", "_paged_decode_kernel", "_paged_prefill_kernel", "_grouped_gemm_kernel",
+           "_block_fp8_matmul_kernel", "_quant_matmul_kernel"}
 KERNEL_MODULE = '''
 import triton
 import triton.language as tl
@@ -113,11 +114,12 @@ def test_a_case_whose_signature_misses_an_argument_fails(aot, tmp_path, monkeypa
     assert any("must list the kernel's arguments ['out', 'N']" in p for p in problems)
 
 
-def test_an_fp8e4nv_case_is_not_compiled_for_sm_80_which_has_no_code_for_it(aot):
-    case = {"signature": {"x": "*fp8e4nv", "y": "*fp8e5", "out": "*bf16", "n": "i32", "N": "constexpr"}}
+def test_a_case_is_not_compiled_for_a_target_below_its_min_capability(aot, tmp_path, monkeypatch):
+    case = CASE.format(sig=FULL_SIGNATURE).replace('name="n 16"', 'name="n 16", min_capability=89')
+    [module] = fake_kernel_package(aot, tmp_path, monkeypatch, {"new": KERNEL_MODULE + f"\nCOMPILE_CASES = [{case}]\n"})
     sm_90, sm_80 = aot.TARGETS
-    assert aot.fp8_types_without_code(case, sm_90) == []
-    assert aot.fp8_types_without_code(case, sm_80) == ["fp8e4nv"]
+    result = aot.compile_case(module.__name__, 0, sm_80)
+    assert result.not_for_target == "not for sm_80: min_capability 89" and result.fits and result.shared_bytes is None
 
 
 def test_a_helper_handed_to_a_kernel_as_a_constexpr_counts_as_compiled(aot, tmp_path, monkeypatch):
