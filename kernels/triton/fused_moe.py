@@ -14,6 +14,9 @@ import triton.language as tl
 from tpengine.kernels.triton.paged_attention_tile import _dot, dot_block
 
 BLOCK_M = 16
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -82,13 +85,38 @@ def align_pairs_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int
 def _grouped_gemm(a, weights, pair_weights, sorted_pairs, block_experts, num_pairs, pairs_per_a_row, mul_weight):
     n, k = weights.shape[1], weights.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    block_n, block_k = min(dot_block(n), 64), min(dot_block(k), 64)
-    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    constexprs = _constexprs(n, k, pairs_per_a_row, mul_weight)
+    grid = (block_experts.numel(), triton.cdiv(n, constexprs["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a, weights, out, pair_weights, sorted_pairs, block_experts, num_pairs, weights.size(0), n, k,
         a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        PAIRS_PER_A_ROW=pairs_per_a_row, MUL_WEIGHT=mul_weight, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        **constexprs, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
+
+
+def _constexprs(n: int, k: int, pairs_per_a_row: int, mul_weight: bool) -> dict:
+    """The kernel's compile-time arguments for an [N, K] weight: what the launcher passes and COMPILE_CASES compile.
+    The token count picks none of them: it only sizes the grid."""
+    return dict(PAIRS_PER_A_ROW=pairs_per_a_row, MUL_WEIGHT=mul_weight, BLOCK_M=BLOCK_M,
+                BLOCK_N=min(dot_block(n), 64), BLOCK_K=min(dot_block(k), 64))
+
+
+def _compile_case(name: str, dtype: str, n: int, k: int, pairs_per_a_row: int, mul_weight: bool) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it."""
+    ints = ["num_pairs", "num_experts", "N", "K", "stride_am", "stride_be", "stride_bn", "stride_cm"]
+    signature = {"a": f"*{dtype}", "b": f"*{dtype}", "c": f"*{dtype}", "pair_weights": f"*{dtype}",
+                 "sorted_pairs": "*i64", "block_experts": "*i64", **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(n, k, pairs_per_a_row, mul_weight)
+    return {"kernel": _grouped_gemm_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+
+
+# fused_experts' two GEMMs at Qwen3-30B-A3B's shape (hidden 2048, 768 per expert, top 8), one in each model dtype: every
+# real weight is at least 64 wide, so the tiles are 16 x 64 x 64 at any token count.
+COMPILE_CASES = [
+    _compile_case("gate/up: top 8, bf16, 1536 x 2048", "bf16", 1536, 2048, 8, False),
+    _compile_case("down: routing weight, fp16, 2048 x 768", "fp16", 2048, 768, 1, True),
+]
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

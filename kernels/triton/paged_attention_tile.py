@@ -9,7 +9,8 @@ tile is dequantized on load: float32(fp8) * scale, rounded to the query's dtype.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+# constexpr: compiled jit code may read no other globals (a plain float ran only in the interpreter)
+LOG2E = tl.constexpr(1.4426950408889634)
 # The Triton interpreter has no bfloat16 arithmetic (tl.dot multiplies the raw uint16 bits).
 _INTERPRET = tl.constexpr(triton.knobs.runtime.interpret)
 

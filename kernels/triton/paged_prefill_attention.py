@@ -12,6 +12,9 @@ from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
 
 BLOCK_M = 64
 BLOCK_N = 64
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -131,11 +134,42 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
     _paged_prefill_kernel[grid](
         out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, sinks if sinks is not None else q,
-        k_scale if fp8_kv else q, v_scale if fp8_kv else q, scale * LOG2E, window, softcap,
+        k_scale if fp8_kv else q, v_scale if fp8_kv else q, scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, GROUP_SIZE=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M, BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=sinks is not None,
-        FP8_KV=fp8_kv,
+        **_constexprs(head_dim, num_heads // num_kv_heads, block_size, sinks is not None, fp8_kv),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
+
+
+def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool, fp8_kv: bool) -> dict:
+    """The kernel's compile-time arguments for one model shape: what the launcher passes and COMPILE_CASES compile."""
+    return dict(HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
+                BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=has_sinks, FP8_KV=fp8_kv)
+
+
+def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_size: int, has_sinks: bool,
+                  fp8_kv: bool = False) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it (without an
+    FP8 cache, q stands in for the scales it never reads)."""
+    ints = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
+            "stride_kv_head"]
+    cache, scale = ("*fp8e4nv", "*fp32") if fp8_kv else (f"*{dtype}", f"*{dtype}")
+    signature = {"out": f"*{dtype}", "q": f"*{dtype}", "k_cache": cache, "v_cache": cache,
+                 "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "block_tables": "*i32",
+                 "sinks": "*fp32" if has_sinks else f"*{dtype}", "k_scale": scale, "v_scale": scale,
+                 "qk_scale": "fp32", "window": "i32", "softcap": "fp32", **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv)
+    case = {"kernel": _paged_prefill_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+    return {**case, "min_capability": 89} if fp8_kv else case  # e4m3 needs sm_89+
+
+
+# The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
+# sizes and sink settings (the group size only picks a head's kv head); each costs the test suite seconds.
+COMPILE_CASES = [
+    _compile_case("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False),
+    _compile_case("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True),
+    _compile_case("head_dim 128, group 4, bf16, FP8 cache, block 256", "bf16", 128, 4, 256, False, fp8_kv=True),
+]

@@ -4,6 +4,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
+NUM_WARPS = 4
+NUM_STAGES = 3
+
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value (torch.finfo(torch.float8_e4m3fn).max)
 try:  # this kernel runs on any Triton (the flash-attn backend's store); knobs came in 3.4
     from triton import knobs
@@ -100,7 +104,31 @@ def store_kvcache(
         k_scale if fp8_kv else slot_mapping, v_scale if fp8_kv else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_KV=fp8_kv,
+        **_constexprs(num_kv_heads, head_dim, block_size, fp8_kv), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
+
+
+def _constexprs(num_kv_heads: int, head_dim: int, block_size: int, fp8_kv: bool) -> dict:
+    """The kernel's compile-time arguments for one cache shape: what the launcher passes and COMPILE_CASES compile."""
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), FP8_KV=fp8_kv)
+
+
+def _compile_case(name: str, dtype: str, num_kv_heads: int, head_dim: int, block_size: int,
+                  fp8_kv: bool = False) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it (without an
+    FP8 cache, slot_mapping stands in for the scales it never reads)."""
+    ints = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_block", "stride_slot", "stride_kv_head"]
+    cache, scale = ("*fp8e4nv", "*fp32") if fp8_kv else (f"*{dtype}", "*i64")
+    signature = {"key": f"*{dtype}", "value": f"*{dtype}", "k_cache": cache, "v_cache": cache,
+                 "slot_mapping": "*i64", "k_scale": scale, "v_scale": scale, **dict.fromkeys(ints, "i32")}
+    constexprs = _constexprs(num_kv_heads, head_dim, block_size, fp8_kv)
+    case = {"kernel": _store_kvcache_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
+    return {**case, "min_capability": 89} if fp8_kv else case  # e4m3 needs sm_89+
+
+
+# The largest tile a supported model stores per token (Gemma 2 9B: 8 kv heads x 256); it uses no shared memory.
+COMPILE_CASES = [_compile_case("8 kv heads x head_dim 256, bf16, block 256", "bf16", 8, 256, 256),
+                 _compile_case("8 kv heads x head_dim 128, bf16 into an FP8 cache, block 256", "bf16", 8, 128, 256,
+                               fp8_kv=True)]
