@@ -97,6 +97,20 @@ def _stored_weight_tile(w_rows, k0, offs_k, n_mask, k_mask, K, BITS: tl.constexp
 
 
 @triton.jit
+def _scaled_block_product(a, q, scales, zeros, group_offsets, n_mask, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Float a [BLOCK_M, BLOCK_K] times the stored tile q [BLOCK_N, BLOCK_K] (as _stored_weight_tile gives it)
+    transposed, float32, scaled by the K block's group: scales/zeros + group_offsets, each row's [BLOCK_N]."""
+    scale = tl.load(scales + group_offsets, mask=n_mask, other=0.0)
+    w = q.to(tl.float32)
+    if HAS_ZEROS:
+        w -= tl.load(zeros + group_offsets, mask=n_mask, other=0.0)[:, None]
+    elif BITS == 4:
+        w -= _INT4_OFFSET
+    # q - zeros is a whole number, exact in a's dtype: only the float32 product is scaled
+    return _dot(a, tl.trans(w.to(a.dtype))) * scale[None, :]
+
+
+@triton.jit
 def _quant_matmul_kernel(
     x,            # [M, K] (row stride stride_xm): floats, or int8 values with INT8_X
     x_scales,     # float32 [M]: each int8 row's scale (read with INT8_X)
@@ -136,8 +150,8 @@ def _quant_matmul_kernel(
         a = tl.load(x_rows + columns[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         q = _stored_weight_tile(w_rows, k0, offs_k, n_mask, k_mask, K, BITS, BLOCK_K)
         group_offsets = offs_n * stride_sn + k0 // group_size
-        scale = tl.load(scales + group_offsets, mask=n_mask, other=0.0)
         if INT8_X:  # a K block is one group, or ONE_GROUP: quant_linear_reference's sums and roundings
+            scale = tl.load(scales + group_offsets, mask=n_mask, other=0.0)
             if BITS == 4:
                 q = (q.to(tl.int32) - _INT4_OFFSET).to(tl.int8)
             block_sum = tl.dot(a, tl.trans(q), out_dtype=tl.int32)
@@ -151,12 +165,7 @@ def _quant_matmul_kernel(
             else:
                 acc = acc + scale[None, :] * block_sum.to(tl.float32)
         else:
-            w = q.to(tl.float32)
-            if HAS_ZEROS:
-                w -= tl.load(zeros + group_offsets, mask=n_mask, other=0.0)[:, None]
-            elif BITS == 4:
-                w -= _INT4_OFFSET
-            acc += _dot(a, tl.trans(w.to(a.dtype))) * scale[None, :]
+            acc += _scaled_block_product(a, q, scales, zeros, group_offsets, n_mask, BITS, HAS_ZEROS)
     if INT8_X:
         if ONE_GROUP:
             acc = tl.load(scales + offs_n * stride_sn, mask=n_mask, other=0.0)[None, :] * int_acc.to(tl.float32)

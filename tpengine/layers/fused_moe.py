@@ -18,7 +18,7 @@ from torch import nn
 from tpengine.distributed.parallel_state import divide, get_tp_group
 from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, take_rows
 from tpengine.platforms import current_platform
-from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
+from tpengine.platforms.torch_ops import silu_and_mul
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 
@@ -87,9 +87,9 @@ class FusedMoE(nn.Module):
             self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
             self.w13_weight.takes_quantized = self.w2_weight.takes_quantized = True
         platform = current_platform()
-        self.moe_experts, self.linear = platform.moe_experts, platform.linear
-        self.pack_quantized_weight = platform.pack_quantized_weight
-        self.packed_experts = None  # quantized: (each expert's packed w13, each one's packed w2)
+        self.moe_experts = platform.moe_experts
+        self.pack_quantized_experts = platform.pack_quantized_experts
+        self.packed_experts = None  # quantized: (w13, w2) as the platform's pack_quantized_experts made them
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, expert: int, shard: str) -> None:
         """One expert's gate_proj / up_proj ([intermediate, hidden]) or down_proj ([hidden, intermediate])."""
@@ -129,7 +129,8 @@ class FusedMoE(nn.Module):
             param.data.narrow(1, offset, size).copy_(part if is_bias else part.transpose(1, 2))
 
     def prepack(self) -> None:
-        """After loading: quantized experts packed one by one (gate and up joined), their floats freed."""
+        """After loading: quantized experts (gate and up joined) packed as the platform runs them (CUDA: stacked for
+        the fused kernel), their floats freed."""
         w13_parts = getattr(self.w13_weight, "quantized_parts", {})
         w2_parts = getattr(self.w2_weight, "quantized_parts", {})
         if not w13_parts and not w2_parts:
@@ -138,10 +139,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"the experts of one layer are quantized in part: {len(w13_parts) + len(w2_parts)} "
                              f"of their {3 * self.num_experts} projections are, and one matmul cannot mix them")
         device, dtype = self.w13_weight.device, self.w13_weight.dtype
-        pack = lambda weight: self.pack_quantized_weight(weight.to(device), dtype)  # noqa: E731
-        self.packed_experts = (
-            [pack(cat_rows([w13_parts[(e, "gate")], w13_parts[(e, "up")]])) for e in range(self.num_experts)],
-            [pack(w2_parts[(e, "down")]) for e in range(self.num_experts)])
+        self.packed_experts = self.pack_quantized_experts(
+            [cat_rows([w13_parts[(e, "gate")], w13_parts[(e, "up")]]).to(device) for e in range(self.num_experts)],
+            [w2_parts[(e, "down")].to(device) for e in range(self.num_experts)], dtype)
         for param in (self.w13_weight, self.w2_weight):
             param.data = param.data.new_empty(0)
             del param.quantized_parts
@@ -149,8 +149,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)
         if self.packed_experts is not None:
-            out = grouped_experts(x, *self.packed_experts, topk_weights, topk_ids,
-                                  linear=lambda h, packed: self.linear(h, None, None, packed))
+            out = self.moe_experts(x, *self.packed_experts, topk_weights, topk_ids, self.act_and_mul)
         elif self.w13_bias is not None:
             # the down bias once, from rank 0: the all-reduce adds the ranks' partial sums
             out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_and_mul,

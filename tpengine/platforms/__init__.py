@@ -44,10 +44,11 @@ class Platform(Protocol):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
+    def moe_experts(self, x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    act_and_mul=None, w13_bias: torch.Tensor | None = None,
                     w2_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """torch_ops.grouped_experts' sum, however the platform computes it; act_and_mul None: silu(gate) * up."""
+        """torch_ops.grouped_experts' sum, however the platform computes it; act_and_mul None: silu(gate) * up.
+        w13, w2: the stacked float weights, or what pack_quantized_experts made of quantized ones."""
 
     def pack_linear_weight(self, weight: torch.Tensor):
         """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None."""
@@ -59,6 +60,9 @@ class Platform(Protocol):
     def pack_quantized_weight(self, quantized, dtype: torch.dtype):
         """After loading: a QuantizedWeight or Fp8Weight (tpengine/quantization) in the form linear() multiplies;
         on a platform without a kernel for it, its float value in dtype."""
+
+    def pack_quantized_experts(self, w13: list, w2: list, dtype: torch.dtype):
+        """After loading: each expert's gate/up (joined) and down QuantizedWeights, as moe_experts takes them."""
 
     def embedding_rows(self, token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
         """Rows of an embedding table stored as pack_quantized_weight made it, in dtype."""

@@ -102,12 +102,13 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         torch_ops.store_kvcache_masked(k, v, k_cache, v_cache, slot_mapping)
 
 
-def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
-                w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_and_mul=None,
+                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped by expert in torch; torch's SiLU between the experts' matmuls unless act_and_mul is given: the C++
-    op gives torch's bits only at torch's vector width."""
+    op gives torch's bits only at torch's vector width. w13, w2: the stacked float weights, or
+    pack_quantized_experts' lists of packs, multiplied by linear()."""
     return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul or torch_ops.silu_and_mul,
+                                     linear=_packed_linear if isinstance(w13, list) else F.linear,
                                      w13_bias=w13_bias, w2_bias=w2_bias)
 
 
@@ -193,6 +194,15 @@ def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | to
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
+
+
+def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype) -> tuple[list, list]:
+    """Each expert's gate/up (joined) and down QuantizedWeights, packed one by one for moe_experts."""
+    return [pack_quantized_weight(w, dtype) for w in w13], [pack_quantized_weight(w, dtype) for w in w2]
+
+
+def _packed_linear(x: torch.Tensor, packed_weight) -> torch.Tensor:
+    return linear(x, None, None, packed_weight)
 
 
 def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:

@@ -98,14 +98,17 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
     return apply_rotary(positions, q, k, cos_sin_cache)
 
 
-def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, act_and_mul=None, w13_bias: torch.Tensor | None = None,
-                w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_and_mul=None,
+                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton's fused experts where Triton is installed (no host sync, so decode stays graph-capturable),
-    else grouped by expert in torch. act_and_mul: silu(gate) * up unless given. The kernel has no biases: the
-    gate/up bias is added to its rows (one per (token, k) pair, in pair order) before act_and_mul, the down
-    bias, weighted, to its sum."""
+    else grouped by expert in torch. w13, w2: the stacked float weights, or what pack_quantized_experts made of
+    quantized ones (stacked QuantizedExperts: fused; lists of packs: grouped by expert, through linear()).
+    act_and_mul: silu(gate) * up unless given. The kernel has no biases: the gate/up bias is added to its rows
+    (one per (token, k) pair, in pair order) before act_and_mul, the down bias, weighted, to its sum."""
     act_and_mul = act_and_mul or silu_and_mul
+    if isinstance(w13, list):
+        return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, linear=_packed_linear,
+                                         w13_bias=w13_bias, w2_bias=w2_bias)
     if not HAS_TRITON:
         return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, w13_bias=w13_bias,
                                          w2_bias=w2_bias)
@@ -163,6 +166,34 @@ def pack_quantized_weight(quantized, dtype: torch.dtype):
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
+
+
+def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype):
+    """Each expert's gate/up (joined) and down QuantizedWeights as moe_experts multiplies them: packed for
+    Triton's GEMM and stacked once for the fused experts kernel; where it does not take them (W8A8, act order,
+    no Triton), each expert's pack in a list, run grouped by expert with a host sync (not graph-capturable)."""
+    packed = ([pack_quantized_weight(w, dtype) for w in w13], [pack_quantized_weight(w, dtype) for w in w2])
+    if not HAS_TRITON:
+        return packed
+    from tpengine.kernels.triton.fused_moe import stack_quantized_experts
+    from tpengine.kernels.triton.quant_matmul import QuantMatmulWeight
+    if not all(type(p) is QuantMatmulWeight for p in packed[0] + packed[1]):
+        _log_grouped_experts("the Triton GEMM does not take every expert's weight")
+        return packed
+    try:
+        return stack_quantized_experts(packed[0]), stack_quantized_experts(packed[1])
+    except ValueError as error:
+        _log_grouped_experts(str(error))
+        return packed
+
+
+@functools.cache  # once per reason, not once per layer
+def _log_grouped_experts(reason: str) -> None:
+    logger.info("quantized MoE experts run grouped by expert in torch, not in the fused kernel: %s", reason)
+
+
+def _packed_linear(x: torch.Tensor, packed_weight) -> torch.Tensor:
+    return linear(x, None, None, packed_weight)
 
 
 # --- FP8 W8A8 (cuda_fp8.py): sm_89+ only ---------------------------------------------------------
