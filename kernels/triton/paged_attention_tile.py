@@ -88,3 +88,19 @@ def attend_paged_kv_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+def attention_compile_case(kernel, name: str, dtype: str, index_args: list[str], strides: list[str],
+                           constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py) of a paged attention kernel, whose arguments run
+    out, q, k_cache, v_cache, index_args (int32 tensors), sinks, k_scale, v_scale, qk_scale, window, softcap, strides.
+    Without sinks or an FP8 cache, q stands in for the tensors the kernel never reads."""
+    fp8_kv = constexprs["FP8_KV"]
+    cache, scale = ("*fp8e4nv", "*fp32") if fp8_kv else (f"*{dtype}", f"*{dtype}")
+    signature = {"out": f"*{dtype}", "q": f"*{dtype}", "k_cache": cache, "v_cache": cache,
+                 **dict.fromkeys(index_args, "*i32"), "sinks": "*fp32" if constexprs["HAS_SINKS"] else f"*{dtype}",
+                 "k_scale": scale, "v_scale": scale, "qk_scale": "fp32", "window": "i32", "softcap": "fp32",
+                 **dict.fromkeys(strides, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+    case = {"kernel": kernel, "signature": signature, "constexprs": constexprs, "num_warps": num_warps,
+            "num_stages": num_stages, "name": name}
+    return {**case, "min_capability": 89} if fp8_kv else case  # e4m3 needs sm_89+

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention_tile import LOG2E, attend_paged_kv_tile, dot_block
+from .paged_attention_tile import LOG2E, attend_paged_kv_tile, attention_compile_case, dot_block
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -151,19 +151,12 @@ def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool
 
 def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_size: int, has_sinks: bool,
                   fp8_kv: bool = False) -> dict:
-    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it (without an
-    FP8 cache, q stands in for the scales it never reads)."""
-    ints = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
-            "stride_kv_head"]
-    cache, scale = ("*fp8e4nv", "*fp32") if fp8_kv else (f"*{dtype}", f"*{dtype}")
-    signature = {"out": f"*{dtype}", "q": f"*{dtype}", "k_cache": cache, "v_cache": cache,
-                 "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "block_tables": "*i32",
-                 "sinks": "*fp32" if has_sinks else f"*{dtype}", "k_scale": scale, "v_scale": scale,
-                 "qk_scale": "fp32", "window": "i32", "softcap": "fp32", **dict.fromkeys(ints, "i32")}
-    constexprs = _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv)
-    case = {"kernel": _paged_prefill_kernel, "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
-            "constexprs": constexprs, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "name": name}
-    return {**case, "min_capability": 89} if fp8_kv else case  # e4m3 needs sm_89+
+    """One COMPILE_CASES entry: the kernel as the launcher calls it."""
+    strides = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
+               "stride_kv_head"]
+    return attention_compile_case(_paged_prefill_kernel, name, dtype, ["cu_seqlens_q", "cu_seqlens_k", "block_tables"], strides,
+                                  _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv), NUM_WARPS,
+                                  NUM_STAGES)
 
 
 # The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
