@@ -90,6 +90,17 @@ def attend_paged_kv_tile(
     return acc, m_new, l_i
 
 
+# (name, dtype, head_dim, group_size, block_size, has_sinks, fp8_kv) compiled for each paged attention kernel: the
+# largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, both block
+# sizes, sinks and an FP8 cache (any group up to 16 gives decode's BLOCK_G 16, the MMA minimum; in prefill the group
+# only picks a head's kv head); each costs the test suite seconds
+ATTENTION_COMPILE_SHAPES = [
+    ("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False, False),
+    ("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True, False),
+    ("head_dim 128, group 4, bf16, FP8 cache, block 256", "bf16", 128, 4, 256, False, True),
+]
+
+
 def attention_compile_case(kernel, name: str, dtype: str, index_args: list[str], strides: list[str],
                            constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """One COMPILE_CASES entry (scripts/compile_triton_kernels.py) of a paged attention kernel, whose arguments run

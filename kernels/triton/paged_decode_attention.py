@@ -4,7 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention_tile import LOG2E, attend_paged_kv_tile, attention_compile_case, dot_block
+from .paged_attention_tile import (ATTENTION_COMPILE_SHAPES, LOG2E, attend_paged_kv_tile, attention_compile_case,
+                                   dot_block)
 
 BLOCK_N = 64
 # Triton's CUDA defaults, named so that COMPILE_CASES compiles what the launcher runs
@@ -140,10 +141,4 @@ def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_s
                                   NUM_STAGES)
 
 
-# The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
-# sizes and sink settings (any group up to 16 gives BLOCK_G 16, the MMA minimum); each costs the test suite seconds.
-COMPILE_CASES = [
-    _compile_case("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False),
-    _compile_case("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True),
-    _compile_case("head_dim 128, group 4, bf16, FP8 cache, block 256", "bf16", 128, 4, 256, False, fp8_kv=True),
-]
+COMPILE_CASES = [_compile_case(*shape) for shape in ATTENTION_COMPILE_SHAPES]

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention_tile import LOG2E, attend_paged_kv_tile, attention_compile_case, dot_block
+from .paged_attention_tile import (ATTENTION_COMPILE_SHAPES, LOG2E, attend_paged_kv_tile, attention_compile_case,
+                                   dot_block)
 
 BLOCK_M = 64
 BLOCK_N = 64
@@ -154,15 +155,10 @@ def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_s
     """One COMPILE_CASES entry: the kernel as the launcher calls it."""
     strides = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
                "stride_kv_head"]
-    return attention_compile_case(_paged_prefill_kernel, name, dtype, ["cu_seqlens_q", "cu_seqlens_k", "block_tables"], strides,
+    return attention_compile_case(_paged_prefill_kernel, name, dtype, ["cu_seqlens_q", "cu_seqlens_k", "block_tables"],
+                                  strides,
                                   _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv), NUM_WARPS,
                                   NUM_STAGES)
 
 
-# The largest tiles (head_dim 256, Gemma 2) and the common head_dim 128, between them both cache dtypes, block
-# sizes and sink settings (the group size only picks a head's kv head); each costs the test suite seconds.
-COMPILE_CASES = [
-    _compile_case("head_dim 256, group 2, bf16, block 256", "bf16", 256, 2, 256, False),
-    _compile_case("head_dim 128, group 4, fp16, block 16, sinks", "fp16", 128, 4, 16, True),
-    _compile_case("head_dim 128, group 4, bf16, FP8 cache, block 256", "bf16", 128, 4, 256, False, fp8_kv=True),
-]
+COMPILE_CASES = [_compile_case(*shape) for shape in ATTENTION_COMPILE_SHAPES]
