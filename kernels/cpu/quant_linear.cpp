@@ -18,12 +18,15 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/to.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -70,9 +73,9 @@ struct IntRows {  // R rows of quantized x: xq [rows][in_padded], xsum [rows][gr
 };
 
 // out[m][0:num_out] for R rows against one block; CORRECT: subtract zero * sum(xq) per group (int4 always)
-template <int64_t R, bool CORRECT>
+template <int64_t R, bool CORRECT, typename OutT, int64_t CHAINS = (R >= 4 ? 1 : 4 / R)>
 void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, IntRows x,
-                    const float* bias, float* out, int64_t num_out) {
+                    const float* bias, OutT* out, int64_t num_out) {
   const int64_t steps_per_group = L.group_columns / STEP_INPUTS;
   float result[R][BLOCK_OUT];
 #if TPENGINE_QUANT_AVX2
@@ -81,11 +84,15 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
   __m256 total[R];
   for (int64_t m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < L.num_groups; ++g) {
-    __m256i acc[R];
-    for (int64_t m = 0; m < R; ++m) acc[m] = _mm256_setzero_si256();
-    const int64_t first = g * steps_per_group;
+    // CHAINS independent sums per row: one dot product waits on the last (about 5 cycles), so with few rows a
+    // single chain leaves the core idle; integer sums are exact in any order
+    __m256i acc[R][CHAINS];
+    for (int64_t m = 0; m < R; ++m)
+      for (int64_t c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_si256();
+    const int64_t first = g * steps_per_group, last = first + steps_per_group;
     if (L.bits == 8) {
-      for (int64_t s = first; s < first + steps_per_group; ++s) {
+      // step s into chain c of row m
+      auto int8_step = [&](int64_t s, int64_t c) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
         const __m256i q_abs = _mm256_abs_epi8(q);  // -128 becomes byte 0x80: 128 read unsigned
         for (int64_t m = 0; m < R; ++m) {
@@ -94,14 +101,19 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
           // |q| * (x * sign(q)) = q * x; a pair sums to at most 2 * 128 * 127 < 2^15: maddubs cannot saturate
           const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(x4), q);
 #if TPENGINE_QUANT_VNNI
-          acc[m] = _mm256_dpbusd_epi32(acc[m], q_abs, x_signed);
+          acc[m][c] = _mm256_dpbusd_epi32(acc[m][c], q_abs, x_signed);
 #else
-          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, x_signed), ones16));
+          acc[m][c] = _mm256_add_epi32(acc[m][c], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, x_signed), ones16));
 #endif
         }
-      }
+      };
+      int64_t s = first;
+      for (; s + CHAINS <= last; s += CHAINS)
+        for (int64_t c = 0; c < CHAINS; ++c) int8_step(s + c, c);
+      for (; s < last; ++s) int8_step(s, 0);
     } else {
-      for (int64_t s = first; s < first + steps_per_group; s += 2) {
+      // steps s and s + 1 (one 32-byte load: low and high nibbles) into chain c of row m
+      auto int4_steps = [&](int64_t s, int64_t c) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
         const __m256i u_low = _mm256_and_si256(packed, low_nibbles);
         const __m256i u_high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
@@ -110,22 +122,27 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
           std::memcpy(&x_low, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
           std::memcpy(&x_high, x.xq + m * x.in_padded + (s + 1) * STEP_INPUTS, 4);
 #if TPENGINE_QUANT_VNNI
-          acc[m] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[m], u_low, _mm256_set1_epi32(x_low)), u_high,
-                                       _mm256_set1_epi32(x_high));
+          acc[m][c] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[m][c], u_low, _mm256_set1_epi32(x_low)), u_high,
+                                          _mm256_set1_epi32(x_high));
 #else
           // u <= 15: two steps' pair sums add to at most 4 * 15 * 127 in int16
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u_low, _mm256_set1_epi32(x_low)),
                                                  _mm256_maddubs_epi16(u_high, _mm256_set1_epi32(x_high)));
-          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(pairs, ones16));
+          acc[m][c] = _mm256_add_epi32(acc[m][c], _mm256_madd_epi16(pairs, ones16));
 #endif
         }
-      }
+      };
+      int64_t s = first;
+      for (; s + 2 * CHAINS <= last; s += 2 * CHAINS)
+        for (int64_t c = 0; c < CHAINS; ++c) int4_steps(s + 2 * c, c);
+      for (; s < last; s += 2) int4_steps(s, 0);
     }
     const __m256 scale = _mm256_loadu_ps(scales + g * BLOCK_OUT);
     __m256i zero;
     if (CORRECT) zero = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g * BLOCK_OUT)));
     for (int64_t m = 0; m < R; ++m) {
-      __m256i d = acc[m];
+      __m256i d = acc[m][0];
+      for (int64_t c = 1; c < CHAINS; ++c) d = _mm256_add_epi32(d, acc[m][c]);
       if (CORRECT) d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zero, _mm256_set1_epi32(x.xsum[m * x.num_groups + g])));
       total[m] = _mm256_add_ps(total[m], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(d)));
     }
@@ -156,27 +173,39 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
     for (int64_t o = 0; o < BLOCK_OUT; ++o) result[m][o] = result[m][o] * x.sx[m];
 #endif
   for (int64_t m = 0; m < R; ++m)
-    for (int64_t o = 0; o < num_out; ++o) out[m * L.out_features + o] = bias ? result[m][o] + bias[o] : result[m][o];
+    for (int64_t o = 0; o < num_out; ++o)
+      out[m * L.out_features + o] = static_cast<OutT>(bias ? result[m][o] + bias[o] : result[m][o]);
 }
 
-template <bool CORRECT>
+template <bool CORRECT, typename OutT>
 void int_block(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, IntRows x,
-               int64_t rows, const float* bias, float* out, int64_t num_out) {
+               int64_t rows, const float* bias, OutT* out, int64_t num_out) {
   for (int64_t m = 0; m < rows; m += MAX_ROWS) {
     IntRows xm{x.xq + m * x.in_padded, x.xsum + m * x.num_groups, x.sx + m, x.in_padded, x.num_groups};
-    float* om = out + m * L.out_features;
+    OutT* om = out + m * L.out_features;
     switch (std::min(MAX_ROWS, rows - m)) {
-      case 1: int_block_rows<1, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
-      case 2: int_block_rows<2, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
-      case 3: int_block_rows<3, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
-      default: int_block_rows<4, CORRECT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      case 1: int_block_rows<1, CORRECT, OutT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      case 2: int_block_rows<2, CORRECT, OutT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      case 3: int_block_rows<3, CORRECT, OutT>(L, w, scales, zeros, xm, bias, om, num_out); break;
+      default: int_block_rows<4, CORRECT, OutT>(L, w, scales, zeros, xm, bias, om, num_out); break;
     }
   }
 }
 
 // one row: sx = max|x| / 127, xq = round_half_even(x / sx) clamped to [-127, 127] (all 0 for a zero row), padded
 // with zeros to in_padded; xsum per group
-void quantize_row(const Layout& L, const float* x, int8_t* xq, int32_t* xsum, float* sx) {
+template <typename InT>
+void quantize_row(const Layout& L, const InT* x_in, int8_t* xq, int32_t* xsum, float* sx) {
+  // bfloat16 rows widen exactly to float32 first: the same numbers as quantizing x.float()
+  const float* x;
+  if constexpr (std::is_same_v<InT, float>) {
+    x = x_in;
+  } else {
+    thread_local std::vector<float> widened;
+    widened.resize(L.in_features);
+    for (int64_t i = 0; i < L.in_features; ++i) widened[i] = static_cast<float>(x_in[i]);
+    x = widened.data();
+  }
   float amax = 0.0f;
   for (int64_t i = 0; i < L.in_features; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.0f;
@@ -239,9 +268,9 @@ void dequantize_block(const Layout& L, const uint8_t* w, const float* scales, co
 }
 
 // out[m][0:8 * NB] for R rows against NB dequantized blocks (tiles in_padded * 8 floats apart)
-template <int64_t R, int64_t NB>
+template <int64_t R, int64_t NB, typename OutT>
 void float_blocks_rows(const Layout& L, const float* tiles, const float* x, int64_t x_stride, const float* bias,
-                       float* out, int64_t num_out) {
+                       OutT* out, int64_t num_out) {
   float result[R][NB * BLOCK_OUT];
   const int64_t tile_stride = L.in_padded * BLOCK_OUT;
 #if TPENGINE_QUANT_AVX2
@@ -268,22 +297,23 @@ void float_blocks_rows(const Layout& L, const float* tiles, const float* x, int6
     }
 #endif
   for (int64_t m = 0; m < R; ++m)
-    for (int64_t o = 0; o < num_out; ++o) out[m * L.out_features + o] = bias ? result[m][o] + bias[o] : result[m][o];
+    for (int64_t o = 0; o < num_out; ++o)
+      out[m * L.out_features + o] = static_cast<OutT>(bias ? result[m][o] + bias[o] : result[m][o]);
 }
 
-template <int64_t NB>
+template <int64_t NB, typename OutT>
 void float_blocks(const Layout& L, const float* tiles, const float* x, int64_t x_stride, int64_t rows,
-                  const float* bias, float* out, int64_t num_out) {
+                  const float* bias, OutT* out, int64_t num_out) {
   for (int64_t m = 0; m < rows; m += MAX_FLOAT_ROWS) {
     const float* xm = x + m * x_stride;
-    float* om = out + m * L.out_features;
+    OutT* om = out + m * L.out_features;
     switch (std::min(MAX_FLOAT_ROWS, rows - m)) {
-      case 1: float_blocks_rows<1, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
-      case 2: float_blocks_rows<2, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
-      case 3: float_blocks_rows<3, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
-      case 4: float_blocks_rows<4, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
-      case 5: float_blocks_rows<5, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
-      default: float_blocks_rows<6, NB>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 1: float_blocks_rows<1, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 2: float_blocks_rows<2, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 3: float_blocks_rows<3, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 4: float_blocks_rows<4, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      case 5: float_blocks_rows<5, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
+      default: float_blocks_rows<6, NB, OutT>(L, tiles, xm, x_stride, bias, om, num_out); break;
     }
   }
 }
@@ -319,32 +349,17 @@ Layout check_packed(const at::Tensor& weight, const at::Tensor& scales, const at
   return L;
 }
 
-// x: [rows, in] float32 with unit column stride; returns [rows, out] float32
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                        const at::Tensor& zeros, int64_t out_features, int64_t in_features, int64_t bits,
-                        int64_t group_columns, bool int8_activation, bool correct_zeros,
-                        const c10::optional<at::Tensor>& bias) {
-  const Layout L = check_packed(weight, scales, zeros, out_features, in_features, bits, group_columns);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features && x.stride(1) == 1,
-              "quant_linear: x must be float32 [rows, in_features] with contiguous rows");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
-                "quant_linear: bias must be a contiguous float32 vector of out_features");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const int8_t* z = zeros.data_ptr<int8_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float* x_ptr = x.data_ptr<float>();
+// out [rows, out] (T: x's dtype, float32 or bfloat16) = x W^T (+ bias); the float32 result of each output is
+// rounded once to T, so a bfloat16 x gives exactly what float32 x.float() would, rounded
+template <typename T>
+void quant_linear_into(const Layout& L, const at::Tensor& x, const uint8_t* w, const float* s, const int8_t* z,
+                       const float* bias_ptr, bool int8_activation, bool correct_zeros, T* out_ptr) {
+  const int64_t rows = x.size(0), out_features = L.out_features;
   const int64_t x_stride = x.stride(0);
   const int64_t group_stride = L.num_groups * BLOCK_OUT;
 
   if (int8_activation) {
+    const T* x_ptr = x.data_ptr<T>();
     // the calling thread's buffers, kept between calls: no allocation at decode sizes
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<int32_t> xsum;
@@ -369,7 +384,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
           IntRows xm{xq_ptr + m * L.in_padded, xsum_ptr + m * L.num_groups, sx_ptr + m, L.in_padded, L.num_groups};
           for (int64_t b = c; b < c_end; ++b) {
             const int64_t num_out = std::min(BLOCK_OUT, out_features - b * BLOCK_OUT);
-            float* ob = out_ptr + m * out_features + b * BLOCK_OUT;
+            T* ob = out_ptr + m * out_features + b * BLOCK_OUT;
             const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
             if (correct_zeros)
               int_block<true>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride, xm, tile_rows,
@@ -381,11 +396,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
         }
       }
     });
-    return out;
+    return;
   }
 
-  // float activations: each thread dequantizes a chunk of blocks (~256 KiB of float32) into its own buffer, then
-  // every tile of rows passes over it
+  // float activations (a bfloat16 x widened once): each thread dequantizes a chunk of blocks (~256 KiB of float32)
+  // into its own buffer, then every tile of rows passes over it
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const float* x_ptr = xf.data_ptr<float>();
+  const int64_t xf_stride = xf.stride(0);
   const int64_t tile_floats = L.in_padded * BLOCK_OUT;
   const int64_t chunk = std::max<int64_t>(2, (256 << 10) / (4 * tile_floats));
   at::parallel_for(0, L.num_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -400,20 +418,47 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
         const int64_t tile_rows = std::min(ROW_TILE, rows - m);
         for (int64_t b = c; b < c_end;) {
           const float* t = tiles.data() + (b - c) * tile_floats;
-          float* ob = out_ptr + m * out_features + b * BLOCK_OUT;
+          T* ob = out_ptr + m * out_features + b * BLOCK_OUT;
           const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
           const int64_t num_out = std::min(2 * BLOCK_OUT, out_features - b * BLOCK_OUT);
           if (b + 1 < c_end) {
-            float_blocks<2>(L, t, x_ptr + m * x_stride, x_stride, tile_rows, bb, ob, num_out);
+            float_blocks<2>(L, t, x_ptr + m * xf_stride, xf_stride, tile_rows, bb, ob, num_out);
             b += 2;
           } else {
-            float_blocks<1>(L, t, x_ptr + m * x_stride, x_stride, tile_rows, bb, ob, std::min(BLOCK_OUT, num_out));
+            float_blocks<1>(L, t, x_ptr + m * xf_stride, xf_stride, tile_rows, bb, ob, std::min(BLOCK_OUT, num_out));
             b += 1;
           }
         }
       }
     }
   });
+}
+
+// x: [rows, in] float32 or bfloat16 with unit column stride; returns [rows, out] in x's dtype
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const at::Tensor& zeros, int64_t out_features, int64_t in_features, int64_t bits,
+                        int64_t group_columns, bool int8_activation, bool correct_zeros,
+                        const c10::optional<at::Tensor>& bias) {
+  const Layout L = check_packed(weight, scales, zeros, out_features, in_features, bits, group_columns);
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 2 &&
+                  x.size(1) == in_features && x.stride(1) == 1,
+              "quant_linear: x must be float32 or bfloat16 [rows, in_features] with contiguous rows");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "quant_linear: bias must be a contiguous float32 vector of out_features");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = zeros.data_ptr<int8_t>();
+  if (x.scalar_type() == at::kFloat)
+    quant_linear_into<float>(L, x, w, s, z, bias_ptr, int8_activation, correct_zeros, out.data_ptr<float>());
+  else
+    quant_linear_into<c10::BFloat16>(L, x, w, s, z, bias_ptr, int8_activation, correct_zeros,
+                                     out.data_ptr<c10::BFloat16>());
   return out;
 }
 

@@ -135,14 +135,15 @@ def quant_linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor 
     if x.size(-1) != packed.in_features:
         raise ValueError(f"x has {x.size(-1)} features, the weight takes {packed.in_features}")
     rows = x.reshape(-1, packed.in_features)
-    if rows.dtype != torch.float32 or rows.stride(-1) != 1:
-        rows = rows.float().contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     if bias is not None and bias.dtype != torch.float32:
         bias = bias.float()
+    # a bfloat16 x goes in as it is and its result comes out rounded once to bfloat16: no conversions around the op
     out = torch.ops.tpengine_cpu.quant_linear(rows, packed.weight, packed.scales, packed.zeros, packed.out_features,
                                               packed.in_features, packed.bits, packed.group_columns,
                                               packed.activation == "int8", packed.correct_zeros, bias)
-    return out.view(*x.shape[:-1], packed.out_features).to(x.dtype)
+    return out.view(*x.shape[:-1], packed.out_features)
 
 
 def dequantize_rows(packed: PackedQuantWeight, rows: torch.Tensor) -> torch.Tensor:
