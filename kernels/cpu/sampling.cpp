@@ -9,12 +9,18 @@
 // (slice_tokens), so no rank gathers every logit. Rank 0 sampling gathered logits cuts them into the same
 // slices and runs the same two steps, so a row's token depends only on its own logits, temperature and
 // uniform: never on its batch, the path its step took, or how rows are split over threads.
+//
+// Structured outputs: a row may come with its grammar's token mask (xgrammar's bitmask: token j allowed when
+// bit j % 32 of word j / 32 is set). Every pass reads a masked-out logit as -inf, so the row samples exactly
+// what it would after the mask was written into the logits, without that pass over the row, and its exps
+// are skipped 16 masked tokens at a time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #if defined(__AVX512F__)
@@ -27,12 +33,32 @@ namespace {
 constexpr int64_t kBlock = 256;  // entries per block sum: the pick recomputes at most one block
 constexpr int64_t kParallelElements = 1 << 15;  // a thread gets rows of at least this many logits
 
+// A row's token mask over one slice of the vocabulary: the slice's entry i is token offset + i. bits null: every
+// token allowed.
+struct RowMask {
+  const uint32_t* bits = nullptr;
+  int64_t offset = 0, words = 0;
+
+  bool allows(int64_t i) const {
+    const int64_t j = offset + i;
+    return !bits || (bits[j >> 5] >> (j & 31)) & 1u;
+  }
+  // entries i..i+15 as 16 lanes (lane k: entry i + k); entries past the bitmask's words read as masked
+  uint32_t lanes16(int64_t i) const {
+    if (!bits) return 0xFFFFu;
+    const int64_t j = offset + i, w = j >> 5, b = j & 31;
+    uint64_t two = w < words ? bits[w] : 0u;
+    if (b > 16 && w + 1 < words) two |= static_cast<uint64_t>(bits[w + 1]) << 32;
+    return static_cast<uint32_t>(two >> b) & 0xFFFFu;
+  }
+};
+
 struct RowMax {
   float value;
   bool has_nan;
 };
 
-RowMax row_max(const float* x, int64_t n) {
+RowMax row_max(const float* x, int64_t n, const RowMask& mask) {
   float best = -std::numeric_limits<float>::infinity();
   bool has_nan = false;
   int64_t i = 0;
@@ -40,7 +66,7 @@ RowMax row_max(const float* x, int64_t n) {
   __m512 vbest = _mm512_set1_ps(best);
   __mmask16 nan_lanes = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(best), __mmask16(mask.lanes16(i)), x + i);
     nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vbest = _mm512_max_ps(vbest, v);
   }
@@ -48,24 +74,32 @@ RowMax row_max(const float* x, int64_t n) {
   has_nan = nan_lanes != 0;
 #endif
   for (; i < n; ++i) {
+    if (!mask.allows(i)) continue;
     has_nan |= std::isnan(x[i]);
     best = x[i] > best ? x[i] : best;
   }
   return {best, has_nan};
 }
 
-// out[i] = exp((x[i] - max) / temperature) for i < n <= kBlock
-void block_exps(const float* x, int64_t n, float max, float temperature, float* out) {
+// out[i] = exp((x[i] - max) / temperature) for i < n <= kBlock, 0 (exp(-inf)) where the mask has x[i] out;
+// x and the mask start at the same entry
+void block_exps(const float* x, int64_t n, float max, float temperature, const RowMask& mask, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 vmax = _mm512_set1_ps(max), vt = _mm512_set1_ps(temperature);
   for (; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(vmax, lanes, x + i);  // lanes past n give exp(0), not stored
-    _mm512_mask_storeu_ps(out + i, lanes, Sleef_expf16_u10(_mm512_div_ps(_mm512_sub_ps(v, vmax), vt)));
+    const __mmask16 allowed = lanes & __mmask16(mask.lanes16(i));
+    if (!allowed) {  // 16 masked tokens: no exp to compute
+      _mm512_mask_storeu_ps(out + i, lanes, _mm512_setzero_ps());
+      continue;
+    }
+    const __m512 v = _mm512_mask_loadu_ps(vmax, allowed, x + i);  // other lanes give exp(0), zeroed or not stored
+    const __m512 e = Sleef_expf16_u10(_mm512_div_ps(_mm512_sub_ps(v, vmax), vt));
+    _mm512_mask_storeu_ps(out + i, lanes, _mm512_maskz_mov_ps(allowed, e));
   }
 #else
-  for (; i < n; ++i) out[i] = std::exp((x[i] - max) / temperature);
+  for (; i < n; ++i) out[i] = mask.allows(i) ? std::exp((x[i] - max) / temperature) : 0.f;
 #endif
 }
 
@@ -79,20 +113,21 @@ double block_sum(const float* e, int64_t n) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-int64_t first_index_of(const float* x, int64_t n, float value) {
+int64_t first_index_of(const float* x, int64_t n, float value, const RowMask& mask) {
   for (int64_t i = 0; i < n; ++i)
-    if (x[i] == value) return i;
+    if (x[i] == value && mask.allows(i)) return i;
   return -1;
 }
 
 // sums[b] = the block sums of exp((x - max) / temperature) over x[0..n); returns their total, summed in
 // block order
-double block_sums(const float* x, int64_t n, float max, float temperature, double* sums) {
+double block_sums(const float* x, int64_t n, float max, float temperature, const RowMask& mask, double* sums) {
   float e[kBlock];
   double total = 0;
   for (int64_t b = 0; b * kBlock < n; ++b) {
     const int64_t len = std::min(kBlock, n - b * kBlock);
-    block_exps(x + b * kBlock, len, max, temperature, e);
+    const RowMask block_mask{mask.bits, mask.offset + b * kBlock, mask.words};
+    block_exps(x + b * kBlock, len, max, temperature, block_mask, e);
     sums[b] = block_sum(e, len);
     total += sums[b];
   }
@@ -102,7 +137,8 @@ double block_sums(const float* x, int64_t n, float max, float temperature, doubl
 // The first entry whose cumulative mass (in block_sums' units) exceeds target, as
 // torch.searchsorted(right=True) over the cumulative sum: an entry of probability 0 is never picked.
 // Past the total (rounding), the last entry with any mass.
-int64_t walk(const float* x, int64_t n, float max, float temperature, const double* sums, double target) {
+int64_t walk(const float* x, int64_t n, float max, float temperature, const RowMask& mask, const double* sums,
+             double target) {
   float e[kBlock];
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   double before = 0;
@@ -112,7 +148,7 @@ int64_t walk(const float* x, int64_t n, float max, float temperature, const doub
   if (past_the_end)
     for (b = blocks - 1; b > 0 && sums[b] <= 0; --b) {}  // the last block with any mass
   const int64_t len = std::min(kBlock, n - b * kBlock);
-  block_exps(x + b * kBlock, len, max, temperature, e);
+  block_exps(x + b * kBlock, len, max, temperature, RowMask{mask.bits, mask.offset + b * kBlock, mask.words}, e);
   int64_t last_positive = 0;
   for (int64_t i = 0; i < len; ++i) {
     if (e[i] <= 0) continue;
@@ -133,12 +169,31 @@ void check_rows(const at::Tensor& logits, const at::Tensor& temperatures) {
 
 int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
+// The rows' token masks, if any: int32 [rows, words] whose words cover the slice's tokens offset..offset + n
+struct Masks {
+  const uint32_t* bits = nullptr;
+  int64_t words = 0, offset = 0;
+
+  Masks(const c10::optional<at::Tensor>& bitmask, int64_t rows, int64_t offset, int64_t n) : offset(offset) {
+    if (!bitmask.has_value() || !bitmask->defined()) return;
+    TORCH_CHECK(bitmask->scalar_type() == at::kInt && bitmask->is_contiguous() && bitmask->dim() == 2 &&
+                    bitmask->size(0) == rows, "bitmask must be contiguous int32 [rows, words]");
+    words = bitmask->size(1);
+    TORCH_CHECK(offset >= 0 && words * 32 >= offset + n, "the bitmask's ", words, " words do not cover tokens ",
+                offset, "..", offset + n);
+    bits = reinterpret_cast<const uint32_t*>(bitmask->data_ptr<int32_t>());
+  }
+  RowMask row(int64_t r) const { return bits ? RowMask{bits + r * words, offset, words} : RowMask{}; }
+};
+
 // Per row of one slice of the vocabulary: stats[r] = {the maximum (NaN where the row has a NaN), the sum
 // of exp((x - max) / temperature) (0 where the temperature is 0), the first index of the maximum (where
 // the temperature is 0, else -1)}, and block_sums[r] the sum's blocks, which slice_tokens walks.
-void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::Tensor stats, at::Tensor sums) {
+void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::Tensor stats, at::Tensor sums,
+                 const c10::optional<at::Tensor>& bitmask, int64_t offset) {
   check_rows(logits, temperatures);
   const int64_t rows = logits.size(0), n = logits.size(1), blocks = num_blocks(n);
+  const Masks masks(bitmask, rows, offset, n);
   TORCH_CHECK(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.numel() == rows * 3,
               "stats must be float64 [rows, 3]");
   TORCH_CHECK(sums.scalar_type() == at::kDouble && sums.is_contiguous() && sums.numel() == rows * blocks,
@@ -152,16 +207,17 @@ void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::T
                    [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = data + r * row_stride;
-      const RowMax m = row_max(x, n);
+      const RowMask mask = masks.row(r);
+      const RowMax m = row_max(x, n, mask);
       double* row = out + 3 * r;
       row[0] = m.has_nan ? std::numeric_limits<double>::quiet_NaN() : m.value;
       row[1] = 0;
       row[2] = -1;
       if (m.has_nan || !std::isfinite(m.value)) continue;
       if (temperature[r] == 0.f) {
-        row[2] = static_cast<double>(first_index_of(x, n, m.value));
+        row[2] = static_cast<double>(first_index_of(x, n, m.value, mask));
       } else {
-        row[1] = block_sums(x, n, m.value, temperature[r], block + r * blocks);
+        row[1] = block_sums(x, n, m.value, temperature[r], mask, block + r * blocks);
       }
     }
   });
@@ -173,9 +229,11 @@ void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::T
 // rows without a distribution (a NaN, no finite maximum) get -1 from slice 0; other rows are left alone.
 // all_stats is [slices, rows, 3] from slice_stats, the same on every caller, so callers agree.
 void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, const at::Tensor& uniforms,
-                  const at::Tensor& all_stats, const at::Tensor& sums, int64_t slice, int64_t offset, at::Tensor out) {
+                  const at::Tensor& all_stats, const at::Tensor& sums, int64_t slice, int64_t offset, at::Tensor out,
+                  const c10::optional<at::Tensor>& bitmask) {
   check_rows(logits, temperatures);
   const int64_t rows = logits.size(0), n = logits.size(1), blocks = num_blocks(n);
+  const Masks masks(bitmask, rows, offset, n);
   TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.numel() == rows,
               "uniforms must be float64 [rows]");
   TORCH_CHECK(all_stats.scalar_type() == at::kDouble && all_stats.is_contiguous() && all_stats.dim() == 3 &&
@@ -237,7 +295,7 @@ void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, cons
       if (owner != slice) continue;
       const float* x = data + r * row_stride;
       token[r] = static_cast<double>(offset + walk(x, n, static_cast<float>(stat(owner, 0)), temperature[r],
-                                                   block + r * blocks, local_target));
+                                                   masks.row(r), block + r * blocks, local_target));
     }
   });
 }
@@ -245,9 +303,10 @@ void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, cons
 }  // namespace
 
 TORCH_LIBRARY(tpengine_sampling, m) {
-  m.def("slice_stats(Tensor logits, Tensor temperatures, Tensor(a!) stats, Tensor(b!) block_sums) -> ()");
+  m.def("slice_stats(Tensor logits, Tensor temperatures, Tensor(a!) stats, Tensor(b!) block_sums, "
+        "Tensor? bitmask=None, int offset=0) -> ()");
   m.def("slice_tokens(Tensor logits, Tensor temperatures, Tensor uniforms, Tensor all_stats, Tensor block_sums, "
-        "int slice, int offset, Tensor(a!) out) -> ()");
+        "int slice, int offset, Tensor(a!) out, Tensor? bitmask=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpengine_sampling, CPU, m) {

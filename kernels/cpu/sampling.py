@@ -31,21 +31,26 @@ def available() -> bool:
     return True
 
 
-def slice_stats(logits: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of one slice of float32 logits [rows, n]: its stats [rows, STATS] (float64) and block sums."""
+def slice_stats(logits: torch.Tensor, temperatures: torch.Tensor, bitmask: torch.Tensor | None = None,
+                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of one slice of float32 logits [rows, n]: its stats [rows, STATS] (float64) and block sums.
+    bitmask: the rows' token masks (xgrammar's int32 [rows, words] over the whole vocabulary; the slice's
+    entries are tokens offset..offset + n), a masked-out logit read as -inf."""
     rows, n = logits.shape
     stats = torch.empty(rows, STATS, dtype=torch.float64)
     sums = torch.empty(rows, -(-n // BLOCK), dtype=torch.float64)
-    torch.ops.tpengine_sampling.slice_stats(logits, temperatures, stats, sums)
+    torch.ops.tpengine_sampling.slice_stats(logits, temperatures, stats, sums, bitmask, offset)
     return stats, sums
 
 
 def slice_tokens(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor, all_stats: torch.Tensor,
-                 sums: torch.Tensor, slice: int, offset: int, out: torch.Tensor) -> None:
+                 sums: torch.Tensor, slice: int, offset: int, out: torch.Tensor,
+                 bitmask: torch.Tensor | None = None) -> None:
     """Into out (float64 [rows]): offset + the token's index in this slice for the rows whose draw it
     holds, -1 (slice 0) for rows without a distribution; other rows left alone. all_stats: every slice's
-    stats, [slices, rows, STATS]."""
-    torch.ops.tpengine_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, slice, offset, out)
+    stats, [slices, rows, STATS]; bitmask as slice_stats took it."""
+    torch.ops.tpengine_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, slice, offset, out,
+                                             bitmask)
 
 
 def slice_bounds(vocab: int, num_slices: int) -> list[tuple[int, int]]:
@@ -56,15 +61,17 @@ def slice_bounds(vocab: int, num_slices: int) -> list[tuple[int, int]]:
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor,
-                num_slices: int = 1) -> torch.Tensor:
+                num_slices: int = 1, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens (int64 [rows]) of float32 logits [rows, vocab] held whole, cut into num_slices slices as
     tensor-parallel ranks hold them: the same tokens those ranks would sample. temperatures float32,
-    uniforms float64 in [0, 1), both [rows]. Needs available()."""
+    uniforms float64 in [0, 1), both [rows]; bitmask: the rows' token masks (structured outputs), int32
+    [rows, words] as xgrammar fills them, the same tokens as after writing -inf where they mask. Needs
+    available()."""
     bounds = slice_bounds(logits.size(1), num_slices)
     pieces = [logits[:, start:end] for start, end in bounds]
-    stats = [slice_stats(piece, temperatures) for piece in pieces]
+    stats = [slice_stats(piece, temperatures, bitmask, start) for piece, (start, _) in zip(pieces, bounds)]
     all_stats = torch.stack([s for s, _ in stats])
     out = torch.zeros(logits.size(0), dtype=torch.float64)
     for r, (piece, (_, sums)) in enumerate(zip(pieces, stats)):
-        slice_tokens(piece, temperatures, uniforms, all_stats, sums, r, bounds[r][0], out)
+        slice_tokens(piece, temperatures, uniforms, all_stats, sums, r, bounds[r][0], out, bitmask)
     return out.long()

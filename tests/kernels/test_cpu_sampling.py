@@ -152,3 +152,45 @@ def test_more_slices_than_the_vocabulary_fills_leave_the_empty_ones_out():
                        sampling.sample_rows(logits, temperatures, uniforms))
     uniforms[0] = 1.0 - 2.0 ** -53
     assert sampling.sample_rows(logits, temperatures, uniforms, 4)[0] == 4
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """xgrammar's layout of a bool [rows, vocab]: token j is bit j % 32 of int32 word j / 32, the tail's bits set."""
+    rows, vocab = allowed.shape
+    words = -(-vocab // 32)
+    bits = torch.ones(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+@pytest.mark.parametrize("num_slices", [1, 2, 3])
+@pytest.mark.parametrize("vocab", [45, 1001, 4099])
+def test_a_token_mask_read_in_the_kernel_samples_what_masked_logits_sample(vocab, num_slices):
+    """Rows sparse and dense in allowed tokens, whole 16-token runs masked, one row unmasked, NaN and the maximum
+    in masked places, greedy and drawn: the mask read inside the kernel gives the token that writing -inf into
+    the logits first gives, at every slicing (slice starts off the mask's words)."""
+    generator = torch.Generator().manual_seed(vocab + num_slices)
+    rows = 40
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    density = torch.rand(rows, 1, generator=generator) ** 3  # from almost nothing allowed to almost everything
+    allowed = torch.rand(rows, vocab, generator=generator) < density
+    allowed[::5, : vocab // 2] = False              # long masked runs
+    allowed[1] = True                               # a row its grammar leaves free
+    allowed[:, 7] = True                            # every row allows something
+    logits[2, ~allowed[2]] = float("nan")           # masked NaNs do not spoil a row
+    logits[3] = torch.where(allowed[3], logits[3], torch.full_like(logits[3], 50.0))  # masked maxima lose
+    temperatures = torch.rand(rows, generator=generator) + 0.2
+    temperatures[::3] = 0.0
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=generator)
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    expected = sampling.sample_rows(masked, temperatures, uniforms, num_slices)
+    got = sampling.sample_rows(logits, temperatures, uniforms, num_slices, _bitmask(allowed))
+    assert torch.equal(got, expected)
+    assert allowed[torch.arange(rows), got].all()
+
+
+def test_a_bitmask_that_does_not_cover_the_vocabulary_is_refused():
+    with pytest.raises(RuntimeError, match="do not cover"):
+        sampling.sample_rows(torch.randn(2, 100), torch.ones(2), torch.rand(2, dtype=torch.float64), 1,
+                             torch.full((2, 3), -1, dtype=torch.int32))

@@ -173,3 +173,48 @@ def test_with_a_reasoning_parser_the_grammar_constrains_the_answer_after_the_thi
     with pytest.raises(ValueError, match="</think>"):  # the plain byte tokenizer has no such token
         LLM(tied_model, reasoning_parser="qwen3")
 
+
+
+def test_rank_0_reading_the_masks_inside_the_sampling_kernel_samples_what_masked_logits_sample():
+    """The CPU kernel reads a grammar row's token mask as it samples (no pass writing -inf): greedy, seeded and
+    unseeded rows, a row without a grammar and vocabulary slices get exactly the tokens that writing the mask into
+    the logits first gives."""
+    import torch
+    import xgrammar as xgr
+
+    from tpengine.kernels.cpu import sampling as cpu_sampling
+    from tpengine.runner.sampler import Sampler
+    from tpengine.sampling_params import SamplingRecord
+    from tpengine.structured.compiler import GrammarCompiler
+    from tpengine.structured.matcher import SequenceGrammar, apply_bitmask, fill_bitmask
+    if not cpu_sampling.available():
+        pytest.skip("the CPU sampling kernel does not build here")
+    pieces = [bytes([b]) for b in range(256)] + [b'{"', b'":', b'name', b'age', b'"}', b' "', b'12', b'true']
+    vocab = len(pieces) + 1
+    info = xgr.TokenizerInfo(pieces + [b"<eos>"], vocab_type=xgr.VocabType.RAW, vocab_size=vocab,
+                             stop_token_ids=[vocab - 1])
+    compiler = GrammarCompiler(info)
+    try:
+        compiled = compiler.compile(StructuredOutputsParams(json=SCHEMAS[0])).result()
+    finally:
+        compiler.close()
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=1.3)]
+    for num_slices in (1, 2):
+        records, plain = [], []
+        for row in range(12):
+            params = kinds[row % 3]
+            record = SamplingRecord(params, frozenset(), [1, 2, 3], 3)
+            if row != 4:  # row 4 has no grammar
+                record.grammar = SequenceGrammar(compiled)
+                for token in b'{"name": "ab'[:row]:  # the matchers at different places in the grammar
+                    assert record.grammar.accept(token)
+            records.append(record)
+            plain.append(SamplingRecord(params, frozenset(), [1, 2, 3], 3))
+        logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(num_slices)) * 4
+        rows = [i for i, r in enumerate(records) if r.grammar is not None]
+        masked = logits.clone()
+        apply_bitmask(masked, fill_bitmask(12, vocab, rows, [records[i].grammar for i in rows]), rows)
+        got = Sampler(seed=0, num_vocab_slices=num_slices)(logits.clone(), records).token_ids
+        expected = Sampler(seed=0, num_vocab_slices=num_slices)(masked, plain).token_ids
+        assert got == expected
+        assert all(masked[i, token] > float("-inf") for i, token in enumerate(got))

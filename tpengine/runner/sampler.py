@@ -82,15 +82,25 @@ class Sampler:
         params = [record.params for record in records]
         raw = logits.float()
         grammar_rows = [i for i, record in enumerate(records) if record.grammar is not None and record.grammar.active]
+        bitmask = None  # the grammar rows' token masks, when the CPU kernel reads them as it samples
         if grammar_rows:
-            from tpengine.structured.matcher import mask_logits
-            mask_logits(raw, grammar_rows, [records[i].grammar for i in grammar_rows])
+            from tpengine.structured.matcher import apply_bitmask, fill_bitmask
+            bitmask = fill_bitmask(raw.size(0), raw.size(1), grammar_rows, [records[i].grammar for i in grammar_rows])
+            # the kernel reads masked tokens as -inf: no pass writing them over the rows; logprobs, a top-k,
+            # top-p or min-p filter (the torch draw) and other devices need them written
+            if not (device.type == "cpu" and cpu_sampling.available()
+                    and all(params[i].logprobs is None and not params[i].has_filter for i in grammar_rows)):
+                apply_bitmask(raw, bitmask, grammar_rows)
+                bitmask = None
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # float32 log-softmax of the raw logits (vLLM's default), only for rows that asked
         raw_logprobs = raw[_to_device(logprob_rows, torch.int64, device)].log_softmax(-1) if logprob_rows else None
         logits = self._penalized(raw, records, params)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not random_rows:
+        if bitmask is not None:  # greedy rows too: the kernel's first maximum among the allowed tokens
+            uniform = self._uniforms([records[i] for i in random_rows]) if random_rows else torch.empty(0)
+            token_ids = self._sample_on_cpu(logits, records, random_rows, uniform, bitmask)
+        elif not random_rows:
             token_ids = _greedy(logits)
         else:
             token_ids = self._sample(logits, records, random_rows)
@@ -116,13 +126,16 @@ class Sampler:
         valid.index_copy_(0, rows, picked_valid)
         return torch.where(valid, token_ids, -1).tolist()  # the step's one wait on the device
 
-    def _sample_on_cpu(self, logits: torch.Tensor, records, random_rows: list[int], uniform: torch.Tensor) -> list[int]:
-        """The CPU kernel takes every row a temperature alone shapes (greedy ones included); rows with a
-        top-k, top-p or min-p filter are drawn by the torch path, with the same uniforms."""
+    def _sample_on_cpu(self, logits: torch.Tensor, records, random_rows: list[int], uniform: torch.Tensor,
+                       bitmask: torch.Tensor | None = None) -> list[int]:
+        """The CPU kernel takes every row a temperature alone shapes (greedy ones included), reading the token
+        masks of grammar rows from bitmask; rows with a top-k, top-p or min-p filter are drawn by the torch
+        path, with the same uniforms (none of them has a mask left to read)."""
         temperatures, uniforms, filtered = _kernel_rows(records, random_rows, uniform)
         token_ids = cpu_sampling.sample_rows(logits if logits.stride(1) == 1 else logits.contiguous(),
                                              torch.tensor(temperatures, dtype=torch.float32),
-                                             torch.tensor(uniforms, dtype=torch.float64), self.num_vocab_slices)
+                                             torch.tensor(uniforms, dtype=torch.float64), self.num_vocab_slices,
+                                             bitmask)
         if filtered:
             rows = torch.tensor([random_rows[j] for j in filtered])
             picked, valid = self._draw(logits[rows], [records[i] for i in rows.tolist()], uniform[filtered])

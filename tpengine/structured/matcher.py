@@ -32,21 +32,27 @@ class SequenceGrammar:
 _batch_matcher: xgr.BatchGrammarMatcher | None = None
 
 
-def mask_logits(logits: torch.Tensor, rows: list[int], grammars: list[SequenceGrammar]) -> None:
-    """Set to -inf, in place, every logit of rows[i] that grammars[i] does not allow next (the model's
-    vocabulary beyond the tokenizer's included: the grammars were compiled for the model's)."""
+def fill_bitmask(num_rows: int, vocab_size: int, rows: list[int], grammars: list[SequenceGrammar]) -> torch.Tensor:
+    """xgrammar's int32 token bitmask [num_rows, words] (on the host): rows[i]'s bits say which tokens grammars[i]
+    allows next, the other rows allow every token."""
     global _batch_matcher
-    vocab_size = logits.size(1)
-    bitmask = xgr.allocate_token_bitmask(logits.size(0), vocab_size)
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)
     if len(rows) == 1:
         grammars[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
     else:  # the rows' masks filled by xgrammar's threads
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher()
         _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, every logit of `rows` that its bitmask row does not allow (the model's vocabulary
+    beyond the tokenizer's included: the grammars were compiled for the model's)."""
     if logits.device.type == "cpu" and logits.stride(1) == 1 and token_bitmask.available():
         token_bitmask.apply_token_bitmask(logits, bitmask, rows)  # whole words at a time: ~1 ms a row less
         return
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.size(1), indices=rows)
+
