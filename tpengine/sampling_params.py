@@ -270,10 +270,11 @@ class SamplingRecord:
         self.stop_token_ids = stop_token_ids
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
-        # shaped by its temperature alone (greedy included): every rank can sample it over its own slice
-        # of the vocabulary, while min_tokens does not mask its stop tokens (min_tokens_pending)
+        # shaped by its temperature alone (greedy included), and by its grammar's token mask if it has one:
+        # every rank can sample it over its own slice of the vocabulary, while min_tokens does not mask its
+        # stop tokens (min_tokens_pending)
         self.plain = not (params.has_penalties or params.has_filter or params.logprobs is not None
-                          or params.logit_bias is not None or params.structured_outputs is not None)
+                          or params.logit_bias is not None)
         # its grammar's matcher (structured outputs), which masks its logits and takes each sampled token
         self.grammar = None
         # how many tokens past the sequence's next one the row samples: a verify row's draft positions

@@ -1,6 +1,6 @@
-"""Structured outputs at tp=2: every output matches its grammar (steps with a constrained row sample rank 0's
-gathered logits, the others every rank's slice), and unconstrained requests beside them get the tokens they
-get alone."""
+"""Structured outputs at tp=2: every output matches its grammar (each rank samples its own slice of the vocabulary,
+reading the constrained rows' token masks from the step message: no gather of the logits), and unconstrained
+requests beside them get the tokens they get alone."""
 from tests.conftest import random_prompts
 from tests.structured.test_structured_outputs import check_all, constraints
 from tpengine import LLM, SamplingParams
@@ -13,6 +13,10 @@ def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
             SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)]
     with LLM(tied_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=48,
              max_model_len=384) as llm:
+        sent = []  # per step: (sampled by every rank over its slice, rows with token masks)
+        send = llm.executor.send_to_workers
+        llm.executor.send_to_workers = lambda step: (sent.append((bool(step.temperatures), len(step.masked_rows))),
+                                                     send(step))
         alone = [o.token_ids for o in llm.generate(free_prompts, free, use_tqdm=False)]
         outputs = llm.generate(free_prompts + [f"case {i}" for i in range(len(cases))],
                                free + [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=256,
@@ -20,3 +24,5 @@ def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
                                use_tqdm=False)
     assert [o.token_ids for o in outputs[:2]] == alone
     check_all(outputs[2:], [check for _, check in cases])
+    # the constrained rows' steps were sampled on every rank's slice too, their masks in the message
+    assert any(masked for _, masked in sent) and all(on_slices for on_slices, masked in sent if masked)

@@ -63,6 +63,10 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     # tokens (no gather of the logits): each row's temperature (0: greedy) and uniform draw
     temperatures: list[float] = []
     uniforms: list[float] = []
+    # on that path, the rows a grammar masks (structured outputs) and their token masks: xgrammar's int32
+    # bitmask words over the whole vocabulary, row after row (each rank reads its slice's bits)
+    masked_rows: list[int] = []
+    token_masks: bytes = b""
     # pipeline parallelism: which of the steps in flight this is (its virtual engine), the tag of every
     # point-to-point send of its hidden states and tokens
     virtual_engine: int = 0

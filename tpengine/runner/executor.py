@@ -41,7 +41,8 @@ class Executor:
         # tokens); else rank 0 samples the gathered logits. Either way a row gets the same token.
         if (records and self.runner.samples_vocab_parallel
                 and all(record.plain and not record.min_tokens_pending for record in records)):
-            step.temperatures, step.uniforms = self.sampler.vocab_parallel_rows(records)
+            step.temperatures, step.uniforms, step.masked_rows, step.token_masks = self.sampler.vocab_parallel_rows(
+                records, self.runner.hf_config.vocab_size)
         self.send_to_workers(step)
 
     # --- pipeline parallelism: up to pipeline_parallel_size steps in flight ---------------------

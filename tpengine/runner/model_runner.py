@@ -365,7 +365,8 @@ class ModelRunner:
         if step.temperatures:
             token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
                                               step.temperatures, step.uniforms, self.group,
-                                              self.model.lm_head.vocab_start_idx)
+                                              self.model.lm_head.vocab_start_idx, step.masked_rows,
+                                              step.token_masks)
             return None if token_ids is None else SamplerOutput(token_ids, [None] * num_logits, draft_token_ids)
         logits = self.model.compute_logits(hidden_states, num_rows=num_logits)
         if logits is None:
@@ -398,7 +399,8 @@ class ModelRunner:
         if step.temperatures:
             token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
                                               step.temperatures, step.uniforms, self.group,
-                                              self.model.lm_head.vocab_start_idx)
+                                              self.model.lm_head.vocab_start_idx, step.masked_rows,
+                                              step.token_masks)
             if token_ids is not None:
                 pipeline.send_to_first(torch.tensor(token_ids, dtype=torch.int64, device=self.device),
                                        step.virtual_engine)

@@ -52,6 +52,8 @@ class VocabParallelRows(NamedTuple):
     """What every rank needs to sample a step's rows over its own slice of the vocabulary."""
     temperatures: list[float]  # 0: greedy
     uniforms: list[float]      # 0.0 for greedy rows
+    masked_rows: list[int]     # the rows a grammar masks (structured outputs)
+    token_masks: bytes         # their bitmasks (xgrammar's int32 words over the vocabulary), row after row
 
 
 class Sampler:
@@ -66,14 +68,21 @@ class Sampler:
         # so a row gets the token the ranks would sample without gathering (vocab_parallel_rows)
         self.num_vocab_slices = num_vocab_slices
 
-    def vocab_parallel_rows(self, records: list[SamplingRecord]) -> VocabParallelRows:
-        """Each row's temperature and uniform, for every rank to sample its own slice of the vocabulary (the
-        executor takes this path when every record is plain and none has min_tokens pending). The uniforms
-        are drawn here, as the gathered path draws them, so either path gives a row the same token."""
+    def vocab_parallel_rows(self, records: list[SamplingRecord], vocab_size: int) -> VocabParallelRows:
+        """Each row's temperature and uniform, and the token masks of the rows a grammar constrains, for every
+        rank to sample its own slice of the vocabulary (the executor takes this path when every record is plain
+        and none has min_tokens pending). The uniforms are drawn here, as the gathered path draws them, so
+        either path gives a row the same token."""
         random_rows = [i for i, record in enumerate(records) if not record.params.is_greedy]
         uniform = self._uniforms([records[i] for i in random_rows]) if random_rows else torch.empty(0)
         temperatures, uniforms, _ = _kernel_rows(records, random_rows, uniform)
-        return VocabParallelRows(temperatures, uniforms)
+        masked_rows = [i for i, record in enumerate(records) if record.grammar is not None and record.grammar.active]
+        token_masks = b""
+        if masked_rows:
+            from tpengine.structured.matcher import fill_bitmask
+            token_masks = fill_bitmask(len(masked_rows), vocab_size, list(range(len(masked_rows))),
+                                       [records[i].grammar for i in masked_rows]).numpy().tobytes()
+        return VocabParallelRows(temperatures, uniforms, masked_rows, token_masks)
 
     def __call__(self, logits: torch.Tensor, records: list[SamplingRecord]) -> SamplerOutput:
         """logits: [rows, vocab], one row per record. A row with a grammar (structured outputs) first loses
@@ -262,23 +271,30 @@ class Sampler:
 
 
 def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], uniforms: list[float], group,
-                          vocab_start: int) -> list[int] | None:
+                          vocab_start: int, masked_rows: list[int] = (), token_masks: bytes = b"") -> list[int] | None:
     """Every rank's part of sampling a step over its own slice of the vocabulary (logits: this rank's
     columns, vocab_start onwards): each rank sums its slice per row, the ranks share those few numbers
     (one all-reduce), the rank whose slice holds a row's draw finds the token, and a second all-reduce
-    brings the tokens together. The CPU kernel's tokens, as rank 0 would sample the gathered logits:
-    token ids on rank 0, None on the others. Collective."""
+    brings the tokens together. The CPU kernel's tokens, as rank 0 would sample the gathered logits (with
+    masked_rows' token masks read from token_masks, as its sampler reads them): token ids on rank 0, None
+    on the others. Collective."""
     logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temperatures = torch.tensor(temperatures, dtype=torch.float32)
     uniforms = torch.tensor(uniforms, dtype=torch.float64)
-    stats, sums = cpu_sampling.slice_stats(logits, temperatures)
+    bitmask = None
+    if masked_rows:
+        masks = torch.frombuffer(bytearray(token_masks), dtype=torch.int32).view(len(masked_rows), -1)
+        bitmask = torch.full((logits.size(0), masks.size(1)), -1, dtype=torch.int32)  # -1: every token allowed
+        bitmask[torch.tensor(masked_rows)] = masks
+    stats, sums = cpu_sampling.slice_stats(logits, temperatures, bitmask, vocab_start)
     all_stats = torch.zeros(group.size, *stats.shape, dtype=torch.float64)
     all_stats[group.rank] = stats
     group.all_reduce(all_stats)  # x + 0 is x: every rank gets every rank's stats, bit for bit
     tokens = torch.zeros(logits.size(0), dtype=torch.float64)
-    cpu_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, group.rank, vocab_start, tokens)
+    cpu_sampling.slice_tokens(logits, temperatures, uniforms, all_stats, sums, group.rank, vocab_start, tokens,
+                              bitmask)
     group.all_reduce(tokens)  # each row's token comes from one rank; the others add 0
     return tokens.long().tolist() if group.rank == 0 else None
 
