@@ -12,6 +12,11 @@ model, the time to the first token of a request whose schema is new against one 
 Reported per case: median µs per step over --steps steps after --warmup, alternating unconstrained and
 constrained steps. The aim: at most 50 µs per constrained sequence per step, and none for the others.
 
+Then, with --tp 2 (default; 0 skips it), whole engine steps of --tp-rows decode rows of a random model with
+the 151,936-token vocabulary (hidden 64, 2 layers: the LM head and the sampling are most of a step), none, one
+or every row constrained by a regex: each rank samples its own slice of the vocabulary and reads the
+constrained rows' token masks from the step message, so a constrained row should cost its neighbours nothing.
+
     .venv/bin/python scripts/bench_structured.py [--sizes 64 256] [--steps 30]
     .venv/bin/python scripts/bench_structured.py --quick     # seconds: 8 rows, a few steps
 """
@@ -156,6 +161,43 @@ def first_token_ms(args) -> tuple[float, float]:
     return statistics.median(new), statistics.median(cached)
 
 
+def engine_steps(args) -> list[tuple[int, float, float]]:
+    """Median ms of an engine's decode steps with none, one and every row constrained (a regex most byte tokens
+    meet), alternating over two rounds, the best kept; each with its ratio to none."""
+    from tpengine import LLM
+    from tpengine.tiny_model import write_tiny_model
+    rows = args.tp_rows
+    spec = StructuredOutputsParams(regex=r"[a-z ]{100,400}")
+    counts = sorted({0, 1, rows})
+    with tempfile.TemporaryDirectory() as folder:
+        path = write_tiny_model(folder, seed=0, vocab_size=args.large_vocab, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                tie_word_embeddings=False)
+        llm = LLM(path, tensor_parallel_size=args.tp, max_num_seqs=rows, max_model_len=512)
+        rng = random.Random(0)
+        best = {}
+        try:
+            for _ in range(2):
+                for constrained in counts:
+                    for i in range(rows):
+                        params = SamplingParams(temperature=1.0, seed=i, max_tokens=args.warmup + args.steps + 4,
+                                                ignore_eos=True, structured_outputs=spec if i < constrained else None)
+                        llm.add_request([rng.randrange(256) for _ in range(16)], params, stream=False)
+                    for _ in range(1 + args.warmup):  # the prefill, then warm-up
+                        llm.step()
+                    times = []
+                    for _ in range(args.steps):
+                        started = time.perf_counter()
+                        llm.step()
+                        times.append((time.perf_counter() - started) * 1e3)
+                    while llm.has_unfinished_requests():
+                        llm.step()
+                    best[constrained] = min(best.get(constrained, float("inf")), statistics.median(times))
+        finally:
+            llm.shutdown()
+    return [(c, best[c], best[c] / best[0]) for c in counts]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
@@ -164,8 +206,10 @@ def main(argv=None) -> None:
     parser.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
     parser.add_argument("--large-vocab", type=int, default=151_936)
     parser.add_argument("--ttft-repeats", type=int, default=5)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size of the engine steps (0: none)")
+    parser.add_argument("--tp-rows", type=int, default=64, help="decode rows of each engine step")
     args = parse_with_quick(parser, argv, dict(sizes=[8], steps=3, warmup=1, walk=4, large_vocab=4096,
-                                               ttft_repeats=1))
+                                               ttft_repeats=1, tp_rows=4))
     torch.set_num_threads(min(2, torch.get_num_threads()))
     print(f"rank 0's sampling of one decode step (median of {args.steps} after {args.warmup}), a JSON schema "
           f"on every constrained row; {torch.get_num_threads()} threads\n")
@@ -178,6 +222,13 @@ def main(argv=None) -> None:
     new_ms, cached_ms = first_token_ms(args)
     print(f"\ntime to the first token (tiny model, 1 token): new schema {new_ms:.1f} ms, cached schema "
           f"{cached_ms:.1f} ms")
+    if args.tp:
+        print(f"\nengine steps at tp {args.tp}, {args.tp_rows} decode rows, vocabulary {args.large_vocab:,} "
+              f"(median ms of {args.steps} steps after {args.warmup})\n")
+        print("| rows constrained | step ms | vs none |")
+        print("|---:|---:|---:|")
+        for constrained, ms, ratio in engine_steps(args):
+            print(f"| {constrained} of {args.tp_rows} | {ms:.2f} | {ratio:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
