@@ -218,3 +218,13 @@ def test_rank_0_reading_the_masks_inside_the_sampling_kernel_samples_what_masked
         expected = Sampler(seed=0, num_vocab_slices=num_slices)(masked, plain).token_ids
         assert got == expected
         assert all(masked[i, token] > float("-inf") for i, token in enumerate(got))
+
+
+def test_a_bfloat16_engine_follows_every_grammar(tied_model):
+    # bfloat16 logits (where the CPU computes in bfloat16; else the engine runs float32, as a user gets it)
+    cases = list(constraints())[::3]
+    with LLM(tied_model, dtype="bfloat16", kvcache_block_size=16, max_model_len=384) as llm:
+        outputs = llm.generate([f"bf16 {i}" for i in range(len(cases))],
+                               [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
+                                for i, (spec, _) in enumerate(cases)], use_tqdm=False)
+    check_all(outputs, [check for _, check in cases])
