@@ -141,3 +141,16 @@ def test_ngram_speculation_through_the_pipeline_matches_transformers(tied_model)
         assert llm.spec_decode_stats["num_drafts"] > 0
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tied_model, prompts, 24)
 
+
+
+def test_the_last_stage_samples_constrained_rows_with_the_masks_from_the_step_message(tied_model):
+    import re
+
+    from tpengine import StructuredOutputsParams
+    regex = r"[a-z]{3,8}-\d{2}"
+    with LLM(tied_model, pipeline_parallel_size=2, kvcache_block_size=16, max_model_len=384) as llm:
+        outputs = llm.generate([f"p {i}" for i in range(6)],
+                               [SamplingParams(temperature=1.0, seed=i, max_tokens=64,
+                                               structured_outputs=StructuredOutputsParams(regex=regex))
+                                for i in range(6)], use_tqdm=False)
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outputs), [o.outputs[0].text for o in outputs]
