@@ -7,12 +7,12 @@ from tpengine import LLM, SamplingParams
 
 
 def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
-    cases = list(constraints())[::2]
+    cases = list(constraints())
     free_prompts = random_prompts(9, [7, 21], 250)
     free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
             SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)]
-    with LLM(tied_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=48,
-             max_model_len=384) as llm:
+    with LLM(tied_model, tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=32,
+             max_model_len=384, max_num_seqs=16) as llm:
         sent = []  # per step: (sampled by every rank over its slice, rows with token masks)
         send = llm.executor.send_to_workers
         llm.executor.send_to_workers = lambda step: (sent.append((bool(step.temperatures), len(step.masked_rows))),
@@ -22,7 +22,9 @@ def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
                                free + [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=256,
                                                       structured_outputs=spec) for i, (spec, _) in enumerate(cases)],
                                use_tqdm=False)
+        preempted = llm.num_preemptions
     assert [o.token_ids for o in outputs[:2]] == alone
     check_all(outputs[2:], [check for _, check in cases])
     # the constrained rows' steps were sampled on every rank's slice too, their masks in the message
     assert any(masked for _, masked in sent) and all(on_slices for on_slices, masked in sent if masked)
+    assert preempted > 0, "the small cache was meant to preempt constrained sequences"
