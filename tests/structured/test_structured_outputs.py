@@ -228,3 +228,36 @@ def test_a_bfloat16_engine_follows_every_grammar(tied_model):
                                [SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured_outputs=spec)
                                 for i, (spec, _) in enumerate(cases)], use_tqdm=False)
     check_all(outputs, [check for _, check in cases])
+
+
+def test_a_grammar_compiled_before_it_is_asked_for_again_never_deadlocks_the_engine_thread():
+    """A compilation that is done before compile() attaches its callback (xgrammar's cache answers in
+    microseconds) runs the callback on the calling thread: it must not wait for a lock that thread holds.
+    Switching threads every microsecond makes that order common; before the fix this hung within 3,000 calls."""
+    import sys
+    import threading
+
+    import xgrammar as xgr
+
+    from tpengine.structured.compiler import GrammarCompiler
+    info = xgr.TokenizerInfo([bytes([b]) for b in range(256)] + [b"<eos>"], vocab_type=xgr.VocabType.RAW,
+                             vocab_size=257, stop_token_ids=[256])
+    compiler = GrammarCompiler(info)
+    spec = StructuredOutputsParams(regex=r"[a-z]{3}")
+    compiler.compile(spec).result()
+    finished = []
+
+    def ask_again_and_again():
+        for _ in range(3000):
+            compiler.compile(spec).result()
+        finished.append(True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        thread = threading.Thread(target=ask_again_and_again, daemon=True)
+        thread.start()
+        thread.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+        compiler.close()
+    assert finished, "compile() deadlocked on its own lock"

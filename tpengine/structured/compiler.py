@@ -63,10 +63,14 @@ class GrammarCompiler:
         key = spec.key
         with self._lock:
             future = self._compiling.get(key)
-            if future is None:
+            submitted = future is None
+            if submitted:
                 future = self._thread.submit(self._compile, spec)
                 self._compiling[key] = future
-                future.add_done_callback(lambda _: self._forget(key))
+        if submitted:
+            # outside the lock: a compilation already done (xgrammar's cache answers in microseconds) runs its
+            # callback here and now, and _forget takes the lock
+            future.add_done_callback(lambda _: self._forget(key))
         return future
 
     def _forget(self, key: tuple) -> None:
