@@ -34,7 +34,8 @@ constexpr int64_t kBlock = 256;  // entries per block sum: the pick recomputes a
 constexpr int64_t kParallelElements = 1 << 15;  // a thread gets rows of at least this many logits
 
 // A row's token mask over one slice of the vocabulary: the slice's entry i is token offset + i. bits null: every
-// token allowed.
+// token allowed. The passes below take it as a template switch (Masked), so an unmasked row runs the code it ran
+// before masks existed, at its speed.
 struct RowMask {
   const uint32_t* bits = nullptr;
   int64_t offset = 0, words = 0;
@@ -51,6 +52,8 @@ struct RowMask {
     if (b > 16 && w + 1 < words) two |= static_cast<uint64_t>(bits[w + 1]) << 32;
     return static_cast<uint32_t>(two >> b) & 0xFFFFu;
   }
+  // the mask of the entries from `start` on
+  RowMask from(int64_t start) const { return {bits, offset + start, words}; }
 };
 
 struct RowMax {
@@ -58,6 +61,7 @@ struct RowMax {
   bool has_nan;
 };
 
+template <bool Masked>
 RowMax row_max(const float* x, int64_t n, const RowMask& mask) {
   float best = -std::numeric_limits<float>::infinity();
   bool has_nan = false;
@@ -66,7 +70,8 @@ RowMax row_max(const float* x, int64_t n, const RowMask& mask) {
   __m512 vbest = _mm512_set1_ps(best);
   __mmask16 nan_lanes = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(best), __mmask16(mask.lanes16(i)), x + i);
+    const __m512 v = Masked ? _mm512_mask_loadu_ps(_mm512_set1_ps(best), __mmask16(mask.lanes16(i)), x + i)
+                            : _mm512_loadu_ps(x + i);
     nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     vbest = _mm512_max_ps(vbest, v);
   }
@@ -74,7 +79,7 @@ RowMax row_max(const float* x, int64_t n, const RowMask& mask) {
   has_nan = nan_lanes != 0;
 #endif
   for (; i < n; ++i) {
-    if (!mask.allows(i)) continue;
+    if (Masked && !mask.allows(i)) continue;
     has_nan |= std::isnan(x[i]);
     best = x[i] > best ? x[i] : best;
   }
@@ -83,23 +88,29 @@ RowMax row_max(const float* x, int64_t n, const RowMask& mask) {
 
 // out[i] = exp((x[i] - max) / temperature) for i < n <= kBlock, 0 (exp(-inf)) where the mask has x[i] out;
 // x and the mask start at the same entry
+template <bool Masked>
 void block_exps(const float* x, int64_t n, float max, float temperature, const RowMask& mask, float* out) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 vmax = _mm512_set1_ps(max), vt = _mm512_set1_ps(temperature);
   for (; i < n; i += 16) {
     const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __mmask16 allowed = lanes & __mmask16(mask.lanes16(i));
-    if (!allowed) {  // 16 masked tokens: no exp to compute
-      _mm512_mask_storeu_ps(out + i, lanes, _mm512_setzero_ps());
-      continue;
+    if constexpr (!Masked) {
+      const __m512 v = _mm512_mask_loadu_ps(vmax, lanes, x + i);  // lanes past n give exp(0), not stored
+      _mm512_mask_storeu_ps(out + i, lanes, Sleef_expf16_u10(_mm512_div_ps(_mm512_sub_ps(v, vmax), vt)));
+    } else {
+      const __mmask16 allowed = lanes & __mmask16(mask.lanes16(i));
+      if (!allowed) {  // 16 masked tokens: no exp to compute
+        _mm512_mask_storeu_ps(out + i, lanes, _mm512_setzero_ps());
+        continue;
+      }
+      const __m512 v = _mm512_mask_loadu_ps(vmax, allowed, x + i);  // other lanes: exp(0), zeroed or not stored
+      const __m512 e = Sleef_expf16_u10(_mm512_div_ps(_mm512_sub_ps(v, vmax), vt));
+      _mm512_mask_storeu_ps(out + i, lanes, _mm512_maskz_mov_ps(allowed, e));
     }
-    const __m512 v = _mm512_mask_loadu_ps(vmax, allowed, x + i);  // other lanes give exp(0), zeroed or not stored
-    const __m512 e = Sleef_expf16_u10(_mm512_div_ps(_mm512_sub_ps(v, vmax), vt));
-    _mm512_mask_storeu_ps(out + i, lanes, _mm512_maskz_mov_ps(allowed, e));
   }
 #else
-  for (; i < n; ++i) out[i] = mask.allows(i) ? std::exp((x[i] - max) / temperature) : 0.f;
+  for (; i < n; ++i) out[i] = !Masked || mask.allows(i) ? std::exp((x[i] - max) / temperature) : 0.f;
 #endif
 }
 
@@ -113,21 +124,22 @@ double block_sum(const float* e, int64_t n) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+template <bool Masked>
 int64_t first_index_of(const float* x, int64_t n, float value, const RowMask& mask) {
   for (int64_t i = 0; i < n; ++i)
-    if (x[i] == value && mask.allows(i)) return i;
+    if (x[i] == value && (!Masked || mask.allows(i))) return i;
   return -1;
 }
 
 // sums[b] = the block sums of exp((x - max) / temperature) over x[0..n); returns their total, summed in
 // block order
+template <bool Masked>
 double block_sums(const float* x, int64_t n, float max, float temperature, const RowMask& mask, double* sums) {
   float e[kBlock];
   double total = 0;
   for (int64_t b = 0; b * kBlock < n; ++b) {
     const int64_t len = std::min(kBlock, n - b * kBlock);
-    const RowMask block_mask{mask.bits, mask.offset + b * kBlock, mask.words};
-    block_exps(x + b * kBlock, len, max, temperature, block_mask, e);
+    block_exps<Masked>(x + b * kBlock, len, max, temperature, mask.from(b * kBlock), e);
     sums[b] = block_sum(e, len);
     total += sums[b];
   }
@@ -137,6 +149,7 @@ double block_sums(const float* x, int64_t n, float max, float temperature, const
 // The first entry whose cumulative mass (in block_sums' units) exceeds target, as
 // torch.searchsorted(right=True) over the cumulative sum: an entry of probability 0 is never picked.
 // Past the total (rounding), the last entry with any mass.
+template <bool Masked>
 int64_t walk(const float* x, int64_t n, float max, float temperature, const RowMask& mask, const double* sums,
              double target) {
   float e[kBlock];
@@ -148,7 +161,7 @@ int64_t walk(const float* x, int64_t n, float max, float temperature, const RowM
   if (past_the_end)
     for (b = blocks - 1; b > 0 && sums[b] <= 0; --b) {}  // the last block with any mass
   const int64_t len = std::min(kBlock, n - b * kBlock);
-  block_exps(x + b * kBlock, len, max, temperature, RowMask{mask.bits, mask.offset + b * kBlock, mask.words}, e);
+  block_exps<Masked>(x + b * kBlock, len, max, temperature, mask.from(b * kBlock), e);
   int64_t last_positive = 0;
   for (int64_t i = 0; i < len; ++i) {
     if (e[i] <= 0) continue;
@@ -208,16 +221,20 @@ void slice_stats(const at::Tensor& logits, const at::Tensor& temperatures, at::T
     for (int64_t r = begin; r < end; ++r) {
       const float* x = data + r * row_stride;
       const RowMask mask = masks.row(r);
-      const RowMax m = row_max(x, n, mask);
+      const bool masked = mask.bits != nullptr;
+      const RowMax m = masked ? row_max<true>(x, n, mask) : row_max<false>(x, n, mask);
       double* row = out + 3 * r;
       row[0] = m.has_nan ? std::numeric_limits<double>::quiet_NaN() : m.value;
       row[1] = 0;
       row[2] = -1;
       if (m.has_nan || !std::isfinite(m.value)) continue;
       if (temperature[r] == 0.f) {
-        row[2] = static_cast<double>(first_index_of(x, n, m.value, mask));
+        row[2] = static_cast<double>(masked ? first_index_of<true>(x, n, m.value, mask)
+                                            : first_index_of<false>(x, n, m.value, mask));
       } else {
-        row[1] = block_sums(x, n, m.value, temperature[r], mask, block + r * blocks);
+        double* row_sums = block + r * blocks;
+        row[1] = masked ? block_sums<true>(x, n, m.value, temperature[r], mask, row_sums)
+                        : block_sums<false>(x, n, m.value, temperature[r], mask, row_sums);
       }
     }
   });
@@ -294,8 +311,12 @@ void slice_tokens(const at::Tensor& logits, const at::Tensor& temperatures, cons
       }
       if (owner != slice) continue;
       const float* x = data + r * row_stride;
-      token[r] = static_cast<double>(offset + walk(x, n, static_cast<float>(stat(owner, 0)), temperature[r],
-                                                   masks.row(r), block + r * blocks, local_target));
+      const RowMask mask = masks.row(r);
+      const float max_x = static_cast<float>(stat(owner, 0));
+      token[r] = static_cast<double>(offset + (mask.bits ? walk<true>(x, n, max_x, temperature[r], mask,
+                                                                      block + r * blocks, local_target)
+                                                         : walk<false>(x, n, max_x, temperature[r], mask,
+                                                                       block + r * blocks, local_target)));
     }
   });
 }
