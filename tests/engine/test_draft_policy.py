@@ -13,7 +13,7 @@ def simulate(policy: DraftPolicy, num_rows: int, rate_with: float, rate_without:
         if with_drafts:
             drafted.append(step)
         rate = rate_with if with_drafts else rate_without
-        policy.observe(num_rows, with_drafts, num_rows, num_rows / (rate * num_rows))
+        policy.observe(num_rows, with_drafts, 1.0, 1.0 / rate)
     return drafted
 
 
@@ -71,5 +71,5 @@ def test_without_measurements_or_adaptivity_every_step_drafts_and_disable_by_bat
     assert cut.drafts_pay(7) and not cut.drafts_pay(8) and not cut.drafts_pay(100)
     fresh = DraftPolicy()
     assert not fresh.drafts_pay(3)  # a step without drafts first, then measures one with
-    fresh.observe(3, False, 3, 0.1)
+    fresh.observe(3, False, 1.0, 0.1)
     assert fresh.drafts_pay(3)

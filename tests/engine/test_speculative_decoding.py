@@ -12,6 +12,7 @@ from tests.engine.test_scheduler import BS, make_scheduler, new_seq
 from tpengine.config import SpeculativeConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
 from tpengine.engine.block_manager import compute_block_hash
+from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.proposer import DraftModelProposer, NgramProposer
 from tpengine.engine.sequence import SequenceStatus
 from tpengine.paging import blocks_for
@@ -278,3 +279,36 @@ def test_ngram_config_takes_vllms_defaults():
         method="ngram", num_speculative_tokens=2, prompt_lookup_min=5, prompt_lookup_max=5)
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 3)
+
+
+class RecordingPolicy(DraftPolicy):
+    """Every step drafts (not adaptive); what the scheduler reports of each step is kept."""
+
+    def __init__(self):
+        super().__init__(adaptive=False)
+        self.observed: list[tuple[int, bool, float]] = []
+
+    def observe(self, num_rows: int, drafted: bool, tokens_per_row: float, seconds: float) -> None:
+        self.observed.append((num_rows, drafted, tokens_per_row))
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_step_with_drafts_counts_its_least_lucky_row_while_no_request_waits_for_a_row(waiting):
+    # a batch that is not refilled ends with its slowest row; one that is gains every row's tokens
+    policy = RecordingPolicy()
+    scheduler = make_scheduler(max_num_seqs=2, num_kvcache_blocks=40, draft_policy=policy,
+                               **speculation(draft_model(k=4)))
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i in range(2 + waiting):  # the third waits: two rows at most
+        scheduler.add(new_seq([1 + i, 2, 3], params))
+    plan = scheduler.schedule()
+    scheduler.postprocess(plan, [4] * len(plan.sampling))
+    scheduler.observe_step(plan, 2, 0.01)
+    assert policy.observed == []  # a step with prompts is not measured
+    plan = scheduler.schedule()
+    assert [chunk.num_draft_tokens for chunk in plan.message.prefill] == [4, 4]
+    drafts = [5, 5, 5, 5, 5, 5, 5, 5]
+    sampled = [5, 5, 5, 5, 1] + [2, 1, 1, 1, 1]  # the first row keeps its 4 drafts (5 tokens), the second none (1)
+    scheduler.postprocess(plan, sampled, drafts)
+    scheduler.observe_step(plan, 6, 0.01)
+    assert policy.observed == [(2, True, 3.0 if waiting else 1.0)]

@@ -3,8 +3,9 @@ tokens per row costs less than the drafts it keeps, which depends on the batch (
 on a CPU), the model, the machine and how often the drafts are right. None of that is guessed here: steps
 are measured.
 
-For each class of batch sizes (powers of two), the output tokens per second per row of steps with drafts and
-of steps without are followed as moving averages; a step takes drafts when those steps have been the faster,
+For each class of batch sizes (powers of two), the output tokens per second a row gets from steps with drafts
+and from steps without are followed as moving averages (while no request waits for a row, a step with drafts
+counts the tokens of its least lucky row: a batch that is not refilled ends with its slowest row); a step takes drafts when those steps have been the faster,
 and now and then one step does the other, so both figures stay current as the workload changes. Exploring
 is dear (a verify step at a large batch costs several plain ones, and the rows it moves on unevenly leave the
 batch ragged), so its interval backs off: it starts at EXPLORE_EVERY steps of the class and grows 2x each
@@ -66,12 +67,12 @@ class DraftPolicy:
         batch_class.next_explore = batch_class.steps + batch_class.interval  # until the step is measured
         return not faster
 
-    def observe(self, num_rows: int, drafted: bool, num_new_tokens: int, seconds: float) -> None:
-        """A step of num_rows decode or verify rows (no prompt chunk), with drafts or without, appended
-        num_new_tokens tokens in seconds."""
+    def observe(self, num_rows: int, drafted: bool, tokens_per_row: float, seconds: float) -> None:
+        """A step of num_rows decode or verify rows (no prompt chunk), with drafts or without, took seconds and
+        counts tokens_per_row tokens a row (the scheduler says which: engine/scheduler.py, observe_step)."""
         if not self.adaptive or num_rows <= 0 or seconds <= 0:
             return
-        rate = num_new_tokens / seconds / num_rows
+        rate = tokens_per_row / seconds
         batch_class = self._class(num_rows)
         rates = batch_class.rates
         arm = 0 if drafted else 1

@@ -81,6 +81,7 @@ class Scheduler:
         self._truncated_num_blocks: list[int] = []
         # a step the ranks' draft model runs in: the sequences whose draft K/V is complete once it has run
         self._draft_caught_up: list[Sequence] = []
+        self._fewest_verify_tokens: int | None = None  # the last step's: tokens its least lucky running verify row got
         # speculative decoding: the proposer and how many drafts a verify row takes at most
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
@@ -609,6 +610,7 @@ class Scheduler:
         block_manager = self.block_manager
         block_size = block_manager.block_size
         row = 0
+        self._fewest_verify_tokens = None
         for seq in verify:
             drafts = seq.draft_token_ids
             seq.draft_token_ids = []
@@ -641,6 +643,8 @@ class Scheduler:
                     break
             seq.token_ids.extend(new_tokens)
             seq.num_tokens += len(new_tokens)
+            if reason is None and (self._fewest_verify_tokens is None or len(new_tokens) < self._fewest_verify_tokens):
+                self._fewest_verify_tokens = len(new_tokens)
             if new_tokens:
                 seq.last_token = new_tokens[-1]
             self.num_output_tokens += len(new_tokens)
@@ -664,10 +668,19 @@ class Scheduler:
     def observe_step(self, plan: StepPlan, num_new_tokens: int, seconds: float) -> None:
         """How long a step took from its plan to its tokens, for the draft policy: one of decode and verify
         rows alone."""
-        if self.proposer is not None and not plan.num_prefill_tokens:
-            num_verify_rows = sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)
-            self.draft_policy.observe(plan.num_decode + num_verify_rows, bool(num_verify_rows), num_new_tokens,
-                                      seconds)
+        if self.proposer is None or plan.num_prefill_tokens:
+            return
+        num_verify_rows = sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)
+        num_rows = plan.num_decode + num_verify_rows
+        tokens_per_row = num_new_tokens / num_rows if num_rows else 0.0
+        if num_verify_rows and not self.waiting:
+            # No request waits for a row, so a row that gets ahead is not refilled and the batch ends with its
+            # slowest row: a step with drafts counts the fewest tokens a row still running got (a decode row
+            # among them got one), not their mean, or rows far ahead would hide the ones left behind.
+            fewest = 1 if plan.num_decode else self._fewest_verify_tokens
+            if fewest is not None:
+                tokens_per_row = min(tokens_per_row, fewest)
+        self.draft_policy.observe(num_rows, bool(num_verify_rows), tokens_per_row, seconds)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop seq's tokens after its first num_tokens (a verify row's past a stop string the engine matched,
