@@ -312,3 +312,41 @@ def test_a_step_with_drafts_counts_its_least_lucky_row_while_no_request_waits_fo
     scheduler.postprocess(plan, sampled, drafts)
     scheduler.observe_step(plan, 6, 0.01)
     assert policy.observed == [(2, True, 3.0 if waiting else 1.0)]
+
+
+class DraftsLate(DraftPolicy):
+    """No drafts in the first `after` steps that ask, drafts in every one after."""
+
+    def __init__(self, after: int):
+        super().__init__(adaptive=False)
+        self.after, self.asked = after, 0
+
+    def drafts_pay(self, num_rows: int) -> bool:
+        self.asked += 1
+        return self.asked > self.after
+
+
+def test_the_draft_models_catch_up_stays_within_the_steps_token_budget():
+    # sequences that did not draft for 40 steps each lack 40 tokens of draft K/V: the verify rows that write
+    # it in one step fit the step's budget with everything else, and the others draft in later steps
+    budget = 64
+    transitions, draft = markov_chain(3), markov_chain(13)
+    scheduler = make_scheduler(scheduling_policy="mixed", max_num_batched_tokens=budget, num_kvcache_blocks=60,
+                               draft_policy=DraftsLate(40), **speculation(draft_model(k=4)))
+    seqs = [new_seq([i, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    log_transitions, sampler = transitions.log(), Sampler(seed=0)
+    num_verify_rows = []
+    while not scheduler.is_finished():
+        plan = scheduler.schedule()
+        message, drafts = drafted_on_ranks(plan.message, draft)
+        tokens = len(message.decode_tokens) + sum(len(chunk.token_ids) + len(chunk.draft_context)
+                                                  for chunk in message.prefill)
+        assert tokens <= budget
+        num_verify_rows.append(sum(1 for chunk in message.prefill if chunk.num_draft_tokens))
+        plan = dataclasses.replace(plan, message=message)
+        scheduler.postprocess(plan, sampler(log_transitions[sampled_row_tokens(plan)], plan.sampling).token_ids,
+                              drafts)
+    first = next(i for i, n in enumerate(num_verify_rows) if n)
+    assert num_verify_rows[first] < len(seqs) and max(num_verify_rows) == len(seqs)  # all caught up, over steps

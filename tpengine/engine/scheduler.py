@@ -221,7 +221,7 @@ class Scheduler:
             drafts = seq.draft_token_ids
             if drafted_on_ranks:
                 # none behind a sliding window: those blocks are given back
-                start = max(seq.num_draft_cached_tokens, seq.num_released_blocks * self.block_manager.block_size)
+                start = self._draft_context_start(seq)
                 chunks.append(PrefillChunk(seq.seq_id, [seq.last_token], seq.num_cached_tokens, True, len(drafts),
                                            seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens]))
             else:
@@ -481,12 +481,24 @@ class Scheduler:
         running.extendleft(reversed(scheduled))
         return scheduled
 
+    def _draft_context_start(self, seq: Sequence) -> int:
+        """Where the K/V the ranks' draft model lacks for seq starts (none behind a sliding window: those
+        blocks are given back); a verify row carries seq's tokens from there to its cached end."""
+        return max(seq.num_draft_cached_tokens, seq.num_released_blocks * self.block_manager.block_size)
+
     def _propose(self, seq: Sequence, spare_tokens: int) -> int:
-        """Give seq its draft tokens for this step, with their slots; returns how many. Drafts never reach
-        past the sequence's length limit, and never take a free block that the next token of a running
-        sequence not yet scheduled may need: speculation never preempts."""
+        """Give seq its draft tokens for this step, with their slots; returns how many tokens of the step's
+        budget they take (with the draft model's K/V its sequence lacks: that runs in this step too). Drafts
+        never reach past the sequence's length limit, and never take a free block that the next token of a
+        running sequence not yet scheduled may need: speculation never preempts."""
         block_manager = self.block_manager
         block_size = block_manager.block_size
+        catch_up = 0
+        if self.proposer.on_ranks:
+            # a sequence that did not draft for a long while has much to catch up on: within the step's budget,
+            # or it drafts in a later step
+            catch_up = seq.num_cached_tokens - self._draft_context_start(seq)
+            spare_tokens -= catch_up
         max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1,
                          self._rope_set_room(seq))
         drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
@@ -495,11 +507,13 @@ class Scheduler:
         spare_blocks = max(block_manager.num_free_blocks - len(self.running), 0)
         room = (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens  # slots it may have
         drafts = drafts[:room]
+        if not drafts:
+            return 0
         for block_id in block_manager.grow(seq, seq.num_tokens + len(drafts)):
             self._appended_seq_ids.append(seq.seq_id)
             self._appended_block_ids.append(block_id)
         seq.draft_token_ids = drafts
-        return len(drafts)
+        return catch_up + len(drafts)
 
     def _append_block(self, seq: Sequence) -> bool:
         """Give seq the block its next token opens, preempting from the tail of running while the
