@@ -34,7 +34,10 @@ generate() of the group gets. Where a draft model prefills the prompts lazily in
 prefill falls inside the window. Acceptance comes from llm.spec_decode_stats over the timed steps:
 acceptance = accepted drafts / drafts, and accepted drafts per verify row (a verify row writes that + 1
 tokens). Every round runs every configuration on every (workload, batch), the order rotating round by
-round (--repeat); each figure keeps its best round. Speculation must not change a greedy token: the
+round (--repeat); each figure keeps its best round, and each speed-up is also given as the median over rounds
+of the ratio within a round (the batch-16 aim is judged on it: on a machine whose speed drifts by 10-30%
+from round to round, two configurations' best rounds need not be the same round's luck). Speculation must
+not change a greedy token: the
 "same tokens" column compares each run's outputs with the plain run's at the same batch.
 
 Verify cost: through the plain engine's model runner (tp 1), for each batch size, `batch` sequences whose
@@ -338,22 +341,31 @@ def acceptance(stats: dict) -> tuple[float | None, float | None]:
     return stats["num_accepted_tokens"] / stats["num_draft_tokens"], stats["num_accepted_tokens"] / stats["num_drafts"]
 
 
-def table(method: str, best: dict) -> list[str]:
-    lines = [f"| workload | batch | plain tok/s | {method} tok/s | speed-up | acceptance | accepted per verify row "
-             "| same tokens |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+def paired_ratio(runs: dict, key: tuple) -> float:
+    """The median over rounds of a configuration's tok/s over its baseline's in the same round: on a machine
+    whose speed drifts from round to round, steadier than the ratio of two best rounds."""
+    rounds = runs[key]
+    baseline = runs[rounds[0]["baseline"], *key[1:]]
+    return statistics.median(run["tok_s"] / base["tok_s"] for run, base in zip(rounds, baseline))
+
+
+def table(method: str, best: dict, runs: dict) -> list[str]:
+    lines = [f"| workload | batch | plain tok/s | {method} tok/s | speed-up | same round, median | acceptance "
+             "| accepted per verify row | same tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for (name, workload, batch), run in best.items():
         if name != method:
             continue
         plain = best[run["baseline"], workload, batch]
         rate, per_row = acceptance(run["stats"])
         lines.append(f"| {workload} | {batch} | {plain['tok_s']:,.1f} | {run['tok_s']:,.1f} | "
-                     f"{run['tok_s'] / plain['tok_s']:.2f}x | {'-' if rate is None else f'{rate:.0%}'} | "
+                     f"{run['tok_s'] / plain['tok_s']:.2f}x | {paired_ratio(runs, (name, workload, batch)):.2f}x | "
+                     f"{'-' if rate is None else f'{rate:.0%}'} | "
                      f"{'-' if per_row is None else f'{per_row:.2f}'} | "
                      f"{'yes' if run['token_ids'] == plain['token_ids'] else '**no**'} |")
     return lines
 
 
-def aims(best: dict, verify: dict, args) -> list[str]:
+def aims(best: dict, runs: dict, verify: dict, args) -> list[str]:
     lines = []
     check = lambda ok, text: lines.append(f"- {'met' if ok else 'NOT met'}: {text}")  # noqa: E731
     ngram = best.get((NGRAM, "repeat", 1))
@@ -372,12 +384,13 @@ def aims(best: dict, verify: dict, args) -> list[str]:
               f"{verify_ms / plain_ms:.3f}x")
     large = [(key, run) for key, run in best.items() if key[0] != PLAIN and key[2] >= LARGE_BATCH]
     if large:
-        ratios = [(run["tok_s"] / best[run["baseline"], workload, batch]["tok_s"], name, workload, batch)
-                  for (name, workload, batch), run in large]
+        # judged by the same-round ratios' median: the best rounds of two configurations need not be one round
+        ratios = [(paired_ratio(runs, key), *key) for key, _ in large]
         worst = min(ratios)
         check(worst[0] >= LARGE_BATCH_LOSS_AIM,
               f"at batch {LARGE_BATCH}+ speculation never worse than plain by more than "
-              f"{1 - LARGE_BATCH_LOSS_AIM:.0%}: worst {worst[0]:.2f}x ({worst[1]}, {worst[2]}, batch {worst[3]}); "
+              f"{1 - LARGE_BATCH_LOSS_AIM:.0%} (median of {args.repeat} same-round ratios): worst {worst[0]:.2f}x "
+              f"({worst[1]}, {worst[2]}, batch {worst[3]}); "
               + ", ".join(f"{name} {workload} batch {batch} {r:.2f}x" for r, name, workload, batch in ratios))
     return lines
 
@@ -488,25 +501,26 @@ def main(argv=None) -> None:
     print()
     print(f"n-gram (k = {k}, lookup {args.prompt_lookup_min}-{args.prompt_lookup_max}):")
     print()
-    print("\n".join(table(NGRAM, best)))
+    print("\n".join(table(NGRAM, best, runs)))
     print()
     if skipped:
         print(skipped)
     elif draft is not None:
         print(f"draft model (a {args.draft_layers}-layer self-draft, k = {k}):")
         print()
-        print("\n".join(table(DRAFT, best)))
+        print("\n".join(table(DRAFT, best, runs)))
     print()
     print(f"Whole generate() of each workload's {max(args.batch_sizes)} prompts at once ({args.output_len + 1} "
           f"tokens each, prefill included), best of {args.repeat}:")
     print()
-    print("| workload | configuration | seconds | baseline seconds | speed-up |")
-    print("|---|---|---:|---:|---:|")
+    print("| workload | configuration | seconds | baseline seconds | speed-up | same round, median |")
+    print("|---|---|---:|---:|---:|---:|")
     for (name, workload), rounds in whole.items():
         baseline = engines_baseline[name]
         if name != baseline:
             base = min(whole[baseline, workload])
-            print(f"| {workload} | {name} | {min(rounds):.2f} | {base:.2f} | {base / min(rounds):.2f}x |")
+            paired = statistics.median(b / r for r, b in zip(rounds, whole[baseline, workload]))
+            print(f"| {workload} | {name} | {min(rounds):.2f} | {base:.2f} | {base / min(rounds):.2f}x | {paired:.2f}x |")
     print()
     print(f"Verify cost: runner.execute of one step at context {args.context_len}, median of {args.verify_steps}:")
     print()
@@ -515,7 +529,7 @@ def main(argv=None) -> None:
     for batch, (plain_ms, verify_ms) in best_verify.items():
         print(f"| {batch} | {plain_ms:.3f} | {verify_ms:.3f} | {verify_ms / plain_ms:.2f}x |")
     print()
-    lines = aims(best, best_verify, args)
+    lines = aims(best, runs, best_verify, args)
     print("\n".join(lines))
     record.write(args.json, model=dict(model_fields(config), path=target), dtype=args.dtype,
                  draft=None if draft is None else dict(path=draft, layers=args.draft_layers, target=draft_target,
