@@ -293,25 +293,26 @@ class RecordingPolicy(DraftPolicy):
 
 
 @pytest.mark.parametrize("waiting", [False, True])
-def test_a_step_with_drafts_counts_its_least_lucky_row_while_no_request_waits_for_a_row(waiting):
-    # a batch that is not refilled ends with its slowest row; one that is gains every row's tokens
+def test_a_step_with_drafts_counts_its_slower_half_of_rows_while_no_request_waits_for_a_row(waiting):
+    # a batch that is not refilled ends with its slower rows; one that is gains every row's tokens
     policy = RecordingPolicy()
-    scheduler = make_scheduler(max_num_seqs=2, num_kvcache_blocks=40, draft_policy=policy,
+    scheduler = make_scheduler(max_num_seqs=4, num_kvcache_blocks=40, draft_policy=policy,
                                **speculation(draft_model(k=4)))
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    for i in range(2 + waiting):  # the third waits: two rows at most
+    for i in range(4 + waiting):  # the fifth waits: four rows at most
         scheduler.add(new_seq([1 + i, 2, 3], params))
     plan = scheduler.schedule()
     scheduler.postprocess(plan, [4] * len(plan.sampling))
-    scheduler.observe_step(plan, 2, 0.01)
+    scheduler.observe_step(plan, 4, 0.01)
     assert policy.observed == []  # a step with prompts is not measured
     plan = scheduler.schedule()
-    assert [chunk.num_draft_tokens for chunk in plan.message.prefill] == [4, 4]
-    drafts = [5, 5, 5, 5, 5, 5, 5, 5]
-    sampled = [5, 5, 5, 5, 1] + [2, 1, 1, 1, 1]  # the first row keeps its 4 drafts (5 tokens), the second none (1)
+    assert [chunk.num_draft_tokens for chunk in plan.message.prefill] == [4, 4, 4, 4]
+    drafts = [5, 5, 5, 5] * 4
+    # the rows keep 4, 0, 2 and 4 of their drafts: 5, 1, 3 and 5 tokens
+    sampled = [5, 5, 5, 5, 1] + [2, 1, 1, 1, 1] + [5, 5, 2, 1, 1] + [5, 5, 5, 5, 1]
     scheduler.postprocess(plan, sampled, drafts)
-    scheduler.observe_step(plan, 6, 0.01)
-    assert policy.observed == [(2, True, 3.0 if waiting else 1.0)]
+    scheduler.observe_step(plan, 14, 0.01)
+    assert policy.observed == [(4, True, 3.5 if waiting else 2.0)]  # the slower half: 1 and 3
 
 
 class DraftsLate(DraftPolicy):

@@ -81,7 +81,7 @@ class Scheduler:
         self._truncated_num_blocks: list[int] = []
         # a step the ranks' draft model runs in: the sequences whose draft K/V is complete once it has run
         self._draft_caught_up: list[Sequence] = []
-        self._fewest_verify_tokens: int | None = None  # the last step's: tokens its least lucky running verify row got
+        self._verify_row_tokens: list[int] = []  # the last step's: tokens each verify row still running got
         # speculative decoding: the proposer and how many drafts a verify row takes at most
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
@@ -624,7 +624,7 @@ class Scheduler:
         block_manager = self.block_manager
         block_size = block_manager.block_size
         row = 0
-        self._fewest_verify_tokens = None
+        self._verify_row_tokens = []
         for seq in verify:
             drafts = seq.draft_token_ids
             seq.draft_token_ids = []
@@ -657,8 +657,8 @@ class Scheduler:
                     break
             seq.token_ids.extend(new_tokens)
             seq.num_tokens += len(new_tokens)
-            if reason is None and (self._fewest_verify_tokens is None or len(new_tokens) < self._fewest_verify_tokens):
-                self._fewest_verify_tokens = len(new_tokens)
+            if reason is None:
+                self._verify_row_tokens.append(len(new_tokens))
             if new_tokens:
                 seq.last_token = new_tokens[-1]
             self.num_output_tokens += len(new_tokens)
@@ -689,11 +689,12 @@ class Scheduler:
         tokens_per_row = num_new_tokens / num_rows if num_rows else 0.0
         if num_verify_rows and not self.waiting:
             # No request waits for a row, so a row that gets ahead is not refilled and the batch ends with its
-            # slowest row: a step with drafts counts the fewest tokens a row still running got (a decode row
-            # among them got one), not their mean, or rows far ahead would hide the ones left behind.
-            fewest = 1 if plan.num_decode else self._fewest_verify_tokens
-            if fewest is not None:
-                tokens_per_row = min(tokens_per_row, fewest)
+            # slower rows: a step with drafts counts the mean tokens of the slower half of its rows still running
+            # (a decode row among them got one), or rows far ahead would hide the ones left behind.
+            tokens = sorted(self._verify_row_tokens + [1] * plan.num_decode)
+            if tokens:
+                slower = tokens[:(len(tokens) + 1) // 2]
+                tokens_per_row = min(tokens_per_row, sum(slower) / len(slower))
         self.draft_policy.observe(num_rows, bool(num_verify_rows), tokens_per_row, seconds)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
