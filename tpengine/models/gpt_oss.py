@@ -45,11 +45,13 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def make_mlp(self, config: HFConfig, family: DecoderFamily, layer_idx: int) -> nn.Module:
         return GptOssMoeBlock(config)
 
-    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
+        # None: a tensor of another pipeline stage's layers
         expert = EXPERT_TENSOR.match(name)
         if expert:
             prefix, projection, bias = expert.groups()
-            return f"{prefix}.{'w13' if projection == 'gate_up' else 'w2'}_{'bias' if bias else 'weight'}", ()
+            return self._on_this_stage(
+                f"{prefix}.{'w13' if projection == 'gate_up' else 'w2'}_{'bias' if bias else 'weight'}"), ()
         if name.endswith(".self_attn.sinks"):
-            return name.replace(".self_attn.sinks", ".self_attn.attn.sinks"), ()
+            return self._on_this_stage(name.replace(".self_attn.sinks", ".self_attn.attn.sinks")), ()
         return super().checkpoint_target(name)

@@ -39,9 +39,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             return SparseMoeBlock(config)
         return GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def checkpoint_target(self, name: str) -> tuple[str, tuple]:
+    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
         expert = EXPERT_WEIGHT.match(name)
-        if expert:  # per-expert tensors load into the layer's stacked ones
+        if expert:  # per-expert tensors load into the layer's stacked ones (None: another pipeline stage's)
             prefix, index, shard = expert.groups()
-            return f"{prefix}.{'w2' if shard == 'down' else 'w13'}_weight", (int(index), shard)
+            return self._on_this_stage(f"{prefix}.{'w2' if shard == 'down' else 'w13'}_weight"), (int(index), shard)
         return super().checkpoint_target(name)
