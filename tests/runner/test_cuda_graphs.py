@@ -65,6 +65,31 @@ def test_static_buffers_padding_and_slicing_keep_greedy_tokens(tiny_model):
     assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(expected, max_tokens)]
 
 
+def test_buckets_hold_the_verify_rows_of_every_sequence_when_speculating():
+    assert graph_batch_sizes(4, num_speculative_tokens=3) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(200, num_speculative_tokens=4)[-1] == 512
+
+
+def test_verify_steps_replay_graphs_and_keep_greedy_tokens(tiny_model):
+    # a verify row is 1 + k decode queries: with speculation the buckets reach max_num_seqs * (1 + k) rows
+    segment = random_prompts(22, [6], VOCAB)[0]
+    prompts = [segment * 5, random_prompts(23, [30], VOCAB)[0]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "adaptive": False}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(tiny_model, kvcache_block_size=16, max_num_seqs=2, attention_backend="torch",
+             speculative_config=spec) as llm:
+        runner = llm.executor.runner
+        graphs = ReplayEagerly(runner.model, runner.hf_config.hidden_size, runner.dtype, runner.device, 2,
+                               runner._max_num_blocks_per_seq(), runner.block_size, num_speculative_tokens=3)
+        runner.cuda_graphs = graphs
+        batch_sizes = count_replays(graphs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.spec_decode_stats["num_drafts"] > 0
+    assert max(batch_sizes) > 2  # verify steps went through the graphs
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, 16)
+
+
 def greedy_tokens(path, prompts, max_tokens, **engine_kwargs):
     """Each prompt gets its own max_tokens, so decode batches shrink step by step through the buckets."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]

@@ -12,9 +12,10 @@ from tpengine.attention.metadata import AttentionMetadata
 MAX_GRAPH_BATCH_SIZE = 512
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then steps of 16, up to the first bucket that holds min(max_num_seqs, 512) sequences."""
-    limit = min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
+def graph_batch_sizes(max_num_seqs: int, num_speculative_tokens: int = 0) -> list[int]:
+    """1, 2, 4, 8, then steps of 16, up to the first bucket that holds min(max rows, 512) rows: max_num_seqs
+    decode rows, or with speculation as many verify rows of 1 + k decode queries each."""
+    limit = min(max_num_seqs * (1 + num_speculative_tokens), MAX_GRAPH_BATCH_SIZE)
     sizes = []
     for size in [1, 2, 4, 8, *range(16, MAX_GRAPH_BATCH_SIZE + 1, 16)]:
         sizes.append(size)
@@ -27,9 +28,9 @@ class DecodeCudaGraphs:
     """Captured decode forwards of `model`, one per bucket; run() pads a batch up to its bucket and replays."""
 
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_seqs: int, max_num_blocks_per_seq: int, block_size: int):
+                 max_num_seqs: int, max_num_blocks_per_seq: int, block_size: int, num_speculative_tokens: int = 0):
         self.model = model
-        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.batch_sizes = graph_batch_sizes(max_num_seqs, num_speculative_tokens)
         self.max_num_blocks_per_seq = max_num_blocks_per_seq
         max_bs = self.batch_sizes[-1]
         with torch.device(device):

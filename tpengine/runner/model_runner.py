@@ -145,7 +145,8 @@ class ModelRunner:
             if self.attention_backend.cuda_graph_safe:
                 self.cuda_graphs = DecodeCudaGraphs(
                     self.model, hf_config.hidden_size, self.dtype, self.device, config.max_num_seqs,
-                    self._max_num_blocks_per_seq(), self.block_size)
+                    self._max_num_blocks_per_seq(), self.block_size,
+                    0 if spec is None else spec.num_speculative_tokens)
             elif rank == 0:
                 logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
                             "host): decode runs eagerly", self.backend_name)
