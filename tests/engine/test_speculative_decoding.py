@@ -327,27 +327,40 @@ class DraftsLate(DraftPolicy):
         return self.asked > self.after
 
 
-def test_the_draft_models_catch_up_stays_within_the_steps_token_budget():
-    # sequences that did not draft for 40 steps each lack 40 tokens of draft K/V: the verify rows that write
-    # it in one step fit the step's budget with everything else, and the others draft in later steps
-    budget = 64
+def run_late_drafts(num_seqs: int, budget: int) -> list[tuple[int, int]]:
+    """Sequences that draft only after 40 steps, each then lacking 40 tokens of draft K/V, run to their end;
+    returns each step's (tokens in its forward, draft K/V included, and verify rows)."""
     transitions, draft = markov_chain(3), markov_chain(13)
     scheduler = make_scheduler(scheduling_policy="mixed", max_num_batched_tokens=budget, num_kvcache_blocks=60,
                                draft_policy=DraftsLate(40), **speculation(draft_model(k=4)))
-    seqs = [new_seq([i, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)) for i in range(4)]
-    for seq in seqs:
-        scheduler.add(seq)
+    for i in range(num_seqs):
+        scheduler.add(new_seq([i, 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)))
     log_transitions, sampler = transitions.log(), Sampler(seed=0)
-    num_verify_rows = []
+    steps = []
     while not scheduler.is_finished():
         plan = scheduler.schedule()
+        # a verify row carries its last token and how many drafts the ranks make, with what the draft lacks
+        steps.append((len(plan.message.decode_tokens) + sum(len(chunk.token_ids) + chunk.num_draft_tokens
+                                                            + len(chunk.draft_context) for chunk in plan.message.prefill),
+                      sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)))
         message, drafts = drafted_on_ranks(plan.message, draft)
-        tokens = len(message.decode_tokens) + sum(len(chunk.token_ids) + len(chunk.draft_context)
-                                                  for chunk in message.prefill)
-        assert tokens <= budget
-        num_verify_rows.append(sum(1 for chunk in message.prefill if chunk.num_draft_tokens))
         plan = dataclasses.replace(plan, message=message)
         scheduler.postprocess(plan, sampler(log_transitions[sampled_row_tokens(plan)], plan.sampling).token_ids,
                               drafts)
-    first = next(i for i, n in enumerate(num_verify_rows) if n)
-    assert num_verify_rows[first] < len(seqs) and max(num_verify_rows) == len(seqs)  # all caught up, over steps
+    return steps
+
+
+def test_the_draft_models_catch_up_stays_within_the_steps_token_budget():
+    # the verify rows that write what they lack in one step fit its budget with everything else, and the
+    # others draft in later steps
+    steps = run_late_drafts(4, budget=64)
+    assert all(tokens <= 64 for tokens, _ in steps)
+    verify_rows = [rows for _, rows in steps]
+    first = next(i for i, n in enumerate(verify_rows) if n)
+    assert verify_rows[first] < 4 and max(verify_rows) == 4  # all caught up, over steps
+
+
+def test_a_sequence_left_a_whole_budget_behind_still_catches_up_as_a_steps_first_verify_row():
+    steps = run_late_drafts(1, budget=24)
+    first = next(i for i, (_, rows) in enumerate(steps) if rows)
+    assert first == 41 and steps[first][0] > 24  # after the prefill and 40 steps: 40 tokens of draft K/V at once

@@ -458,7 +458,7 @@ class Scheduler:
         num_rows = min(len(running), self.max_num_seqs, self.max_num_batched_tokens)
         # draft tokens take only what the budget leaves once every row has its own token, in steps where
         # drafts pay
-        spare_tokens = 0
+        spare_tokens, drafted = 0, False
         if self.proposer is not None and num_rows and self.draft_policy.drafts_pay(num_rows):
             spare_tokens = self.max_num_batched_tokens - num_rows
         for _ in range(num_rows):
@@ -475,8 +475,10 @@ class Scheduler:
                 if not self._append_block(seq):
                     break  # seq preempted itself: nothing else was running
             seq.num_scheduled_tokens = 1
-            if spare_tokens and seq.speculates:
-                spare_tokens -= self._propose(seq, spare_tokens)
+            if spare_tokens > 0 and seq.speculates:
+                taken = self._propose(seq, spare_tokens, first=not drafted)
+                spare_tokens -= taken
+                drafted = drafted or taken > 0
             scheduled.append(seq)
         running.extendleft(reversed(scheduled))
         return scheduled
@@ -486,19 +488,22 @@ class Scheduler:
         blocks are given back); a verify row carries seq's tokens from there to its cached end."""
         return max(seq.num_draft_cached_tokens, seq.num_released_blocks * self.block_manager.block_size)
 
-    def _propose(self, seq: Sequence, spare_tokens: int) -> int:
+    def _propose(self, seq: Sequence, spare_tokens: int, first: bool) -> int:
         """Give seq its draft tokens for this step, with their slots; returns how many tokens of the step's
-        budget they take (with the draft model's K/V its sequence lacks: that runs in this step too). Drafts
-        never reach past the sequence's length limit, and never take a free block that the next token of a
-        running sequence not yet scheduled may need: speculation never preempts."""
+        budget they take (with the draft model's K/V its sequence lacks: that runs in this step too; first: no
+        other row of the step drafts yet). Drafts never reach past the sequence's length limit, and never take a
+        free block that the next token of a running sequence not yet scheduled may need: speculation never
+        preempts."""
         block_manager = self.block_manager
         block_size = block_manager.block_size
         catch_up = 0
         if self.proposer.on_ranks:
-            # a sequence that did not draft for a long while has much to catch up on: within the step's budget,
-            # or it drafts in a later step
+            # a sequence that did not draft for a long while has much to catch up on: within what the step's
+            # budget leaves, or it drafts in a later step; the step's first verify row takes all it lacks (at
+            # most max_model_len tokens), or a sequence left a whole budget behind would never draft again
             catch_up = seq.num_cached_tokens - self._draft_context_start(seq)
-            spare_tokens -= catch_up
+            spare_tokens = max(spare_tokens - catch_up, self.num_speculative_tokens) if first \
+                else spare_tokens - catch_up
         max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1,
                          self._rope_set_room(seq))
         drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
