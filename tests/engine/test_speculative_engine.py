@@ -232,3 +232,26 @@ def test_the_draft_model_runs_only_in_steps_that_draft_and_catches_up_before_it_
         hf_greedy(tiny_model, [p], n)[0] for p, n in zip(prompts, (10, 12, 40, 40))]
     assert 0 < counts["draft model steps"] < counts["steps"] - 10
     assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0
+
+
+def test_prompts_prefilled_while_no_step_drafts_are_caught_up_when_their_sequences_draft(tiny_model):
+    """Three decode rows stop drafting (disable_by_batch_size=3), so the prompt chunks prefilled meanwhile are
+    not written for the draft model either; once rows finish, each verify row first writes what its sequence
+    lacks, its prompt included, so a draft that is the model has its drafts accepted again."""
+    prompts = random_prompts(24, [10, 12, 14, 60, 70], VOCAB)
+    lengths = (30, 30, 30, 40, 40)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    spec = {"model": tiny_model, "num_speculative_tokens": 3, "adaptive": False, "disable_by_batch_size": 3}
+    with LLM(tiny_model, kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=24, max_num_seqs=5,
+             speculative_config=spec) as llm:
+        drafter = llm.executor.runner.drafter
+        written = []
+        mirror_prompts = drafter.mirror_prompts
+        drafter.mirror_prompts = lambda step, inputs: written.append(
+            sum(len(chunk.token_ids) for chunk in step.prefill)) or mirror_prompts(step, inputs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.spec_decode_stats
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        hf_greedy(tiny_model, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert sum(written) < sum(map(len, prompts))  # chunks prefilled beside 3+ decode rows were skipped
+    assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0

@@ -67,6 +67,9 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     # bitmask words over the whole vocabulary, row after row (each rank reads its slice's bits)
     masked_rows: list[int] = []
     token_masks: bytes = b""
+    # speculative decoding's draft model, in a step that does not draft: whether it writes its K/V for the
+    # step's prompt chunks (False while steps do not draft: each sequence catches up when it next drafts)
+    draft_prompts: bool = True
     # pipeline parallelism: which of the steps in flight this is (its virtual engine), the tag of every
     # point-to-point send of its hidden states and tokens
     virtual_engine: int = 0

@@ -82,6 +82,8 @@ class Scheduler:
         # a step the ranks' draft model runs in: the sequences whose draft K/V is complete once it has run
         self._draft_caught_up: list[Sequence] = []
         self._verify_row_tokens: list[int] = []  # the last step's: tokens each verify row still running got
+        # whether the last decode step drafted: while steps do not, the ranks' draft model skips prompt chunks too
+        self._drafting = True
         # speculative decoding: the proposer and how many drafts a verify row takes at most
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
@@ -212,9 +214,10 @@ class Scheduler:
         num_verify_tokens = 0
         drafted_on_ranks = self.proposer is not None and self.proposer.on_ranks
         if drafted_on_ranks and (verify or prefill):
-            # the ranks' draft model runs over every row of a step that drafts, and over the prompt chunks of any
-            # step: the rows whose draft K/V is complete stay so, and each verify row first writes what it lacks
-            mirrored = (*decode, *prefill) if verify else prefill
+            # the ranks' draft model runs over every row of a step that drafts, and over the prompt chunks of a
+            # step that does not while steps draft (its share of a prefill is then needed soon): the rows whose
+            # draft K/V is complete stay so, and each verify row first writes what it lacks
+            mirrored = (*decode, *prefill) if verify else (prefill if self._drafting else ())
             self._draft_caught_up = [seq for seq in mirrored
                                      if seq.num_draft_cached_tokens == seq.num_cached_tokens] + verify
         for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
@@ -240,7 +243,7 @@ class Scheduler:
             appended_block_ids=self._appended_block_ids,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
             reset_tables=self._reset_tables, truncated_seq_ids=self._truncated_seq_ids,
-            truncated_num_blocks=self._truncated_num_blocks)
+            truncated_num_blocks=self._truncated_num_blocks, draft_prompts=self._drafting)
         self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
         self._truncated_seq_ids, self._truncated_num_blocks = [], []
         self._reset_tables = False
@@ -459,8 +462,10 @@ class Scheduler:
         # draft tokens take only what the budget leaves once every row has its own token, in steps where
         # drafts pay
         spare_tokens, drafted = 0, False
-        if self.proposer is not None and num_rows and self.draft_policy.drafts_pay(num_rows):
-            spare_tokens = self.max_num_batched_tokens - num_rows
+        if self.proposer is not None and num_rows:
+            self._drafting = self.draft_policy.drafts_pay(num_rows)
+            if self._drafting:
+                spare_tokens = self.max_num_batched_tokens - num_rows
         for _ in range(num_rows):
             if not running:
                 break  # preemptions emptied the queue

@@ -2,9 +2,9 @@
 the same ranks, that proposes a verify row's drafts inside the step that verifies them.
 
 Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables and block
-copies serve both, and no block is ever allocated for the draft model alone. It follows every prompt chunk
-(mirror_prompts: its share of a prefill), but decode rows only in steps that draft, so a decode step without
-drafts costs what it costs without speculation. A step that drafts runs first each verify row's context that
+copies serve both, and no block is ever allocated for the draft model alone. It follows decode rows only in
+steps that draft, and prompt chunks only while steps draft (mirror_prompts: its share of a prefill, soon
+needed), so a step without drafts costs what it costs without speculation. A step that drafts runs first each verify row's context that
 its cache lacks (the tokens its sequence decoded in steps that did not draft, or took from the prefix cache,
 which the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward
 each from the row's last token (propose), then the step's own forward over every row (mirror), so the
@@ -38,8 +38,9 @@ class Drafter:
         self.model(input_ids, positions, meta)
 
     def mirror_prompts(self, step: StepMessage, inputs: InputBuilder) -> None:
-        """A step that does not draft: the draft model's K/V for its prompt chunks alone (its decode rows are
-        written when their sequences next draft), so a sequence that drafts later need not recompute its prompt."""
+        """A step that does not draft, while steps draft: the draft model's K/V for its prompt chunks alone (its
+        decode rows are written when their sequences next draft), so a sequence that drafts soon need not write
+        its prompt's then."""
         self._write_kv(step.prefill, inputs)
 
     def _write_kv(self, chunks: list[PrefillChunk], inputs: InputBuilder) -> None:

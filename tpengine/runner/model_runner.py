@@ -350,7 +350,7 @@ class ModelRunner:
         input_ids, positions, meta, num_logits = inputs.input_ids, inputs.positions, inputs.meta, inputs.num_logits
         if draft_token_ids:  # a step that drafts: the draft model's K/V follows the model's for every row
             self.drafter.mirror(input_ids, positions, meta)
-        elif self.drafter is not None and step.prefill:  # any other step: for its prompt chunks only
+        elif self.drafter is not None and step.prefill and step.draft_prompts:  # another: its prompt chunks only
             self.drafter.mirror_prompts(step, self.inputs)
         graphs = self.cuda_graphs
         if meta.is_prefill:  # prompt chunks, with or without decode rows: eager
