@@ -520,7 +520,8 @@ def main(argv=None) -> None:
         if name != baseline:
             base = min(whole[baseline, workload])
             paired = statistics.median(b / r for r, b in zip(rounds, whole[baseline, workload]))
-            print(f"| {workload} | {name} | {min(rounds):.2f} | {base:.2f} | {base / min(rounds):.2f}x | {paired:.2f}x |")
+            print(f"| {workload} | {name} | {min(rounds):.2f} | {base:.2f} | {base / min(rounds):.2f}x "
+                  f"| {paired:.2f}x |")
     print()
     print(f"Verify cost: runner.execute of one step at context {args.context_len}, median of {args.verify_steps}:")
     print()

@@ -340,8 +340,9 @@ def run_late_drafts(num_seqs: int, budget: int) -> list[tuple[int, int]]:
     while not scheduler.is_finished():
         plan = scheduler.schedule()
         # a verify row carries its last token and how many drafts the ranks make, with what the draft lacks
+        chunks = plan.message.prefill
         steps.append((len(plan.message.decode_tokens) + sum(len(chunk.token_ids) + chunk.num_draft_tokens
-                                                            + len(chunk.draft_context) for chunk in plan.message.prefill),
+                                                            + len(chunk.draft_context) for chunk in chunks),
                       sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)))
         message, drafts = drafted_on_ranks(plan.message, draft)
         plan = dataclasses.replace(plan, message=message)

@@ -5,8 +5,9 @@ are measured.
 
 For each class of batch sizes (powers of two), the output tokens per second a row gets from steps with drafts
 and from steps without are followed as moving averages (while no request waits for a row, a step with drafts
-counts the mean tokens of its slower half of rows: a batch that is not refilled ends with its slower rows); a step takes drafts when those steps have been the faster,
-and now and then one step does the other, so both figures stay current as the workload changes. Exploring
+counts the mean tokens of its slower half of rows: a batch that is not refilled ends with its slower rows); a
+step takes drafts when those steps have been the faster, and now and then one step does the other, so both
+figures stay current as the workload changes. Exploring
 is dear (a verify step at a large batch costs several plain ones, and the rows it moves on unevenly leave the
 batch ragged), so its interval backs off: it starts at EXPLORE_EVERY steps of the class and grows 2x each
 time an exploring step confirms the order (4x when the ways are far apart), up to MAX_EXPLORE_EVERY; a step

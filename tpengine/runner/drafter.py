@@ -4,13 +4,13 @@ the same ranks, that proposes a verify row's drafts inside the step that verifie
 Its K/V lives in its own cache tensor but in the model's blocks and slots: the ledger's block tables and block
 copies serve both, and no block is ever allocated for the draft model alone. It follows decode rows only in
 steps that draft, and prompt chunks only while steps draft (mirror_prompts: its share of a prefill, soon
-needed), so a step without drafts costs what it costs without speculation. A step that drafts runs first each verify row's context that
-its cache lacks (the tokens its sequence decoded in steps that did not draft, or took from the prefix cache,
-which the ledger sends with the row) in one prefill forward, then each verify row's drafts, one decode forward
-each from the row's last token (propose), then the step's own forward over every row (mirror), so the
-sequences whose draft K/V was complete stay so, the verify rows' accepted drafts included. Every rank finds the
-same greedy token per row (greedy_on_every_rank), so the proposals need no message: they reach the ledger with
-rank 0's sampled tokens.
+needed), so a step without drafts costs what it costs without speculation. A step that drafts runs first
+each verify row's context that its cache lacks (the tokens its sequence prefilled or decoded in steps that did
+not draft, or took from the prefix cache, which the ledger sends with the row) in one prefill forward, then
+each verify row's drafts, one decode forward each from the row's last token (propose), then the step's own
+forward over every row (mirror), so the sequences whose draft K/V was complete stay so, the verify rows'
+accepted drafts included. Every rank finds the same greedy token per row (greedy_on_every_rank), so the
+proposals need no message: they reach the ledger with rank 0's sampled tokens.
 
 Sharded rather than whole on each rank (tp = 1 per rank): the same layers, loader and collectives serve it,
 its weights and cache take 1/tp of the memory on each rank, and a forward costs 1/tp of the compute; its
