@@ -174,7 +174,6 @@ def test_with_a_reasoning_parser_the_grammar_constrains_the_answer_after_the_thi
         LLM(tied_model, reasoning_parser="qwen3")
 
 
-
 def test_rank_0_reading_the_masks_inside_the_sampling_kernel_samples_what_masked_logits_sample():
     """The CPU kernel reads a grammar row's token mask as it samples (no pass writing -inf): greedy, seeded and
     unseeded rows, a row without a grammar and vocabulary slices get exactly the tokens that writing the mask into
