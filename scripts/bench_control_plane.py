@@ -3,8 +3,9 @@
 Measures, for one engine step, what it costs to get the scheduler's output (a list of
 ``Sequence`` objects) to every worker process as decoded objects, for two designs:
 
-* ours: the scheduler's step message (``Scheduler._plan``: per decode row only its token and context
-  length, the block tables staying on the workers between steps) + msgspec ``encode`` on rank 0,
+* ours: the scheduler's step message (``Scheduler._plan``: the decode rows as three packed int64 columns,
+  sequence id, token and context length, the block tables staying on the workers between steps) + msgspec
+  ``encode`` on rank 0,
   ``ShmRingWriter.write`` into the shared-memory ring, ``ShmRingReader.read`` + ``decode_control`` +
   ``BlockTables.update`` (the step's table changes) on each worker;
 * simple (nano-vllm, seed section 3.1/3.6): ``pickle.dumps(["run", seqs, is_prefill])`` of
@@ -20,6 +21,8 @@ blocks, so 1-8 block-table entries) and one 16,384-token prefill, built as real
 Reported per case:
 
 * message bytes, encode µs, decode µs: in-process microbenchmarks (best of many short runs);
+* worker inputs µs (decode cases): what a worker then makes of the message, the forward's input tensors
+  (ours: ``InputBuilder.build``; simple: nano-vllm's ``prepare_decode`` on the unpickled sequences);
 * memcpy floor: one memoryview slice assignment of that many bytes into shared memory;
 * end to end µs per step (median, p90): rank 0 starts encoding -> every reader has decoded
   and acknowledged, with 1 and 3 real reader processes (forkserver). Both designs acknowledge
@@ -53,13 +56,16 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
-from nano_baseline import NanoSequence
+import torch
+
+from nano_baseline import NanoSequence, nano_prepare_decode
 from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
-from tpengine.distributed.messages import decode_control, encode
+from tpengine.distributed.messages import BlockTable, StepMessage, decode_control, encode, int_list
 from tpengine.distributed.shm.ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
 from tpengine.runner.block_tables import BlockTables
+from tpengine.runner.inputs import InputBuilder
 from tpengine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 256
@@ -155,8 +161,8 @@ def check_round_trip(case: Case) -> None:
         if case.is_prefill:
             assert ours.prefill[i].token_ids == nano.token_ids == seq.token_ids
         else:
-            assert ours.decode_tokens[i] == nano.last_token == seq.last_token
-            assert ours.decode_context_lens[i] == nano.num_tokens == seq.num_tokens
+            assert int_list(ours.decode_tokens)[i] == nano.last_token == seq.last_token
+            assert int_list(ours.decode_context_lens)[i] == nano.num_tokens == seq.num_tokens
 
 
 def decode_and_apply(data) -> None:
@@ -219,6 +225,17 @@ def microbench(codec: Codec, repeats: int) -> dict:
         "decode": per_call_us(lambda: decode(payload), repeats),
         "memcpy": memcpy_us(payload, repeats),
     }
+
+
+def worker_inputs_us(case: Case, repeats: int) -> tuple[float, float]:
+    """A decode step's forward inputs built on a worker, ours and nano-vllm's (see main)."""
+    builder = InputBuilder(BLOCK_SIZE, torch.device("cpu"))
+    builder.block_tables.update(StepMessage(new_tables=[BlockTable(seq.seq_id, list(seq.block_table))
+                                                        for seq in case.ours]))  # sent when they were prefilled
+    message = decode_control(case.encode_ours())
+    _, simple_seqs, _ = pickle.loads(case.encode_simple())
+    return (per_call_us(lambda: builder.build(message), repeats),
+            per_call_us(lambda: nano_prepare_decode(simple_seqs, BLOCK_SIZE), repeats))
 
 
 # --- transports: rank 0's sending side, and what a reader process opens -----------------------
@@ -440,6 +457,17 @@ def main(argv=None) -> None:
         print(f"| {case.name} | {ours['bytes']:,} / {simple['bytes']:,} "
               f"| {pair(ours['encode'], simple['encode'])} | {pair(ours['decode'], simple['decode'])} "
               f"| {ratio:.1f}x | {pair(ours['memcpy'], simple['memcpy'], '{:.2f}')} |", flush=True)
+
+    print("\nOn a worker, after the message: a decode step's forward inputs (token, position, cache slot and context "
+          "length per row, the padded block tables) as tensors, µs per call. Ours: runner/inputs.py's "
+          "InputBuilder.build from the decoded message and the tables the worker keeps; simple: nano-vllm's "
+          "prepare_decode from the unpickled sequences.\n")
+    print("| case | ours µs | simple µs | ratio |")
+    print("|---|---|---|---|")
+    for case in cases:
+        if not case.is_prefill:
+            ours, simple = worker_inputs_us(case, args.repeats)
+            print(f"| {case.name} | {ours:.1f} | {simple:.1f} | {simple / ours:.1f}x |", flush=True)
 
     print("\nEnd to end, µs per step: encode on rank 0 -> every reader decoded and acked "
           "(ack: per-reader counter in SharedMemory, polled by rank 0).\n")

@@ -298,7 +298,7 @@ def generate_seconds(llm, prompts: list[list[int]], output_len: int) -> float:
 def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
     """Median ms of runner.execute of a plain decode step of `batch` sequences at context args.context_len, and
     of a verify step of the same sequences with k drafts each, alternating; both rewrite the same KV slots."""
-    from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
+    from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage, int_column
     from tpengine.paging import blocks_for
     from tpengine.sampling_params import SamplingParams, SamplingRecord
 
@@ -312,11 +312,12 @@ def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
     records = [SamplingRecord(params, frozenset(), prompt[:context_len], context_len) for prompt in prompts]
     tables = [BlockTable(seq_id, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
               for i, seq_id in enumerate(seq_ids)]
-    prefill = StepMessage([], [], [], [PrefillChunk(seq_id, prompt[:context_len], 0, True)
-                                       for seq_id, prompt in zip(seq_ids, prompts)], new_tables=tables)
-    plain = StepMessage(seq_ids, [prompt[context_len] for prompt in prompts], [context_len + 1] * batch, [])
-    verify = StepMessage([], [], [], [PrefillChunk(seq_id, prompt[context_len:], context_len, True, k)
-                                      for seq_id, prompt in zip(seq_ids, prompts)])
+    prefill = StepMessage(prefill=[PrefillChunk(seq_id, prompt[:context_len], 0, True)
+                                   for seq_id, prompt in zip(seq_ids, prompts)], new_tables=tables)
+    plain = StepMessage(int_column(seq_ids), int_column([prompt[context_len] for prompt in prompts]),
+                        int_column([context_len + 1] * batch))
+    verify = StepMessage(prefill=[PrefillChunk(seq_id, prompt[context_len:], context_len, True, k)
+                                  for seq_id, prompt in zip(seq_ids, prompts)])
     verify_records = [r.ahead(i) if i else r for r in records for i in range(k + 1)]
     times = {"plain": [], "verify": []}
     try:
@@ -328,7 +329,7 @@ def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
                 if i >= 3:
                     times[kind].append(time.perf_counter() - started)
     finally:
-        runner.inputs.block_tables.update(StepMessage([], [], [], [], released=seq_ids))
+        runner.inputs.block_tables.update(StepMessage(released=seq_ids))
     return statistics.median(times["plain"]) * 1e3, statistics.median(times["verify"]) * 1e3
 
 

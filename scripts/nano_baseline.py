@@ -263,3 +263,21 @@ class NanoScheduler:
                 seq.status = NanoStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
+
+
+def nano_prepare_decode(seqs, block_size):
+    """nano-vllm's ModelRunner.prepare_decode on the unpickled sequences: per-row Python lists, then one
+    torch.tensor each (on the CPU here: no pinned copy to a GPU), the block tables padded with -1."""
+    import torch
+    input_ids, positions, slot_mapping, context_lens = [], [], [], []
+    for seq in seqs:
+        input_ids.append(seq.last_token)
+        positions.append(len(seq) - 1)
+        context_lens.append(len(seq))
+        last_block_num_tokens = len(seq) - (seq.num_blocks - 1) * block_size
+        slot_mapping.append(seq.block_table[-1] * block_size + last_block_num_tokens - 1)
+    max_len = max(len(seq.block_table) for seq in seqs)
+    block_tables = [seq.block_table + [-1] * (max_len - len(seq.block_table)) for seq in seqs]
+    return (torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(slot_mapping, dtype=torch.int32), torch.tensor(context_lens, dtype=torch.int32),
+            torch.tensor(block_tables, dtype=torch.int32))

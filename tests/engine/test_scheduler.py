@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 
+from tpengine.distributed.messages import int_list
 from tpengine.engine.scheduler import MAX_WAIT_STEPS, Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
@@ -352,7 +353,7 @@ def _check_step(scheduler: Scheduler, plan: StepPlan, kv: list[list], tables: Bl
     assert len(batch) <= scheduler.max_num_seqs
     assert plan.num_tokens == sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
     assert [(c.src, c.dst, c.num_tokens) for c in plan.message.block_copies] == scheduler.block_copies
-    assert plan.message.decode_seq_ids == [seq.seq_id for seq in decode]
+    assert int_list(plan.message.decode_seq_ids) == [seq.seq_id for seq in decode]
     assert [chunk.seq_id for chunk in plan.message.prefill] == [seq.seq_id for seq in prefill]
     assert plan.sampling == [seq.sampling for seq in batch if is_sampled(seq)]
     assert all(tables.tables[seq.seq_id] == seq.block_table for seq in batch)
@@ -636,7 +637,7 @@ def test_a_short_longrope_sequence_about_to_pass_the_window_is_recomputed_with_t
     short_hashes = list(seq.block_hashes)
     for context_len in (7, 8):  # decodes while its context stays within the window
         rows, is_prefill, plan = schedule(scheduler)
-        assert rows == [seq] and not is_prefill and plan.message.decode_context_lens == [context_len]
+        assert rows == [seq] and not is_prefill and int_list(plan.message.decode_context_lens) == [context_len]
         post(scheduler, plan, [TOKEN])
     assert seq.num_tokens == 9
     rows, is_prefill, plan = schedule(scheduler)
@@ -646,7 +647,7 @@ def test_a_short_longrope_sequence_about_to_pass_the_window_is_recomputed_with_t
     assert seq.block_hashes[:1] != short_hashes[:1]  # its chain follows the long set
     post(scheduler, plan, [TOKEN])
     rows, is_prefill, plan = schedule(scheduler)  # long from now on: decoded past the window
-    assert rows == [seq] and not is_prefill and plan.message.decode_context_lens == [10]
+    assert rows == [seq] and not is_prefill and int_list(plan.message.decode_context_lens) == [10]
     assert run_to_completion(scheduler) and scheduler.num_preemptions == 1
     assert_all_blocks_free(scheduler)
 

@@ -10,7 +10,7 @@ import torch
 
 from tests.engine.test_scheduler import BS, make_scheduler, new_seq
 from tpengine.config import SpeculativeConfig
-from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
+from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage, int_list
 from tpengine.engine.block_manager import compute_block_hash
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.proposer import DraftModelProposer, NgramProposer
@@ -37,7 +37,7 @@ def markov_chain(seed: int) -> torch.Tensor:
 def sampled_row_tokens(plan) -> list[int]:
     """The input token of every sampled row of a plan, in row order: its logits depend on it alone here."""
     message = plan.message
-    tokens = list(message.decode_tokens)
+    tokens = int_list(message.decode_tokens)
     for chunk in message.prefill:
         if chunk.sampled:
             tokens += chunk.token_ids[len(chunk.token_ids) - 1 - chunk.num_draft_tokens:]
@@ -341,7 +341,7 @@ def run_late_drafts(num_seqs: int, budget: int) -> list[tuple[int, int]]:
         plan = scheduler.schedule()
         # a verify row carries its last token and how many drafts the ranks make, with what the draft lacks
         chunks = plan.message.prefill
-        steps.append((len(plan.message.decode_tokens) + sum(len(chunk.token_ids) + chunk.num_draft_tokens
+        steps.append((plan.message.num_decode_rows + sum(len(chunk.token_ids) + chunk.num_draft_tokens
                                                             + len(chunk.draft_context) for chunk in chunks),
                       sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)))
         message, drafts = drafted_on_ranks(plan.message, draft)

@@ -119,12 +119,12 @@ def test_inputs_from_the_tables_a_rank_keeps_equal_inputs_from_whole_tables(monk
 
 
 def test_a_verify_row_runs_as_decode_queries_over_its_growing_context_and_is_sampled_after_the_prompts():
-    from tpengine.distributed.messages import PrefillChunk, StepMessage
+    from tpengine.distributed.messages import PrefillChunk, StepMessage, int_column
     builder = InputBuilder(4, torch.device("cpu"))
     # seq 1 decodes its 6th token; seq 2 has 5 tokens cached and verifies its last token and 2 drafts
     # (positions 5..7, across its blocks 1 and 2); seq 3 prefills a 3-token prompt
-    step = StepMessage([1], [11], [6], [PrefillChunk(3, [31, 32, 33], 0, True),
-                                        PrefillChunk(2, [21, 22, 23], 5, True, 2)],
+    step = StepMessage(int_column([1]), int_column([11]), int_column([6]),
+                       [PrefillChunk(3, [31, 32, 33], 0, True), PrefillChunk(2, [21, 22, 23], 5, True, 2)],
                        new_tables=[BlockTable(1, [0, 1]), BlockTable(2, [2, 3, 4]), BlockTable(3, [5])])
     inputs = builder.prepare(step)
     assert inputs.input_ids.tolist()[:4] == [11, 21, 22, 23] and inputs.input_ids.tolist()[-3:] == [31, 32, 33]
@@ -137,21 +137,22 @@ def test_a_verify_row_runs_as_decode_queries_over_its_growing_context_and_is_sam
     assert inputs.num_logits == 5
     assert inputs.logits_rows.tolist()[:5] == [0, num_decode + 2, 1, 2, 3]
     # without a prompt the step is a decode step, sampled in row order
-    inputs = builder.prepare(StepMessage([1], [12], [7], [PrefillChunk(2, [23, 24], 7, True, 1)]))
+    inputs = builder.prepare(StepMessage(int_column([1]), int_column([12]), int_column([7]),
+                                             [PrefillChunk(2, [23, 24], 7, True, 1)]))
     assert not inputs.meta.is_prefill and inputs.logits_rows is None and inputs.num_logits == 3
     assert inputs.meta.context_lens.tolist()[:3] == [7, 8, 9]
     assert inputs.meta.slot_mapping.tolist()[:3] == [1 * 4 + 2, 3 * 4 + 3, 4 * 4 + 0]
 
 
 def test_longrope_rows_past_the_window_and_long_chunks_take_their_position_plus_max_positions():
-    from tpengine.distributed.messages import PrefillChunk, StepMessage
+    from tpengine.distributed.messages import PrefillChunk, StepMessage, int_column
     builder = InputBuilder(4, torch.device("cpu"), long_rope_threshold=6, max_positions=100)
     # decode rows attending to 6 (within the window) and 7 tokens; a verify row from context 6 to 8 (the rule is
     # per row: the ledger never sends one across the window); a short
     # prompt chunk, then the chunk of a long prompt
-    step = StepMessage([1, 2], [11, 21], [6, 7], [PrefillChunk(4, [41, 42], 0, True),
-                                                   PrefillChunk(5, [51, 52], 4, False, long_rope=True),
-                                                   PrefillChunk(3, [31, 32, 33], 5, True, 2)],
+    step = StepMessage(int_column([1, 2]), int_column([11, 21]), int_column([6, 7]),
+                       [PrefillChunk(4, [41, 42], 0, True), PrefillChunk(5, [51, 52], 4, False, long_rope=True),
+                        PrefillChunk(3, [31, 32, 33], 5, True, 2)],
                        new_tables=[BlockTable(1, [0, 1]), BlockTable(2, [2, 3]), BlockTable(3, [4, 5, 6]),
                                    BlockTable(4, [7]), BlockTable(5, [8, 9])])
     inputs = builder.prepare(step)

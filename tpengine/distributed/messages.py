@@ -1,4 +1,7 @@
 """Everything rank 0 sends its workers, as declared msgspec structs (array-like: no field names on the wire)."""
+import struct
+from array import array
+
 import msgspec
 import msgspec.msgpack
 
@@ -36,6 +39,18 @@ class BlockCopy(msgspec.Struct, array_like=True, gc=False):
     num_tokens: int
 
 
+def int_column(values: list[int]) -> bytes:
+    """Integers as one packed column of native int64s: the decode rows' fields. A worker reads a column
+    straight into an array, where a list would cost an int object per row to decode and another to convert.
+    (Every rank runs on one machine: one byte order.)"""
+    return struct.pack(f"{len(values)}q", *values)
+
+
+def int_list(column: bytes) -> list[int]:
+    """The integers of an int_column (workers read the column as an array instead: runner/inputs.py)."""
+    return array("q", column).tolist()
+
+
 class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     """One forward: its rows are the decode tokens first, then the prefill chunks (either may be empty).
 
@@ -45,10 +60,12 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     next tokens open. Applied in that order, after cutting the tables whose rejected draft tokens'
     blocks were freed.
     """
-    decode_seq_ids: list[int]
-    decode_tokens: list[int]            # each decode row's token: its sequence's last
-    decode_context_lens: list[int]      # tokens each decode row attends to, its own included
-    prefill: list[PrefillChunk]
+    # the decode rows, one int_column each: their sequences, tokens (each its sequence's last) and the tokens
+    # each attends to, its own included
+    decode_seq_ids: bytes = b""
+    decode_tokens: bytes = b""
+    decode_context_lens: bytes = b""
+    prefill: list[PrefillChunk] = []
     reset_tables: bool = False          # drop every table first (the last step was interrupted)
     # truncated_seq_ids[i]'s table keeps its first truncated_num_blocks[i] blocks (rejected drafts' freed)
     truncated_seq_ids: list[int] = []
@@ -75,8 +92,12 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     virtual_engine: int = 0
 
     @property
+    def num_decode_rows(self) -> int:
+        return len(self.decode_seq_ids) // 8
+
+    @property
     def num_rows(self) -> int:
-        return len(self.decode_seq_ids) + sum(len(chunk.token_ids) for chunk in self.prefill)
+        return self.num_decode_rows + sum(len(chunk.token_ids) for chunk in self.prefill)
 
 
 class InitMessage(msgspec.Struct, array_like=True, tag="init"):

@@ -24,7 +24,7 @@ from collections import deque
 from itertools import islice
 
 from tpengine.config import SCHEDULING_POLICIES
-from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage
+from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage, int_column
 from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.proposer import Proposer, speculates
@@ -76,6 +76,8 @@ class Scheduler:
         self._appended_seq_ids: list[int] = []
         self._appended_block_ids: list[int] = []
         self._reset_tables = False
+        # the last step's decode rows (a list schedule() made), with their sequence-id column and sampling records
+        self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord]] = ([], b"", [])
         self._resend_decode_tables = False  # after a reset, until every running sequence has its table again
         self._truncated_seq_ids: list[int] = []    # tables cut since the last message (rejected drafts' blocks)
         self._truncated_num_blocks: list[int] = []
@@ -187,7 +189,7 @@ class Scheduler:
                 token_budget -= sum(len(seq.draft_token_ids) for seq in decode)
             prefill = self._schedule_prefill(token_budget) if self.waiting and token_budget > 0 else []
         if not (decode or prefill):  # nothing queued: the pending table changes wait for a step that runs
-            return StepPlan(StepMessage([], [], [], []), [], 0)
+            return StepPlan(StepMessage(), [], 0)
         verify = []
         if self.proposer is not None:
             verify = [seq for seq in decode if seq.draft_token_ids]
@@ -199,7 +201,12 @@ class Scheduler:
 
     def _plan(self, decode: list[Sequence], verify: list[Sequence], prefill: list[Sequence]) -> StepPlan:
         """The step as a value: every rank's message, and the sampled rows' records (in row order)."""
-        chunks, new_tables, sampling = [], [], [seq.sampling for seq in decode]
+        last_decode, decode_seq_ids, decode_sampling = self._last_decode
+        if decode != last_decode:  # by identity: a batch that runs again unchanged (most steps) reuses both
+            decode_seq_ids = int_column([seq.seq_id for seq in decode])
+            decode_sampling = [seq.sampling for seq in decode]
+            self._last_decode = decode, decode_seq_ids, decode_sampling
+        chunks, new_tables, sampling = [], [], list(decode_sampling)
         num_prefill_tokens = 0
         for seq in prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -238,8 +245,8 @@ class Scheduler:
         if self._resend_decode_tables:
             self._resend_tables_of(decode + verify, new_tables)
         message = StepMessage(
-            [seq.seq_id for seq in decode], [seq.last_token for seq in decode], [seq.num_tokens for seq in decode],
-            chunks, released=self._released, new_tables=new_tables, appended_seq_ids=self._appended_seq_ids,
+            decode_seq_ids, int_column([seq.last_token for seq in decode]),
+            int_column([seq.num_tokens for seq in decode]), chunks, released=self._released, new_tables=new_tables, appended_seq_ids=self._appended_seq_ids,
             appended_block_ids=self._appended_block_ids,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
             reset_tables=self._reset_tables, truncated_seq_ids=self._truncated_seq_ids,

@@ -18,7 +18,7 @@ class StepPlan:
 
     @property
     def num_decode(self) -> int:
-        return len(self.message.decode_seq_ids)
+        return self.message.num_decode_rows
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ all-reduces add a latency per layer, which a draft a few layers deep keeps small
 import msgspec
 import torch
 
-from tpengine.distributed.messages import PrefillChunk, StepMessage
+from tpengine.distributed.messages import PrefillChunk, StepMessage, int_column
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.model_runner import attention_layers_of
 from tpengine.runner.sampler import greedy_on_every_rank
@@ -45,7 +45,7 @@ class Drafter:
 
     def _write_kv(self, chunks: list[PrefillChunk], inputs: InputBuilder) -> None:
         """One prefill forward over chunks whose tables the step already set, for the draft model's K/V alone."""
-        forward = inputs.build(StepMessage([], [], [], chunks))
+        forward = inputs.build(StepMessage(prefill=chunks))
         self.model(forward.input_ids, forward.positions, forward.meta)
 
     def propose(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, list[int]]:
@@ -66,8 +66,8 @@ class Drafter:
         # position num_cached_tokens, then its drafts); the row's token after it is its next draft
         for j in range(max(chunk.num_draft_tokens for chunk in chunks)):
             rows = [r for r, chunk in enumerate(chunks) if chunk.num_draft_tokens > j]
-            decode = StepMessage([chunks[r].seq_id for r in rows], [tokens[r] for r in rows],
-                                 [chunks[r].num_cached_tokens + 1 + j for r in rows], [])
+            decode = StepMessage(int_column([chunks[r].seq_id for r in rows]), int_column([tokens[r] for r in rows]),
+                                 int_column([chunks[r].num_cached_tokens + 1 + j for r in rows]))
             forward = inputs.build(decode)
             hidden_states = self.model(forward.input_ids, forward.positions, forward.meta)
             logits = self.model.compute_logits(hidden_states, False, len(rows))

@@ -3,6 +3,7 @@ step to step as the messages change them, and the step's rows (decode tokens fir
 as tensors and one attention-metadata value."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpengine.attention.metadata import AttentionMetadata
@@ -38,12 +39,12 @@ class InputBuilder:
         self.row_bucket = platform_for(device).row_bucket
         self.block_tables = BlockTables()
 
-    def _tensor(self, data, dtype=torch.int64) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+    def _tensor(self, data, dtype=np.int64) -> torch.Tensor:
+        """A list or numpy array on the device (through pinned memory on CUDA)."""
+        tensor = torch.from_numpy(np.asarray(data, dtype=dtype))
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
     def prepare(self, step: StepMessage) -> ForwardInputs:
         """Update the block tables with the step's changes, then build its inputs."""
@@ -52,14 +53,16 @@ class InputBuilder:
 
     def build(self, step: StepMessage) -> ForwardInputs:
         """The inputs of a step whose block-table changes are applied already (prepare, or a draft model's
-        decode rows within a step: runner/drafter.py)."""
-        tables = self.block_tables.tables
+        decode rows within a step: runner/drafter.py). Decode rows are built as whole columns (numpy), from
+        the message's packed columns and the tables' rows; prompt chunks token by token."""
+        block_tables = self.block_tables
+        tables = block_tables.tables
         block_size = self.block_size
         num_rows = step.num_rows
         num_padding = self.row_bucket(num_rows) - num_rows
-        decode_tables = [tables[seq_id] for seq_id in step.decode_seq_ids]
-        context_lens = step.decode_context_lens
-        input_ids = step.decode_tokens
+        seq_ids = np.frombuffer(step.decode_seq_ids, dtype=np.int64)
+        input_ids = np.frombuffer(step.decode_tokens, dtype=np.int64)
+        context_lens = np.frombuffer(step.decode_context_lens, dtype=np.int64)
         chunks = step.prefill
         num_verify_rows = 0
         if any(chunk.num_draft_tokens for chunk in chunks):
@@ -68,36 +71,48 @@ class InputBuilder:
             # and a step of decode and verify rows alone stays a decode step.
             verify = [chunk for chunk in chunks if chunk.num_draft_tokens]
             chunks = [chunk for chunk in chunks if not chunk.num_draft_tokens]
-            context_lens, input_ids = list(context_lens), list(input_ids)
+            verify_seq_ids, verify_tokens, verify_lens = [], [], []
             for chunk in verify:
-                table = tables[chunk.seq_id]
                 num_verify_rows += len(chunk.token_ids)
-                input_ids += chunk.token_ids
+                verify_seq_ids += [chunk.seq_id] * len(chunk.token_ids)
+                verify_tokens += chunk.token_ids
                 start = chunk.num_cached_tokens
-                context_lens += range(start + 1, start + len(chunk.token_ids) + 1)
-                decode_tables += [table] * len(chunk.token_ids)
-        input_ids = input_ids + [0] * num_padding
-        positions = [n - 1 for n in context_lens]
-        threshold = self.long_rope_threshold
-        if threshold is not None:
-            # the ledger keeps a short sequence's decode and verify rows within the window (engine/scheduler.py),
-            # and a long one's past it: a row's set follows from its context
-            positions = [p + self.max_positions if p >= threshold else p for p in positions]
-        positions += [0] * num_padding
-        slot_mapping = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size
-                        for table, n in zip(decode_tables, context_lens)] + [-1] * num_padding
-        if num_padding:
-            context_lens = context_lens + [0] * num_padding
-            decode_tables += [[0]] * num_padding
-        decode = self._decode_metadata(slot_mapping, context_lens, decode_tables) if context_lens else None
-        num_decode = len(input_ids)  # padding rows included
+                verify_lens += range(start + 1, start + len(chunk.token_ids) + 1)
+            seq_ids = np.concatenate([seq_ids, np.array(verify_seq_ids, dtype=np.int64)])
+            input_ids = np.concatenate([input_ids, np.array(verify_tokens, dtype=np.int64)])
+            context_lens = np.concatenate([context_lens, np.array(verify_lens, dtype=np.int64)])
+        num_decode_rows = len(seq_ids) - num_verify_rows
+        # padding rows: token 0 at position 0, nothing to attend to, no cache slot, row 0's (empty) table
+        rows = np.concatenate([block_tables.row_indices(seq_ids.tolist()), np.zeros(num_padding, dtype=np.int64)])
+        decode = None
+        num_decode = len(rows)  # padding rows included
+        positions = np.zeros(num_decode, dtype=np.int64)
+        slot_mapping = np.full(num_decode, -1, dtype=np.int64)
+        if num_decode:
+            table = block_tables.padded(rows)
+            real = len(seq_ids)
+            last = context_lens - 1  # each row's own position
+            block_ids = table[np.arange(real), last // block_size].astype(np.int64)
+            slot_mapping[:real] = block_ids * block_size + last % block_size
+            threshold = self.long_rope_threshold
+            if threshold is not None:
+                # the ledger keeps a short sequence's decode and verify rows within the window (engine/scheduler.py),
+                # and a long one's past it: a row's set follows from its context
+                last = np.where(last >= threshold, last + self.max_positions, last)
+            positions[:real] = last
+            lens = np.zeros(num_decode, dtype=np.int32)
+            lens[:real] = context_lens
+            decode = AttentionMetadata(
+                is_prefill=False, slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table, np.int32),
+                context_lens=self._tensor(lens, np.int32), max_seqlen_k=int(lens.max()))
+        input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
         if not chunks:  # sampled in row order: the decode rows, then the verify rows
             return ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
-                                 len(step.decode_seq_ids) + num_verify_rows)
-        seqlens_q, seqlens_k, prefill_tables = [], [], []
+                                 num_decode_rows + num_verify_rows)
+        input_ids, positions, slot_mapping = input_ids.tolist(), positions.tolist(), slot_mapping.tolist()
+        seqlens_q, seqlens_k = [], []
         for chunk in chunks:
             table = tables[chunk.seq_id]
-            prefill_tables.append(table)
             start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
             input_ids.extend(chunk.token_ids)
             offset = self.max_positions if chunk.long_rope else 0
@@ -116,12 +131,12 @@ class InputBuilder:
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
-            block_tables=self._block_tables(prefill_tables),
+            block_tables=self._tensor(block_tables.padded(block_tables.row_indices(chunk.seq_id for chunk in chunks)),
+                                      np.int32),
             has_cached_prefix=any(chunk.num_cached_tokens for chunk in chunks),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32), cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            cu_seqlens_q=self._tensor(cu_q, np.int32), cu_seqlens_k=self._tensor(cu_k, np.int32),
             seqlens_q=seqlens_q, seqlens_k=seqlens_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             num_decode_tokens=num_decode, decode=decode)
-        num_decode_rows = len(step.decode_seq_ids)
         logits_rows = list(range(num_decode_rows))
         logits_rows += [num_decode + end - 1 for chunk, end in zip(chunks, cu_q[1:]) if chunk.sampled]
         logits_rows += range(num_decode_rows, num_decode_rows + num_verify_rows)  # sampled after the prompts
@@ -130,11 +145,3 @@ class InputBuilder:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
         return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
                              num_logits)
-
-    def _decode_metadata(self, slot_mapping: list[int], context_lens: list[int],
-                         block_tables: list[list[int]]) -> AttentionMetadata:
-        """The decode rows' metadata: one query per sequence over its context (0 for a padding row)."""
-        return AttentionMetadata(
-            is_prefill=False, slot_mapping=self._tensor(slot_mapping[:len(context_lens)]),
-            block_tables=self._block_tables(block_tables), block_tables_list=block_tables, seqlens_k=context_lens,
-            context_lens=self._tensor(context_lens, torch.int32), max_seqlen_k=max(context_lens))

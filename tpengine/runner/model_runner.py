@@ -293,7 +293,7 @@ class ModelRunner:
             chunks.append(PrefillChunk(len(chunks), [0] * length, 0, True))
             tables.append(BlockTable(len(tables), list(range(num_blocks, num_blocks + blocks))))
             num_blocks += blocks
-        step = StepMessage([], [], [], chunks, new_tables=tables)
+        step = StepMessage(prefill=chunks, new_tables=tables)
         inputs = self.input_builder().prepare(step)  # its own tables: none stay behind
         self._allocate_kv_cache(num_blocks)
         cache_bytes = num_blocks * self._block_bytes()
