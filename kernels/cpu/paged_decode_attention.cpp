@@ -1,6 +1,7 @@
 // Paged decode attention for the CPU: one query token per sequence over its cached K/V, read in
-// place through the block table. One work item is one (sequence, KV head) pair: its group of query
-// heads shares every K/V row it loads, so each row is read once per step.
+// place through the block table, row by row (all KV heads of a token lie together), each row once per
+// step: every query head reads its KV head's slice of it. A work item is a sequence, or a run of its keys
+// when there are fewer sequences than threads.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -62,7 +63,87 @@ inline void add_scaled(float* acc, const c10::BFloat16* v, float p, int64_t head
   for (int64_t d = 0; d < head_dim; d += 16)
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(scale, widen(v + d), _mm512_loadu_ps(acc + d)));
 }
+
+// exp of 16 floats: Cephes' expf polynomial on x - n ln 2, scaled by 2^n (within 2 ulp of std::exp; 0 below
+// about -103, where a softmax term no longer counts)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0..n) = exp(s - peak), returning their sum
+inline float exp_and_sum(float* s, int64_t n, float peak) {
+  const __m512 shift = _mm512_set1_ps(peak);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < n) {
+    const __mmask16 tail = (__mmask16)((1u << (n - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), shift));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+inline float exp_and_sum(float* s, int64_t n, float peak) {
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - peak));
+  return sum;
+}
 #endif
+
+// scores[h * n_keys + t] = q_h . K[first + t] for every query head h and the keys first..last - 1, read row
+// by row (a row holds the token's K of every KV head; query head h reads KV head h / group's slice)
+template <typename scalar_t>
+void run_scores(float* scores, const float* query, int64_t num_heads, int64_t group, const scalar_t* k_ptr,
+                const int32_t* table, int64_t k_block, int64_t k_row, int64_t k_head, int64_t block_size,
+                int64_t first, int64_t last, int64_t head_dim) {
+  const int64_t n_keys = last - first;
+  for (int64_t start = first - first % block_size; start < last; start += block_size) {
+    const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, last - start);
+    const scalar_t* keys = k_ptr + table[start / block_size] * k_block;
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t h = 0; h < num_heads; ++h)
+        scores[h * n_keys + start + t - first] = dot(query + h * head_dim, keys + t * k_row + (h / group) * k_head,
+                                                     head_dim);
+  }
+}
+
+// acc[h * head_dim + d] = sum over the keys first..last - 1 of probs[h * n_keys + t] * V[first + t][d], row by row
+template <typename scalar_t>
+void run_values(float* acc, const float* probs, int64_t num_heads, int64_t group, const scalar_t* v_ptr,
+                const int32_t* table, int64_t v_block, int64_t v_row, int64_t v_head, int64_t block_size,
+                int64_t first, int64_t last, int64_t head_dim) {
+  const int64_t n_keys = last - first;
+  std::fill(acc, acc + num_heads * head_dim, 0.f);
+  for (int64_t start = first - first % block_size; start < last; start += block_size) {
+    const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, last - start);
+    const scalar_t* values = v_ptr + table[start / block_size] * v_block;
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t h = 0; h < num_heads; ++h)
+        add_scaled(acc + h * head_dim, values + t * v_row + (h / group) * v_head, probs[h * n_keys + start + t - first],
+                   head_dim);
+  }
+}
+
+constexpr int64_t kMinRunKeys = 64;
 
 template <typename scalar_t>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -98,62 +179,99 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
     }
   }
 
-  // One work item per sequence: a token's K (and V) rows of all KV heads lie next to each other, so
-  // each block is read front to back once per step. Splitting a sequence's heads over the threads was
-  // faster alone but about 2x slower inside the engine's batch-1 step (docs/benchmarks.md).
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, inv_sum(num_heads);
-    for (int64_t seq = begin; seq < end; ++seq) {
+  // One work item per sequence, or, with fewer sequences than threads, per run of its keys (flash-decoding's
+  // split): every item reads whole K/V rows front to back, the way the memory streams fastest. Splitting the
+  // KV heads instead made each thread read every other piece of each row, which was slower inside a step,
+  // where the cache is cold (docs/benchmarks.md). The runs' partial softmaxes are combined afterwards.
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t longest = batch ? *std::max_element(lens, lens + batch) : 0;
+  // runs of at least kMinRunKeys: a shorter one costs more in starting threads than it saves
+  const int64_t num_splits = batch >= num_threads ? 1 : std::clamp<int64_t>(longest / kMinRunKeys, 1,
+                                                                           (num_threads + batch - 1) / batch);
+  std::vector<float> part_max, part_sum, part_acc;  // per (sequence, run): each head's max, sum and sums of V
+  if (num_splits > 1) {
+    part_max.resize(batch * num_splits * num_heads);
+    part_sum.resize(batch * num_splits * num_heads);
+    part_acc.resize(batch * num_splits * num_heads * head_dim);
+  }
+  at::parallel_for(0, batch * num_splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, inv(num_heads);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_splits, split = item % num_splits;
       const int64_t context_len = lens[seq];
       scalar_t* o_seq_ptr = o_ptr + seq * o_seq;
       if (context_len == 0) {  // a padding row: nothing to attend to
-        for (int64_t h = 0; h < num_heads; ++h) std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
+        if (split == 0)
+          for (int64_t h = 0; h < num_heads; ++h) std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
+        continue;
+      }
+      // the keys this query sees: the last `window` of its context (blocks before them are never read); this
+      // item's run of them, in whole 16s
+      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
+      const int64_t run = ((context_len - first + num_splits - 1) / num_splits + 15) / 16 * 16;
+      const int64_t lo = std::min(context_len, first + split * run), hi = std::min(context_len, lo + run);
+      const int64_t n_keys = hi - lo;
+      const int64_t part = (seq * num_splits + split) * num_heads;
+      if (n_keys == 0) {  // a short context's last runs: nothing to add
+        std::fill(part_sum.begin() + part, part_sum.begin() + part + num_heads, 0.f);
+        std::fill(part_max.begin() + part, part_max.begin() + part + num_heads, -std::numeric_limits<float>::infinity());
         continue;
       }
       for (int64_t h = 0; h < num_heads; ++h) {
         const scalar_t* src = q_ptr + seq * q_seq + h * q_head;
         for (int64_t d = 0; d < head_dim; ++d) query[h * head_dim + d] = static_cast<float>(src[d]) * scale;
       }
-      // the keys this query sees: the last `window` of its context (blocks before them are never read)
-      const int64_t first = window > 0 ? std::max<int64_t>(0, context_len - window) : 0;
-      const int64_t n_keys = context_len - first;
-      // scores[h * n_keys + t]: query head h against key first + t; query head h reads KV head h / group
       scores.resize(num_heads * n_keys);
       const int32_t* table = tables + seq * max_blocks;
-      for (int64_t start = first - first % block_size; start < context_len; start += block_size) {
-        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, context_len - start);
-        const scalar_t* keys = k_ptr + table[start / block_size] * k_block;
-        for (int64_t t = lo; t < hi; ++t)
-          for (int64_t h = 0; h < num_heads; ++h)
-            scores[h * n_keys + start + t - first] =
-                dot(&query[h * head_dim], keys + t * k_row + (h / group) * k_head, head_dim);
-      }
+      run_scores(scores.data(), query.data(), num_heads, group, k_ptr, table, k_block, k_row, k_head, block_size, lo,
+                 hi, head_dim);
       for (int64_t h = 0; h < num_heads; ++h) {
         float* s = &scores[h * n_keys];
         if (softcap > 0.f)
           for (int64_t t = 0; t < n_keys; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
-        // a sink is one more logit in the softmax, with no value row
         float peak = *std::max_element(s, s + n_keys);
+        if (num_splits > 1) {  // the sink joins when the runs are combined
+          part_max[part + h] = peak;
+          part_sum[part + h] = exp_and_sum(s, n_keys, peak);
+          continue;
+        }
+        // a sink is one more logit in the softmax, with no value row
         if (sink_ptr) peak = std::max(peak, sink_ptr[h]);
-        float sum = sink_ptr ? std::exp(sink_ptr[h] - peak) : 0.f;
-        for (int64_t t = 0; t < n_keys; ++t) sum += (s[t] = std::exp(s[t] - peak));
-        inv_sum[h] = 1.f / sum;
+        inv[h] = 1.f / (exp_and_sum(s, n_keys, peak) + (sink_ptr ? std::exp(sink_ptr[h] - peak) : 0.f));
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = first - first % block_size; start < context_len; start += block_size) {
-        const int64_t lo = std::max<int64_t>(first - start, 0), hi = std::min(block_size, context_len - start);
-        const scalar_t* values = v_ptr + table[start / block_size] * v_block;
-        for (int64_t t = lo; t < hi; ++t)
-          for (int64_t h = 0; h < num_heads; ++h)
-            add_scaled(&acc[h * head_dim], values + t * v_row + (h / group) * v_head,
-                       scores[h * n_keys + start + t - first], head_dim);
-      }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* o = o_seq_ptr + h * o_head;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv_sum[h]);
-      }
+      float* sums = num_splits > 1 ? &part_acc[part * head_dim] : acc.data();
+      run_values(sums, scores.data(), num_heads, group, v_ptr, table, v_block, v_row, v_head, block_size, lo, hi,
+                 head_dim);
+      if (num_splits == 1)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scalar_t* o = o_seq_ptr + h * o_head;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv[h]);
+        }
     }
   });
+  if (num_splits == 1) return;
+  // each head's runs as one softmax: every run's sums rescaled to the largest maximum
+  std::vector<float> out_row(head_dim);
+  for (int64_t seq = 0; seq < batch; ++seq) {
+    if (lens[seq] == 0) continue;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float peak = sink_ptr ? sink_ptr[h] : -std::numeric_limits<float>::infinity();
+      for (int64_t split = 0; split < num_splits; ++split)
+        peak = std::max(peak, part_max[(seq * num_splits + split) * num_heads + h]);
+      float total = sink_ptr ? std::exp(sink_ptr[h] - peak) : 0.f;
+      std::fill(out_row.begin(), out_row.end(), 0.f);
+      for (int64_t split = 0; split < num_splits; ++split) {
+        const int64_t part = (seq * num_splits + split) * num_heads + h;
+        if (part_sum[part] == 0.f) continue;  // an empty run
+        const float weight = std::exp(part_max[part] - peak);
+        total += weight * part_sum[part];
+        const float* sums = &part_acc[part * head_dim];
+        for (int64_t d = 0; d < head_dim; ++d) out_row[d] += weight * sums[d];
+      }
+      scalar_t* o = o_ptr + seq * o_seq + h * o_head;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(out_row[d] / total);
+    }
+  }
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -22,6 +22,10 @@ pytestmark = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here
         # one sequence: its KV heads are the work items; bfloat16 widened 16 at a time, and head_dim 48 not
         (16, 64, 8, 4, [70], torch.bfloat16, 2e-2),
         (16, 48, 8, 4, [70], torch.bfloat16, 2e-2),
+        # groups of 3 (an odd group's last head alone), of 1, head_dim 256, float16 widened
+        (16, 64, 9, 3, [50, 7], torch.float32, 1e-5),
+        (16, 128, 8, 8, [33], torch.float16, 2e-3),
+        (256, 256, 4, 2, [300], torch.bfloat16, 2e-2),
     ],
 )
 def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, context_lens, dtype, tol, check_decode):
@@ -34,6 +38,21 @@ def test_matches_reference(block_size, head_dim, num_heads, num_kv_heads, contex
 def test_window_softcap_and_sinks_match_reference(features, dtype, tol, check_decode):
     # contexts shorter than, equal to and longer than each window, ending mid-block and on a block's end
     check_decode(paged_decode_attention, 16, 64, 8, 2, [1, 20, 33, 64, 70, 100], dtype, tol, **features)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("context_lens", [[300], [300, 9], [130], [1], [200, 1]])
+def test_fewer_sequences_than_threads_split_their_keys_into_runs(threads, context_lens, check_decode):
+    # up to 4 runs of 16-key multiples (64 keys at least): uneven ones, empty ones (a context shorter than the
+    # runs), contexts too short to split, windows, sinks and soft caps joined across runs
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_decode(paged_decode_attention, 16, 128, 6, 3, context_lens, torch.float32, 1e-5)
+        check_decode(paged_decode_attention, 16, 128, 6, 3, context_lens, torch.bfloat16, 2e-2, window=33)
+        check_decode(paged_decode_attention, 16, 64, 8, 2, context_lens, torch.float32, 1e-5, softcap=3.0, sinks=True)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_empty_context_row_is_zero_and_leaves_its_neighbour_alone(check_empty_context):
