@@ -202,7 +202,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       scalar_t* o_seq_ptr = o_ptr + seq * o_seq;
       if (context_len == 0) {  // a padding row: nothing to attend to
         if (split == 0)
-          for (int64_t h = 0; h < num_heads; ++h) std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
+          for (int64_t h = 0; h < num_heads; ++h)
+            std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
         continue;
       }
       // the keys this query sees: the last `window` of its context (blocks before them are never read); this
@@ -214,7 +215,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       const int64_t part = (seq * num_splits + split) * num_heads;
       if (n_keys == 0) {  // a short context's last runs: nothing to add
         std::fill(part_sum.begin() + part, part_sum.begin() + part + num_heads, 0.f);
-        std::fill(part_max.begin() + part, part_max.begin() + part + num_heads, -std::numeric_limits<float>::infinity());
+        std::fill(part_max.begin() + part, part_max.begin() + part + num_heads,
+                  -std::numeric_limits<float>::infinity());
         continue;
       }
       for (int64_t h = 0; h < num_heads; ++h) {

@@ -246,8 +246,8 @@ class Scheduler:
             self._resend_tables_of(decode + verify, new_tables)
         message = StepMessage(
             decode_seq_ids, int_column([seq.last_token for seq in decode]),
-            int_column([seq.num_tokens for seq in decode]), chunks, released=self._released, new_tables=new_tables, appended_seq_ids=self._appended_seq_ids,
-            appended_block_ids=self._appended_block_ids,
+            int_column([seq.num_tokens for seq in decode]), chunks, released=self._released, new_tables=new_tables,
+            appended_seq_ids=self._appended_seq_ids, appended_block_ids=self._appended_block_ids,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
             reset_tables=self._reset_tables, truncated_seq_ids=self._truncated_seq_ids,
             truncated_num_blocks=self._truncated_num_blocks, draft_prompts=self._drafting)
