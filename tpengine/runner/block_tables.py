@@ -22,15 +22,15 @@ class BlockTables:
     def update(self, step: StepMessage) -> None:
         """Apply what the step changed: cut tables, drop the sequences that left, take whole tables, append
         blocks."""
-        tables, row_of, rows = self.tables, self.row_of, self.rows
+        tables, row_of = self.tables, self.row_of  # self.rows may be replaced below (_fit, _new_row): no alias
         if step.reset_tables:
             tables.clear()
             row_of.clear()
-            self._free_rows = list(range(len(rows) - 1, 0, -1))
+            self._free_rows = list(range(len(self.rows) - 1, 0, -1))
         for seq_id, num_blocks in zip(step.truncated_seq_ids, step.truncated_num_blocks):
             del tables[seq_id][num_blocks:]
             row = row_of[seq_id]
-            rows[row, num_blocks:] = 0
+            self.rows[row, num_blocks:] = 0
             self.lengths[row] = min(self.lengths[row], num_blocks)
         for seq_id in step.released:
             del tables[seq_id]
