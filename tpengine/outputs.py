@@ -27,23 +27,7 @@ class CompletionOutput:
         self.cumulative_logprob = cumulative_logprob    # sum of the sampled tokens' log-probabilities, if asked
         self._token_source = self._logprob_source = None
 
-    @classmethod
-    def _snapshot(cls, index: int, text: str | None, token_source: list[int], token_start: int, token_end: int,
-                  finish_reason: str | None, stop_reason: int | str | None,
-                  logprob_source: list | None = None, cumulative_logprob: float | None = None,
-                  logprob_start: int = 0) -> "CompletionOutput":
-        """The engine's constructor: token_ids is token_source[token_start:token_end], logprobs (when
-        logprob_source is given) logprob_source[logprob_start:] as it holds now; both lists are only ever
-        appended to, so slicing them later gives what they held now."""
-        self = cls.__new__(cls)
-        self.index, self.text, self.finish_reason, self.stop_reason = index, text, finish_reason, stop_reason
-        self._token_ids = self._logprobs = None
-        self._token_source, self._token_start, self._token_end = token_source, token_start, token_end
-        self._logprob_source, self._logprob_start = logprob_source, logprob_start
-        self._logprob_end = 0 if logprob_source is None else len(logprob_source)
-        self.cumulative_logprob = cumulative_logprob
-        return self
-
+    # A snapshot (completion_snapshot) sets _token_ids on first read, and _logprobs too when it has a source.
     @property
     def token_ids(self) -> list[int]:
         if self._token_source is not None:
@@ -108,6 +92,28 @@ CompletionOutput.__dataclass_fields__ = _CompletionFields.__dataclass_fields__
 CompletionOutput.__dataclass_params__ = _CompletionFields.__dataclass_params__
 CompletionOutput.__match_args__ = _COMPLETION_FIELDS
 CompletionOutput.__annotations__ = dict(_CompletionFields.__annotations__)  # for msgspec.decode(type=...)
+
+
+_new_object = object.__new__
+
+
+def completion_snapshot(index: int, text: str | None, token_source: list[int], token_start: int, token_end: int,
+                        finish_reason: str | None, stop_reason: int | str | None,
+                        logprob_source: list | None = None, cumulative_logprob: float | None = None,
+                        logprob_start: int = 0) -> CompletionOutput:
+    """The engine's CompletionOutput: token_ids is token_source[token_start:token_end], logprobs (when
+    logprob_source is given) logprob_source[logprob_start:] as it holds now; both lists are only ever appended
+    to, so slicing them later gives what they held now. A function that sets only what a read needs: one is
+    built per streamed completion per step."""
+    self = _new_object(CompletionOutput)
+    self.index, self.text, self.finish_reason, self.stop_reason = index, text, finish_reason, stop_reason
+    self._token_source, self._token_start, self._token_end = token_source, token_start, token_end
+    self._logprob_source, self.cumulative_logprob = logprob_source, cumulative_logprob
+    if logprob_source is None:
+        self._logprobs = None
+    else:
+        self._logprob_start, self._logprob_end = logprob_start, len(logprob_source)
+    return self
 
 
 def _completion_output(*fields) -> CompletionOutput:

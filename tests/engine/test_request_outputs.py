@@ -209,3 +209,50 @@ def test_delta_outputs_joined_equal_the_cumulative_ones(tied_model):
                 assert ours.keys() == theirs.keys() and ours == pytest.approx(theirs, abs=1e-4)
             assert (entry["finish_reason"], entry["stop_reason"]) == (final.finish_reason, final.stop_reason)
             assert entry["ends"] == 1  # a completion's end is reported once
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_plain_streams_report_what_generate_returns(tied_model, kind):
+    """Streams of one completion without stop strings or logprobs (a server's usual request) make their outputs
+    in one pass per step. Beside requests that take the general path, with prefix hits, preemptions (a small
+    cache) and an abort, each one's outputs add up to generate()'s result, every text only extends the last, and
+    its end is reported once. The byte tokenizer's random bytes split characters across tokens."""
+    import dataclasses
+
+    from tpengine import RequestOutputKind
+    output_kind = RequestOutputKind.DELTA if kind == "delta" else RequestOutputKind.CUMULATIVE
+    prompts = random_prompts(5, [9, 21, 40, 3, 17, 33], 256) + ["Once upon a time", "Once upon a time, there"]
+    settings = [dict(temperature=0.0, max_tokens=30), dict(temperature=1.0, seed=7, max_tokens=17),
+                dict(temperature=0.0, max_tokens=25, stop=["zz"]), dict(temperature=0.8, seed=1, max_tokens=1)]
+    params = [SamplingParams(ignore_eos=True, **settings[i % len(settings)]) for i in range(len(prompts))]
+    with LLM(tied_model, kvcache_block_size=16, num_kvcache_blocks=12, max_model_len=256) as llm:
+        expected = llm.generate(prompts, params, use_tqdm=False)
+        streamed = [dataclasses.replace(p, output_kind=output_kind) for p in params]
+        ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, streamed)]
+        seen = {request_id: dict(text="", token_ids=[], ends=0) for request_id in ids}
+        steps = 0
+        while llm.has_unfinished_requests():
+            steps += 1
+            if steps == 4:
+                aborted = llm.abort(ids[1])
+            for out in llm.step():
+                (completion,) = out.outputs
+                entry = seen[out.request_id]
+                if kind == "delta":
+                    entry["text"] += completion.text
+                    entry["token_ids"] += completion.token_ids
+                else:
+                    assert completion.text.startswith(entry["text"])
+                    assert completion.token_ids[:len(entry["token_ids"])] == entry["token_ids"]
+                    entry["text"], entry["token_ids"] = completion.text, completion.token_ids
+                entry["ends"] += completion.finish_reason is not None
+                assert out.finished == (completion.finish_reason is not None)
+        assert llm.num_preemptions > 0
+    for request_id, want in zip(ids, expected):
+        entry = seen[request_id]
+        assert entry["ends"] == 1
+        if request_id == ids[1]:  # aborted after its third step: what it reported is a start of the whole
+            assert aborted.finished and 0 < len(entry["token_ids"]) < len(want.outputs[0].token_ids)
+            assert want.outputs[0].token_ids[:len(entry["token_ids"])] == entry["token_ids"]
+            continue
+        assert (entry["token_ids"], entry["text"]) == (want.outputs[0].token_ids, want.outputs[0].text)

@@ -28,6 +28,13 @@ def _byte_level_char_to_byte() -> dict[str, int]:
     return chars
 
 
+def _whole_characters(data: bytes) -> str | None:
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return None
+
+
 class Detokenizer:
     """One per engine: turns token ids into text for any number of completions."""
 
@@ -38,6 +45,7 @@ class Detokenizer:
         self.byte_level = (backend is not None and type(backend.decoder).__name__ == "ByteLevel"
                            and not getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self._token_bytes: dict[bool, list[bytes]] = {}   # skip_special_tokens -> bytes per id
+        self._token_texts: dict[bool, list[str | None]] = {}   # skip_special_tokens -> text per id
 
     def token_bytes(self, skip_special_tokens: bool) -> list[bytes]:
         """Each token id's bytes as the tokenizer's ByteLevel decoder writes them (built on first use)."""
@@ -58,6 +66,15 @@ class Detokenizer:
             self._token_bytes[skip_special_tokens] = table
         return table
 
+    def token_texts(self, skip_special_tokens: bool) -> list[str | None]:
+        """Each token id's text where its bytes are whole UTF-8 characters (None where they are not): what a
+        token appended to a text that holds back no partial character adds to it."""
+        table = self._token_texts.get(skip_special_tokens)
+        if table is None:
+            table = [_whole_characters(data) for data in self.token_bytes(skip_special_tokens)]
+            self._token_texts[skip_special_tokens] = table
+        return table
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
@@ -70,7 +87,7 @@ class IncrementalText:
     """
 
     __slots__ = ("detokenizer", "skip_special_tokens", "stop", "include_stop", "text",
-                 "_bytes", "_undecoded", "_window", "_prefix_offset", "_read_offset")
+                 "_bytes", "_texts", "_undecoded", "_window", "_prefix_offset", "_read_offset")
 
     def __init__(self, detokenizer: Detokenizer, params, prompt_token_ids: list[int],
                  stops: StopStrings | None = None):
@@ -83,6 +100,7 @@ class IncrementalText:
         self.text = ""
         if detokenizer.byte_level:
             self._bytes = detokenizer.token_bytes(params.skip_special_tokens)
+            self._texts = detokenizer.token_texts(params.skip_special_tokens)
             self._undecoded = b""  # the start of a character the next tokens complete
         else:
             self._bytes = None
@@ -95,14 +113,16 @@ class IncrementalText:
         old_len = len(self.text)
         table = self._bytes
         if table is not None:
-            if end - start == 1:  # a decode step
-                data = self._undecoded + table[token_ids[start]]
+            # a decode step's token of whole characters after whole characters (nearly every step): no decoder
+            piece = self._texts[token_ids[start]] if end - start == 1 and not self._undecoded else None
+            if piece is not None:
+                self.text += piece
             else:
                 data = self._undecoded + b"".join([table[t] for t in token_ids[start:end]])
-            # not final: an incomplete character at the end is left undecoded, invalid bytes become U+FFFD
-            decoded, num_decoded = utf_8_decode(data, "replace", False)
-            self._undecoded = data[num_decoded:]
-            self.text += decoded
+                # not final: an incomplete character at the end is left undecoded, invalid bytes become U+FFFD
+                decoded, num_decoded = utf_8_decode(data, "replace", False)
+                self._undecoded = data[num_decoded:]
+                self.text += decoded
         else:
             self._window.extend(token_ids[start:end])
             self._read_window(final=False)

@@ -419,20 +419,26 @@ class LLMEngine:
         if self._num_constrained_requests:
             self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
+        reports: list[tuple[Request, RequestOutput]] = []
         if self._num_per_step_requests:
-            self._process_tokens(seqs, sampled.logprobs, touched)
+            self._process_tokens(seqs, sampled.logprobs, touched, reports)
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)
-        return [(request, request.output()) for request in touched.values() if request.stream or request.finished]
+        reports += [(request, request.output()) for request in touched.values() if request.stream or request.finished]
+        return reports
 
-    def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request]) -> None:
-        """seqs: those that got a token this step, logprobs their rows'."""
+    def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request],
+                        reports: list[tuple[Request, RequestOutput]]) -> None:
+        """seqs: those that got a token this step, logprobs their rows'. A plain stream's output goes to reports
+        at once; every other request that needs one is left in touched."""
         # once per sampled sequence per step: attribute tests only for a request that needs nothing
         requests = self._requests
         for i, seq in enumerate(seqs):
             request = requests[seq.request_id]
-            if seq.finish_reason is not None:  # finished in this step
+            if seq.finish_reason is None and request.plain_stream:  # no stop string can end it here
+                reports.append((request, request.stream_step(seq)))
+            elif seq.finish_reason is not None:  # finished in this step
                 if request.per_step and seq.finish_reason != "abort":
                     found = request.on_token(seq, logprobs[i])
                     if found is not None:  # a token up to its last (max_tokens, a stop token) completed a stop string

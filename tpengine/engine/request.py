@@ -2,14 +2,14 @@
 from tpengine.engine.detokenizer import Detokenizer, IncrementalText
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.stop_strings import StopStrings
-from tpengine.outputs import CompletionOutput, RequestOutput
+from tpengine.outputs import CompletionOutput, RequestOutput, completion_snapshot
 from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "delta", "per_step",
                  "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished",
-                 "num_reported_tokens", "num_reported_chars", "reported_finished", "grammar")
+                 "num_reported_tokens", "num_reported_chars", "reported_finished", "grammar", "plain_stream")
 
     def __init__(self, request_id: int, prompt, prompt_token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], detokenizer: Detokenizer | None, stream: bool):
@@ -40,6 +40,9 @@ class Request:
         self.num_reported_chars = [0] * len(seqs)
         self.reported_finished = [False] * len(seqs)
         self.grammar = None  # structured outputs: its grammar's compilation (a Future), set by the engine
+        # a stream of one completion with no stop strings or logprobs (a server's usual request): each step
+        # makes its output in one pass (stream_step)
+        self.plain_stream = self.stream and len(seqs) == 1 and not params.stop and params.logprobs is None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +72,30 @@ class Request:
             if stop is not None:
                 return stop, num_tokens
         return None
+
+    def stream_step(self, seq: Sequence) -> RequestOutput:
+        """A plain stream's output for a step in which its one completion got tokens and runs on: on_token and
+        output() in one pass, as they would make it."""
+        num_tokens = seq.num_tokens
+        text = self.texts[0]
+        if text is not None:
+            text.append(seq.token_ids, self.num_decoded[0], num_tokens)
+            self.num_decoded[0] = num_tokens
+            text_so_far = text.text
+        else:
+            text_so_far = None
+        if self.delta:
+            start = self.num_reported_tokens[0]
+            self.num_reported_tokens[0] = num_tokens
+            if text is not None:  # with no stop strings nothing reads it again: keep only what is not reported
+                text.text = ""  # (num_reported_chars stays 0: the last output, _delta's, reports what is left)
+        else:
+            start = seq.num_prompt_tokens
+        completion = completion_snapshot(0, text_so_far, seq.token_ids, start, num_tokens, None, None)
+        num_cached = seq.num_prompt_cached_tokens
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=[completion], finished=False,
+                             num_cached_tokens=num_cached if num_cached > 0 else 0)
 
     def on_finish(self, seq: Sequence) -> None:
         """seq finished (by any reason): complete its text."""
@@ -112,11 +139,11 @@ class Request:
         else:
             text_so_far = text.visible_text if seq.finish_reason is None else text.text
         if self.logprobs is None:
-            return CompletionOutput._snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
-                                              seq.finish_reason, seq.stop_reason)
-        return CompletionOutput._snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
-                                          seq.finish_reason, seq.stop_reason, self.logprobs[seq.index],
-                                          self.cumulative_logprobs[seq.index])
+            return completion_snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
+                                       seq.finish_reason, seq.stop_reason)
+        return completion_snapshot(seq.index, text_so_far, seq.token_ids, seq.num_prompt_tokens, seq.num_tokens,
+                                   seq.finish_reason, seq.stop_reason, self.logprobs[seq.index],
+                                   self.cumulative_logprobs[seq.index])
 
     def _delta(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput | None:
         """What is new of one completion since its last output (None: nothing): its new tokens, the text they
@@ -141,8 +168,8 @@ class Request:
         if finished:
             self.reported_finished[i] = True
         if self.logprobs is None:
-            return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
-                                              seq.stop_reason)
-        return CompletionOutput._snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
-                                          seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
-                                          logprob_start=start - seq.num_prompt_tokens)
+            return completion_snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
+                                       seq.stop_reason)
+        return completion_snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
+                                   seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
+                                   logprob_start=start - seq.num_prompt_tokens)
