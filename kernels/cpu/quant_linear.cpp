@@ -51,6 +51,11 @@ constexpr int64_t STEP_BYTES = 32;
 constexpr int64_t MAX_ROWS = 4;      // rows of x per pass over a block (int8 activations)
 constexpr int64_t MAX_FLOAT_ROWS = 6;
 constexpr int64_t ROW_TILE = 64;     // rows of x kept in cache while a chunk of weight blocks is reused
+// The integer sums ask for the weight bytes this far ahead of the step they are at. The hardware prefetcher alone
+// left them waiting on memory: on a 2-core AVX2 EPYC, 28 layers' linears at batch 1 took 1.25x (int4) and 1.07x
+// (int8) longer without it, at batch 4 1.08x and 1.26x (against the build without, in one process). An AVX-512
+// Zen 4 gained about 1.04x.
+constexpr int64_t PREFETCH_BYTES = 4096;
 
 struct Layout {
   int64_t out_features, in_features, in_padded, bits, group_columns, num_groups, num_blocks, block_bytes;
@@ -94,6 +99,7 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
       // step s into chain c of row m
       auto int8_step = [&](int64_t s, int64_t c) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
+        _mm_prefetch(reinterpret_cast<const char*>(w + s * STEP_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
         const __m256i q_abs = _mm256_abs_epi8(q);  // -128 becomes byte 0x80: 128 read unsigned
         for (int64_t m = 0; m < R; ++m) {
           int32_t x4;
@@ -115,6 +121,7 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
       // steps s and s + 1 (one 32-byte load: low and high nibbles) into chain c of row m
       auto int4_steps = [&](int64_t s, int64_t c) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
+        _mm_prefetch(reinterpret_cast<const char*>(w + s / 2 * STEP_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
         const __m256i u_low = _mm256_and_si256(packed, low_nibbles);
         const __m256i u_high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
         for (int64_t m = 0; m < R; ++m) {
