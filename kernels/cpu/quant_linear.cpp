@@ -53,8 +53,8 @@ constexpr int64_t MAX_FLOAT_ROWS = 6;
 constexpr int64_t ROW_TILE = 64;     // rows of x kept in cache while a chunk of weight blocks is reused
 // The integer sums ask for the weight bytes this far ahead of the step they are at. The hardware prefetcher alone
 // left them waiting on memory: on a 2-core AVX2 EPYC, 28 layers' linears at batch 1 took 1.25x (int4) and 1.07x
-// (int8) longer without it, at batch 4 1.08x and 1.26x (against the build without, in one process). An AVX-512
-// Zen 4 gained about 1.04x.
+// (int8) longer without it, at batch 4 1.08x and 1.26x (against the build without, in one process). An earlier
+// trial on an AVX-512 Zen 4 measured 1.04x, within its noise.
 constexpr int64_t PREFETCH_BYTES = 4096;
 
 struct Layout {
