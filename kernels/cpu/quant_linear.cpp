@@ -50,6 +50,7 @@ constexpr int64_t STEP_INPUTS = 4;   // inputs per output in one 32-byte step
 constexpr int64_t STEP_BYTES = 32;
 constexpr int64_t MAX_ROWS = 4;      // rows of x per pass over a block (int8 activations)
 constexpr int64_t MAX_FLOAT_ROWS = 6;
+constexpr int64_t SINGLE_ROW_FLOAT_BLOCKS = 8;  // blocks per pass of a lone row (float activations)
 constexpr int64_t ROW_TILE = 64;     // rows of x kept in cache while a chunk of weight blocks is reused
 // The integer sums ask for the weight bytes this far ahead of the step they are at. The hardware prefetcher alone
 // left them waiting on memory: on a 2-core AVX2 EPYC, 28 layers' linears at batch 1 took 1.25x (int4) and 1.07x
@@ -412,7 +413,10 @@ void quant_linear_into(const Layout& L, const at::Tensor& x, const uint8_t* w, c
   const float* x_ptr = xf.data_ptr<float>();
   const int64_t xf_stride = xf.stride(0);
   const int64_t tile_floats = L.in_padded * BLOCK_OUT;
-  const int64_t chunk = std::max<int64_t>(2, (256 << 10) / (4 * tile_floats));
+  // One row's outputs are each one FMA chain waiting on the last: a pass over 8 blocks keeps 8 in flight, where 2
+  // left the FMA units idle (results the same: each output is still one chain over its inputs in order)
+  const int64_t blocks_at_once = rows == 1 ? SINGLE_ROW_FLOAT_BLOCKS : 2;
+  const int64_t chunk = std::max<int64_t>(blocks_at_once, (256 << 10) / (4 * tile_floats));
   at::parallel_for(0, L.num_blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> tiles;
     tiles.resize(chunk * tile_floats);
@@ -428,7 +432,12 @@ void quant_linear_into(const Layout& L, const at::Tensor& x, const uint8_t* w, c
           T* ob = out_ptr + m * out_features + b * BLOCK_OUT;
           const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
           const int64_t num_out = std::min(2 * BLOCK_OUT, out_features - b * BLOCK_OUT);
-          if (b + 1 < c_end) {
+          if (tile_rows == 1 && b + SINGLE_ROW_FLOAT_BLOCKS <= c_end) {
+            float_blocks_rows<1, SINGLE_ROW_FLOAT_BLOCKS, T>(
+                L, t, x_ptr + m * xf_stride, xf_stride, bb, ob,
+                std::min(SINGLE_ROW_FLOAT_BLOCKS * BLOCK_OUT, out_features - b * BLOCK_OUT));
+            b += SINGLE_ROW_FLOAT_BLOCKS;
+          } else if (b + 1 < c_end) {
             float_blocks<2>(L, t, x_ptr + m * xf_stride, xf_stride, tile_rows, bb, ob, num_out);
             b += 2;
           } else {
