@@ -118,6 +118,12 @@ inline float exp_and_sum(float* s, int64_t n, float peak) {
   return _mm512_reduce_add_ps(sum);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+inline float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
 // float32 K/V 8 at a time, two sums in flight (an FMA waits on the last about 4 cycles): the compiler's
 // vectorised loop keeps one and a scalar prologue, for a head_dim it does not know
 template <>
@@ -132,10 +138,7 @@ inline float dot(const float* q, const float* k, int64_t head_dim) {
     even = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), even);
     odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), odd);
   }
-  const __m256 sum = _mm256_add_ps(even, odd);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+  return sum8(_mm256_add_ps(even, odd));
 }
 
 template <>
@@ -171,9 +174,7 @@ inline float exp_and_sum(float* s, int64_t n, float peak) {
     _mm256_storeu_ps(s + t, e);
     sum = _mm256_add_ps(sum, e);
   }
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  float total = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+  float total = sum8(sum);
   for (; t < n; ++t) total += (s[t] = std::exp(s[t] - peak));
   return total;
 }

@@ -248,6 +248,7 @@ def test_plain_streams_report_what_generate_returns(tied_model, kind):
                 entry["ends"] += completion.finish_reason is not None
                 assert out.finished == (completion.finish_reason is not None)
         assert llm.num_preemptions > 0
+        tokenizer = llm.tokenizer
     for request_id, want in zip(ids, expected):
         entry = seen[request_id]
         assert entry["ends"] == 1
@@ -256,3 +257,4 @@ def test_plain_streams_report_what_generate_returns(tied_model, kind):
             assert want.outputs[0].token_ids[:len(entry["token_ids"])] == entry["token_ids"]
             continue
         assert (entry["token_ids"], entry["text"]) == (want.outputs[0].token_ids, want.outputs[0].text)
+        assert entry["text"] == tokenizer.decode(entry["token_ids"], skip_special_tokens=True)  # the tokenizer's own

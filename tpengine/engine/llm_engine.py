@@ -436,15 +436,15 @@ class LLMEngine:
         requests = self._requests
         for i, seq in enumerate(seqs):
             request = requests[seq.request_id]
-            if seq.finish_reason is None and request.plain_stream:  # no stop string can end it here
-                reports.append((request, request.stream_step(seq)))
-            elif seq.finish_reason is not None:  # finished in this step
+            if seq.finish_reason is not None:  # finished in this step
                 if request.per_step and seq.finish_reason != "abort":
                     found = request.on_token(seq, logprobs[i])
                     if found is not None:  # a token up to its last (max_tokens, a stop token) completed a stop string
                         self.scheduler.truncate(seq, found[1])
                         seq.finish_reason, seq.stop_reason = "stop", found[0]
                 self._process_finished(seq, touched)
+            elif request.plain_stream:  # no stop string can end it here
+                reports.append((request, request.stream_step(seq)))
             elif request.per_step:
                 found = request.on_token(seq, logprobs[i])
                 if found is None:
