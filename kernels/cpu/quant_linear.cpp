@@ -12,8 +12,9 @@
 //     each sum rounded (no FMA: built with -ffp-contract=off):
 //       total = 0; for g in order: total = total + scale[o, g] * float(d_g);  y = total * sx (+ b)
 //     quant_linear.py's reference computes exactly this, so the results are bit-identical.
-//   float: the weight tile is dequantized to float32 (exactly as QuantizedWeight.dequantize) and each output is one
-//     FMA chain over the inputs in order.
+//   float: the weights are dequantized to float32 (exactly as QuantizedWeight.dequantize), in registers as they are
+//     multiplied for up to 8 rows, into tiles that every row reuses for more, and each output is one FMA chain over
+//     the inputs in order.
 // Either way a row's output is computed alike whatever the other rows or the number of threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,6 +52,7 @@ constexpr int64_t STEP_BYTES = 32;
 constexpr int64_t MAX_ROWS = 4;      // rows of x per pass over a block (int8 activations)
 constexpr int64_t MAX_FLOAT_ROWS = 6;
 constexpr int64_t SINGLE_ROW_FLOAT_BLOCKS = 8;  // blocks per pass of a lone row (float activations)
+constexpr int64_t MAX_ROWS_IN_REGISTERS = 8;  // up to this many rows dequantize in registers (float activations)
 constexpr int64_t ROW_TILE = 64;     // rows of x kept in cache while a chunk of weight blocks is reused
 // The integer sums ask for the weight bytes this far ahead of the step they are at. The hardware prefetcher alone
 // left them waiting on memory: on a 2-core AVX2 EPYC, 28 layers' linears at batch 1 took 1.25x (int4) and 1.07x
@@ -214,14 +216,42 @@ void quantize_row(const Layout& L, const InT* x_in, int8_t* xq, int32_t* xsum, f
     for (int64_t i = 0; i < L.in_features; ++i) widened[i] = static_cast<float>(x_in[i]);
     x = widened.data();
   }
+  // Vectorized where the CPU has AVX2, with the scalar loop's results: max ignores NaN as std::max does here (the
+  // running max is the operand max_ps returns when unordered), the division is IEEE in both, round_ps rounds half to
+  // even as nearbyint does, and a NaN quotient clamps to -127 in both.
+  int64_t i = 0;
   float amax = 0.0f;
-  for (int64_t i = 0; i < L.in_features; ++i) amax = std::max(amax, std::fabs(x[i]));
+#if TPENGINE_QUANT_AVX2
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax8 = _mm256_setzero_ps();
+  for (; i + 8 <= L.in_features; i += 8) amax8 = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), amax8);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  for (float lane : lanes) amax = std::max(amax, lane);
+#endif
+  for (; i < L.in_features; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.0f;
   *sx = scale;
   if (amax == 0.0f) {
     std::memset(xq, 0, L.in_padded);
   } else {
-    for (int64_t i = 0; i < L.in_features; ++i)
+    i = 0;
+#if TPENGINE_QUANT_AVX2
+    const __m256 scale8 = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+    auto quantize8 = [&](int64_t at) {
+      const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + at), scale8),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, low), high));
+    };
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs work within 128-bit lanes
+    for (; i + 32 <= L.in_features; i += 32) {
+      const __m256i pairs01 = _mm256_packs_epi32(quantize8(i), quantize8(i + 8));
+      const __m256i pairs23 = _mm256_packs_epi32(quantize8(i + 16), quantize8(i + 24));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + i),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(pairs01, pairs23), in_order));
+    }
+#endif
+    for (; i < L.in_features; ++i)
       xq[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / scale))));
     std::memset(xq + L.in_features, 0, L.in_padded - L.in_features);
   }
@@ -234,34 +264,46 @@ void quantize_row(const Layout& L, const InT* x_in, int8_t* xq, int32_t* xsum, f
 
 // ---------------------------------------------------------------- float activations: dequantized tiles
 
+#if TPENGINE_QUANT_AVX2
+// Step s of a block as stored (int8 signed; int4 u = q + 8): q[j] holds input j of the step for the 8 outputs, as
+// int32. Each 32-bit lane of a step is one output's 4 inputs, a byte each, so shifts take them out: no shuffles,
+// which bound the dequantization when it used them (the lone-row float path ran 1.85x / 2.1x slower for int8 / int4).
+inline void step_values(const uint8_t* w, int64_t bits, int64_t s, __m256i q[STEP_INPUTS]) {
+  if (bits == 8) {
+    const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
+    q[0] = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 24), 24);
+    q[1] = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 16), 24);
+    q[2] = _mm256_srai_epi32(_mm256_slli_epi32(lanes, 8), 24);
+    q[3] = _mm256_srai_epi32(lanes, 24);
+  } else {  // an even step's nibbles are the low ones of its 32 bytes, the next step's the high ones
+    __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
+    if (s % 2) lanes = _mm256_srli_epi32(lanes, 4);
+    const __m256i nibble = _mm256_set1_epi32(0x0F);
+    q[0] = _mm256_and_si256(lanes, nibble);
+    q[1] = _mm256_and_si256(_mm256_srli_epi32(lanes, 8), nibble);
+    q[2] = _mm256_and_si256(_mm256_srli_epi32(lanes, 16), nibble);
+    q[3] = _mm256_and_si256(_mm256_srli_epi32(lanes, 24), nibble);
+  }
+}
+
+// one dequantized weight vector: scale * float(q - zero), rounded once, as QuantizedWeight.dequantize
+inline __m256 dequantized(__m256i q, __m256i zero, __m256 scale) {
+  return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, zero)));
+}
+#endif
+
 // block b's weights as float32 [in_padded][8], exactly scale * (q - zero) as QuantizedWeight.dequantize
 void dequantize_block(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, float* tile) {
   const int64_t steps_per_group = L.group_columns / STEP_INPUTS;
 #if TPENGINE_QUANT_AVX2
-  // per 128-bit lane: [o0..o3][j0..j3] bytes to [j0: o0..o3][j1: ...]...; then dwords so each 8 bytes is one input
-  const __m256i by_input = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  const __m256i halves_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < L.num_groups; ++g) {
     const __m256 scale = _mm256_loadu_ps(scales + g * BLOCK_OUT);
     const __m256i zero = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g * BLOCK_OUT)));
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-      __m256i step;
-      if (L.bits == 8) {
-        step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
-      } else {
-        step = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
-        step = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(step, 4) : step, low_nibbles);
-      }
-      step = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(step, by_input), halves_together);
-      const __m128i inputs01 = _mm256_castsi256_si128(step), inputs23 = _mm256_extracti128_si256(step, 1);
-      const __m128i bytes[4] = {inputs01, _mm_srli_si128(inputs01, 8), inputs23, _mm_srli_si128(inputs23, 8)};
+      __m256i q[STEP_INPUTS];
+      step_values(w, L.bits, s, q);
       float* t = tile + s * STEP_INPUTS * BLOCK_OUT;
-      for (int64_t j = 0; j < STEP_INPUTS; ++j) {
-        const __m256i q = _mm256_sub_epi32(_mm256_cvtepi8_epi32(bytes[j]), zero);
-        _mm256_storeu_ps(t + j * BLOCK_OUT, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(q)));
-      }
+      for (int64_t j = 0; j < STEP_INPUTS; ++j) _mm256_storeu_ps(t + j * BLOCK_OUT, dequantized(q[j], zero, scale));
     }
   }
 #else
@@ -325,6 +367,112 @@ void float_blocks(const Layout& L, const float* tiles, const float* x, int64_t x
     }
   }
 }
+
+#if TPENGINE_QUANT_AVX2
+// out[m][0:num_out] for R rows against NB consecutive blocks, each weight dequantized in registers as it is
+// multiplied: the values dequantize_block writes (scale * float(q - zero), one rounding) and each output one FMA
+// chain over the inputs in order, so bit for bit what the tiles give. A few rows reuse a tile too little to pay
+// for writing it and reading it back.
+template <int64_t R, int64_t NB, typename OutT>
+void float_rows_in_registers(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros,
+                             const float* x, int64_t x_stride, const float* bias, OutT* out, int64_t num_out) {
+  const int64_t steps_per_group = L.group_columns / STEP_INPUTS, group_stride = L.num_groups * BLOCK_OUT;
+  // the steps whose 4 inputs are all x's; a last step with fewer (in_features % 4) ends the last group
+  const int64_t full_steps = L.in_features / STEP_INPUTS, last_inputs = L.in_features % STEP_INPUTS;
+  __m256 acc[R][NB];
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  alignas(32) int32_t zero[NB][BLOCK_OUT];  // read as memory operands: registers hold the sums
+  // block n's step s into the sums of its first `inputs` inputs. Up to 2 rows broadcast a step's x once for all NB
+  // blocks (a broadcast for each product made a lone row 1.5x slower); more rows broadcast for each product: their
+  // broadcasts would not fit in the registers beside the sums (kept, they made 4 rows 1.7x slower)
+  constexpr bool KEEP_BROADCASTS = R <= 2;
+  __m256 xb[R][STEP_INPUTS];
+  auto broadcast_step = [&](int64_t s, int64_t inputs) {
+    if constexpr (KEEP_BROADCASTS)
+      for (int64_t m = 0; m < R; ++m)
+        for (int64_t j = 0; j < inputs; ++j) xb[m][j] = _mm256_broadcast_ss(x + m * x_stride + s * STEP_INPUTS + j);
+  };
+  auto multiply_step = [&](int64_t n, int64_t s, int64_t g, int64_t inputs) {
+    const uint8_t* wn = w + n * L.block_bytes;
+    if (L.bits == 8 || s % 2 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(wn + s * L.bits / 8 * STEP_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
+    __m256i q[STEP_INPUTS];
+    step_values(wn, L.bits, s, q);
+    const __m256 scale = _mm256_loadu_ps(scales + n * group_stride + g * BLOCK_OUT);
+    const __m256i zero_n = _mm256_load_si256(reinterpret_cast<const __m256i*>(zero[n]));
+    for (int64_t j = 0; j < inputs; ++j) {
+      const __m256 weight = dequantized(q[j], zero_n, scale);
+      for (int64_t m = 0; m < R; ++m)
+        acc[m][n] = _mm256_fmadd_ps(weight, KEEP_BROADCASTS ? xb[m][j] : _mm256_broadcast_ss(x + m * x_stride +
+                                                                                             s * STEP_INPUTS + j),
+                                    acc[m][n]);
+    }
+  };
+  for (int64_t g = 0; g < L.num_groups; ++g) {
+    for (int64_t n = 0; n < NB; ++n)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(zero[n]), _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                             reinterpret_cast<const __m128i*>(zeros + n * group_stride + g * BLOCK_OUT))));
+    const int64_t first = g * steps_per_group, last = std::min((g + 1) * steps_per_group, full_steps);
+    for (int64_t s = first; s < last; ++s) {
+      broadcast_step(s, STEP_INPUTS);
+      for (int64_t n = 0; n < NB; ++n) multiply_step(n, s, g, STEP_INPUTS);
+    }
+    if (g == L.num_groups - 1 && last_inputs) {  // no x past in_features (the packed columns there are zeros)
+      broadcast_step(full_steps, last_inputs);
+      for (int64_t n = 0; n < NB; ++n) multiply_step(n, full_steps, g, last_inputs);
+    }
+  }
+  for (int64_t m = 0; m < R; ++m) {
+    float result[NB * BLOCK_OUT];
+    for (int64_t n = 0; n < NB; ++n) _mm256_storeu_ps(result + n * BLOCK_OUT, acc[m][n]);
+    for (int64_t o = 0; o < num_out; ++o)
+      out[m * L.out_features + o] = static_cast<OutT>(bias ? result[o] + bias[o] : result[o]);
+  }
+}
+
+// R rows of x against blocks [begin, end), NB blocks a pass where they fill the registers
+template <int64_t R, typename OutT>
+void float_rows_in_registers(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros,
+                             const float* x, int64_t x_stride, const float* bias, OutT* out, int64_t begin,
+                             int64_t end) {
+  constexpr int64_t NB = R == 1 ? 4 : R == 2 ? 2 : 1;  // R * NB sums in registers, with room for the rest
+  const int64_t group_stride = L.num_groups * BLOCK_OUT;
+  for (int64_t b = begin; b < end;) {
+    const int64_t nb = b + NB <= end ? NB : 1;
+    const int64_t num_out = std::min(nb * BLOCK_OUT, L.out_features - b * BLOCK_OUT);
+    const float* bb = bias ? bias + b * BLOCK_OUT : nullptr;
+    if (nb == NB)
+      float_rows_in_registers<R, NB, OutT>(L, w + b * L.block_bytes, scales + b * group_stride,
+                                           zeros + b * group_stride, x, x_stride, bb, out + b * BLOCK_OUT, num_out);
+    else
+      float_rows_in_registers<R, 1, OutT>(L, w + b * L.block_bytes, scales + b * group_stride,
+                                          zeros + b * group_stride, x, x_stride, bb, out + b * BLOCK_OUT, num_out);
+    b += nb;
+  }
+}
+
+// rows (at most MAX_ROWS_IN_REGISTERS) of x against blocks [begin, end): every pass of up to 4 rows over 4 blocks
+// at a time, while those blocks are in cache
+template <typename OutT>
+void float_rows_in_registers(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros,
+                             const float* x, int64_t x_stride, int64_t rows, const float* bias, OutT* out,
+                             int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; b += 4) {
+    const int64_t b_end = std::min(end, b + 4);
+    for (int64_t m = 0; m < rows; m += 4) {
+      const float* xm = x + m * x_stride;
+      OutT* om = out + m * L.out_features;
+      switch (std::min<int64_t>(4, rows - m)) {
+        case 1: float_rows_in_registers<1, OutT>(L, w, scales, zeros, xm, x_stride, bias, om, b, b_end); break;
+        case 2: float_rows_in_registers<2, OutT>(L, w, scales, zeros, xm, x_stride, bias, om, b, b_end); break;
+        case 3: float_rows_in_registers<3, OutT>(L, w, scales, zeros, xm, x_stride, bias, om, b, b_end); break;
+        default: float_rows_in_registers<4, OutT>(L, w, scales, zeros, xm, x_stride, bias, om, b, b_end); break;
+      }
+    }
+  }
+}
+#endif
 
 // ---------------------------------------------------------------- the ops
 
@@ -412,6 +560,14 @@ void quant_linear_into(const Layout& L, const at::Tensor& x, const uint8_t* w, c
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   const float* x_ptr = xf.data_ptr<float>();
   const int64_t xf_stride = xf.stride(0);
+#if TPENGINE_QUANT_AVX2
+  if (rows <= MAX_ROWS_IN_REGISTERS) {
+    at::parallel_for(0, L.num_blocks, 1, [&](int64_t begin, int64_t end) {
+      float_rows_in_registers<T>(L, w, s, z, x_ptr, xf_stride, rows, bias_ptr, out_ptr, begin, end);
+    });
+    return;
+  }
+#endif
   const int64_t tile_floats = L.in_padded * BLOCK_OUT;
   // One row's outputs are each one FMA chain waiting on the last: a pass over 8 blocks keeps 8 in flight, where 2
   // left the FMA units idle (results the same: each output is still one chain over its inputs in order)

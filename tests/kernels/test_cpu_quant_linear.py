@@ -74,11 +74,14 @@ def test_float_activations_match_the_exact_product_within_float32_accumulation(b
 
 @pytest.mark.parametrize("activation", ["int8", "float"])
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("out_features", [1003, 61])  # 61: a lone row's 8-block pass ends in a partial block
-def test_a_rows_output_does_not_depend_on_the_other_rows_or_the_thread_count(activation, bits, out_features):
-    weight = random_weight(bits, out_features, 512, 64, with_zeros=True)
+@pytest.mark.parametrize("out_features", [1003, 61])  # 61: a lone row's pass over blocks ends in a partial block
+# 509 inputs, one group: a lone row's last step has 1 input of x, and its padding no x
+@pytest.mark.parametrize("in_features, group_size", [(512, 64), (509, 509)])
+def test_a_rows_output_does_not_depend_on_the_other_rows_or_the_thread_count(activation, bits, out_features,
+                                                                             in_features, group_size):
+    weight = random_weight(bits, out_features, in_features, group_size, with_zeros=True)
     weights = packed(weight, activation)
-    x = torch.randn(300, 512)
+    x = torch.randn(300, in_features)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -86,12 +89,14 @@ def test_a_rows_output_does_not_depend_on_the_other_rows_or_the_thread_count(act
         one_thread = quant_linear(x, weights)
         torch.set_num_threads(2)
         two_threads = quant_linear(x, weights)
-        small_batch = quant_linear(x[:7], weights)
+        # a few rows take another path than many (float activations: dequantized in registers, not into tiles)
+        small_batches = [quant_linear(x[:rows], weights) for rows in (2, 7)]
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, two_threads)
     assert torch.equal(alone, two_threads[[0, 5, 299]])
-    assert torch.equal(small_batch, two_threads[:7])
+    for small_batch in small_batches:
+        assert torch.equal(small_batch, two_threads[:small_batch.size(0)])
 
 
 def test_int8_weights_of_minus_128_multiply_negative_inputs_with_the_right_sign():
@@ -174,3 +179,12 @@ def test_an_input_of_another_width_is_refused():
     weights = packed(random_weight(8, 16, 64, 64, with_zeros=False), "int8")
     with pytest.raises(ValueError, match="x has 65 features, the weight takes 64"):
         quant_linear(torch.randn(2, 65), weights)
+
+
+def test_int8_activations_round_halves_to_even_in_the_vector_and_the_scalar_loop():
+    # max |x| = 127 makes the scale 1, so x / scale is exactly each half: the first 32 inputs go through the vector
+    # loop (on AVX2), the rest through the scalar one
+    halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    x = torch.cat([torch.tensor([127.0]), halves.repeat(4), halves[:7]]).unsqueeze(0)
+    weight = random_weight(8, OUT_FEATURES, x.size(1), x.size(1), with_zeros=False)
+    assert torch.equal(quant_linear(x, packed(weight, "int8")), reference(x, weight, "int8"))

@@ -76,13 +76,13 @@ def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_
     """q and k each head RMS-normed by q_norm and k_norm (RMSNorms over head_dim; None: no norm), then rotated
     by each token's position; the C++ op does it all in place, in q and k (views of the fresh q/k/v
     projection)."""
+    # each module attribute read costs a microsecond or two: the norms' weights are read once
+    q_weight, k_weight, eps = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
     if (_fused_takes(q) and k.stride(-1) == 1 and positions.dtype == torch.int64
             and cos_sin_cache.dtype == torch.float32
             # the C++ op takes one eps and norm weights of q's dtype (Gemma's are float32 in any model)
-            and (q_norm is None or q_norm.eps == k_norm.eps and q_norm.weight.dtype == k_norm.weight.dtype == q.dtype)):
-        return fused_ops.qk_norm_rotary_(q, k, None if q_norm is None else q_norm.weight,
-                                         None if k_norm is None else k_norm.weight,
-                                         0.0 if q_norm is None else q_norm.eps, positions, cos_sin_cache)
+            and (q_weight is None or eps == k_norm.eps and q_weight.dtype == k_weight.dtype == q.dtype)):
+        return fused_ops.qk_norm_rotary_(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     return torch_ops.apply_rotary_in_halves(positions, q, k, cos_sin_cache)
