@@ -20,33 +20,21 @@ batch of random prompts, the median µs of one attention call within the steps a
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 
 import torch
 
-from quick import parse_with_quick  # scripts/ is this script's folder, so it is on sys.path
-from tpengine.kernels.cpu.build import _compile_command, compiler_name
+from kernel_baseline import load_baseline  # scripts/ is this script's folder, so it is on sys.path
+from quick import parse_with_quick
 from tpengine.kernels.cpu.paged_decode_attention import load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = "kernels/cpu/paged_decode_attention.cpp"
 
 
-def load_baseline(args, folder: str):
+def load_baseline_kernel(args, folder: str):
     """The earlier kernel as torch.ops.tpengine_baseline.paged_decode_attention."""
-    if args.baseline_source:
-        with open(args.baseline_source) as f:
-            text = f.read()
-    else:
-        text = subprocess.run(["git", "-C", ROOT, "show", f"{args.baseline}:{SOURCE}"], check=True,
-                              capture_output=True, text=True).stdout
-    source, library = os.path.join(folder, "baseline.cpp"), os.path.join(folder, "baseline.so")
-    with open(source, "w") as f:
-        f.write(text.replace("tpengine_cpu", "tpengine_baseline"))
-    subprocess.run(_compile_command(compiler_name(), source, library), check=True)
-    torch.ops.load_library(library)
+    load_baseline(SOURCE, args.baseline, args.baseline_source, folder)
     return torch.ops.tpengine_baseline.paged_decode_attention
 
 
@@ -152,7 +140,7 @@ def main(argv=None):
                                                engine_steps=2, dtype="float32"))
     load()
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as folder:
-        ops = (load_baseline(args, folder), torch.ops.tpengine_cpu.paged_decode_attention)
+        ops = (load_baseline_kernel(args, folder), torch.ops.tpengine_cpu.paged_decode_attention)
         print(f"paged decode attention, {args.heads} query heads, {args.kv_heads} KV heads of {args.head_dim}, "
               f"256-token blocks, {torch.get_num_threads()} threads; median of {args.rounds} alternating rounds "
               f"of {args.calls} calls\n")
