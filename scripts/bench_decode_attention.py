@@ -93,8 +93,9 @@ def engine_rounds(ops, args) -> None:
           f"of {args.engine_rounds} alternating rounds of {args.engine_steps} decode steps\n")
     print("| case | baseline µs a call | this kernel µs a call | speed-up | baseline step ms | this kernel step ms |")
     print("|---|---:|---:|---:|---:|---:|")
+    # eager: the kernels are swapped in Python between rounds, which a replayed decode step would not see
     with LLM(args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=max_len,
-             max_num_seqs=max(batch for batch, _ in cases), attention_backend="cpu") as llm:
+             max_num_seqs=max(batch for batch, _ in cases), attention_backend="cpu", enforce_eager=True) as llm:
         vocab = llm.vocab_size
         for batch, context in cases:
             params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 4, ignore_eos=True)

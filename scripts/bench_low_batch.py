@@ -220,10 +220,13 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     timer.wrap(executor, "execute", "execute")
     timer.wrap(Scheduler, "schedule", "scheduler: schedule")
     timer.wrap(Scheduler, "postprocess", "scheduler: postprocess")
+    # the timers wrap the model's Python: the breakdown decodes eagerly, not through the CPU's replayed steps
+    replays, runner.cpu_replays = runner.cpu_replays, None
     try:
         total_ms, seconds = decode_step_ms_with(llm, rng, args, timer)
     finally:
         timer.restore()
+        runner.cpu_replays = replays
     ms = {label: s * 1e3 / args.steps for label, s in seconds.items()}
     forward_parts = ["linears (q/k/v, o, gate/up, down)", "embedding", "RMSNorm (+ residual add)",
                      "q/k norm + rotary", "SiLU and mul", "KV store", "decode attention"]

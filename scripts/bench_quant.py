@@ -26,7 +26,8 @@ share the memory) and measures, in this order:
 - top-1 agreement (first round only): greedy tokens of --agreement-prompts random prompts of --short-prompt-len
   tokens against float32's,
   as the fraction of positions before each prompt's first divergence and the fraction of positions equal.
-Rounds alternate the formats (--repeat), and each figure keeps its best round.
+Rounds alternate the formats (--repeat), and each figure keeps its best round. --eager-too adds each format
+again with enforce_eager=True, in the same rounds: on a CPU, decode without the replayed steps (cpu_replay.py).
 
 --llamacpp BIN (../shared/bench/llamacpp/README.md builds it) adds llama.cpp's f16, Q8_0 and Q4_0 of the same
 checkpoint (convert_novocab.py, then llama-quantize for Q4_0 with its default tensor mix; cached beside the
@@ -95,6 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--agreement-prompts", type=int, default=4, help="prompts of the top-1 agreement (0: none)")
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per agreement prompt")
     p.add_argument("--repeat", type=int, default=1, help="rounds over the formats, alternating; best kept")
+    p.add_argument("--eager-too", action="store_true",
+                   help="each format also with enforce_eager=True (\"FORMAT eager\"), in the same rounds: on a CPU, "
+                        "decode without the replayed steps")
     p.add_argument("--llamacpp", metavar="BIN", help="llama.cpp's build/bin: also measure its f16, Q8_0, Q4_0")
     p.add_argument("--llamacpp-formats", nargs="+", choices=[name for name, _ in LLAMA_FORMATS],
                    default=[name for name, _ in LLAMA_FORMATS])
@@ -179,7 +183,7 @@ def greedy_tokens(llm, prompts: list[list[int]], max_tokens: int) -> list[list[i
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def measure_format(model_path: str, fmt: str, args, agreement_prompts) -> dict:
+def measure_format(model_path: str, fmt: str, args, agreement_prompts, enforce_eager: bool = False) -> dict:
     """One fresh engine of fmt: its resident weights, decode step ms per batch, throughput seconds, and (when
     agreement_prompts) its greedy tokens on them."""
     from tpengine import LLM
@@ -190,7 +194,8 @@ def measure_format(model_path: str, fmt: str, args, agreement_prompts) -> dict:
     max_len = max(args.context_len, args.short_prompt_len) + max(args.warm_up_steps + args.steps + 2,
                                                                  args.throughput_output, args.agreement_tokens) + 8
     llm = LLM(model_path, device=args.device, max_num_seqs=max(args.batch_sizes + [args.throughput_seqs, 1]),
-              max_model_len=max_len, enable_prefix_caching=False, **engine_kwargs(fmt, args))
+              max_model_len=max_len, enable_prefix_caching=False, enforce_eager=enforce_eager,
+              **engine_kwargs(fmt, args))
     try:
         runner = llm.executor.runner
         result = dict(runs_in=str(runner.dtype).removeprefix("torch."),
@@ -360,9 +365,12 @@ def run_model(model_path: str, args) -> tuple[dict[str, dict], dict[str, dict]]:
             files = gguf_files(args.llamacpp, model_path, args.llamacpp_formats)
         except SystemExit as error:  # tpengine's figures still print
             print(f"llama.cpp not measured: {error}", file=sys.stderr)
+    variants = [(fmt, fmt, False) for fmt in args.formats]  # (name, format, enforce_eager)
+    if args.eager_too:
+        variants = [v for fmt in args.formats for v in ((fmt, fmt, False), (f"{fmt} eager", fmt, True))]
     for round_ in range(args.repeat):
-        for fmt in args.formats:
-            r = measure_format(model_path, fmt, args, prompts if round_ == 0 else None)
+        for fmt, engine_format, eager in variants:
+            r = measure_format(model_path, engine_format, args, prompts if round_ == 0 else None, eager)
             best = ours.setdefault(fmt, dict(r, step_ms={}, throughput_s=float("inf")))
             best["step_ms"] = {b: min(best["step_ms"].get(b, ms), ms) for b, ms in r["step_ms"].items()}
             best["throughput_s"] = min(best["throughput_s"], r.get("throughput_s", float("inf")))

@@ -132,6 +132,9 @@ class DecodeRecorder:
                 self.replays += 1
                 return self._timed(graphs_run, *args)
             runner.cuda_graphs.run = timed_replay
+        if runner.cpu_replays is not None:  # the CPU's replayed decode steps: the forward without the model's Python
+            cpu_replays_run = runner.cpu_replays.run
+            runner.cpu_replays.run = lambda *args: self._timed(cpu_replays_run, *args)
         forward = runner.model.forward
 
         def timed_forward(input_ids, positions, meta):

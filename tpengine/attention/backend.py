@@ -44,6 +44,8 @@ class AttentionBackend(ABC):
     name: str
     # its store and decode run without a host sync, so a decode step can be captured in a CUDA graph
     cuda_graph_safe: bool = False
+    # its store and decode read only tensors (no host lists), so a recorded CPU decode forward can be replayed
+    decode_reads_only_tensors: bool = False
 
     def check(self, params: AttentionParams) -> None:
         """ValueError naming what of a layer's attention this backend cannot compute; it computes it all here."""

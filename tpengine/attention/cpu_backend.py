@@ -10,6 +10,7 @@ from tpengine.platforms import cpu
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    decode_reads_only_tensors = True  # block tables, context lens and slots as tensors, read in C++
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         # the C++ store where it takes the tensors, else torch's; the cache is the model's dtype (no FP8 here)

@@ -12,10 +12,12 @@ from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGr
                                                  one_gpu_test_mode)
 from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
+from tpengine.layers.fused_moe import FusedMoE
 from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
 from tpengine.platforms import platform_for
+from tpengine.runner.cpu_replay import DecodeCpuReplays
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs
 from tpengine.runner.inputs import InputBuilder
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
@@ -150,6 +152,14 @@ class ModelRunner:
             elif rank == 0:
                 logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
                             "host): decode runs eagerly", self.backend_name)
+        self.cpu_replays = None
+        # what a recording cannot see rules a replay out: collectives and stages (tp or pp > 1), experts' routing
+        # in Python, a drafter between the steps, a decode that reads host lists (cpu_replay.py)
+        if (self.device.type == "cpu" and not config.enforce_eager and group.size == 1 and pipeline.size == 1
+                and spec is None and self.attention_backend.decode_reads_only_tensors
+                and not any(isinstance(module, FusedMoE) for module in self.model.modules())):
+            self.cpu_replays = DecodeCpuReplays(self.model, self.inputs.row_bucket(config.max_num_seqs),
+                                                self._max_num_blocks_per_seq())
 
     def input_builder(self) -> InputBuilder:
         """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
@@ -313,9 +323,9 @@ class ModelRunner:
         return cache_bytes
 
     def close(self) -> None:
-        """Release CUDA graphs (captured graphs hold collectives) and their pool, and let queued work
-        finish, before the caller tears down the group."""
-        self.cuda_graphs = None
+        """Release CUDA graphs (captured graphs hold collectives) and their pool, and the CPU's replays (they hold
+        the KV cache), and let queued work finish, before the caller tears down the group."""
+        self.cuda_graphs = self.cpu_replays = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -357,6 +367,8 @@ class ModelRunner:
             hidden_states = self.model(input_ids, positions, meta)[inputs.logits_rows]
         elif graphs is not None and graphs.can_run(input_ids.size(0), meta.block_tables.size(1)):
             hidden_states = graphs.run(input_ids, positions, meta)
+        elif self.cpu_replays is not None and self.cpu_replays.can_run(input_ids.size(0), meta.block_tables.size(1)):
+            hidden_states = self.cpu_replays.run(input_ids, positions, meta)
         else:
             hidden_states = self.model(input_ids, positions, meta)
         if not num_logits:  # only chunks that end short of their prompts: nothing to sample

@@ -1,0 +1,108 @@
+"""CPU decode steps replayed from recorded forwards: the same greedy tokens as eager decode and as transformers, and
+a bucket whose forward the recording cannot hold left eager."""
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tpengine import LLM, SamplingParams
+from tpengine.attention.metadata import AttentionMetadata
+from tpengine.runner.cpu_replay import DecodeCpuReplays
+
+VOCAB = TP_MODEL["vocab_size"]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+
+
+def count_replayed_rows(replays: DecodeCpuReplays) -> list[int]:
+    """The rows of every decode step from now on that a replay ran (not the recording step of its bucket)."""
+    rows = []
+    run = replays.run
+
+    def counted(input_ids, *rest):
+        if replays.replays.get(input_ids.size(0)) is not None:
+            rows.append(input_ids.size(0))
+        return run(input_ids, *rest)
+
+    replays.run = counted
+    return rows
+
+
+def greedy_tokens(path, prompts, max_tokens, **engine_kwargs):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    with LLM(path, dtype="float32", **engine_kwargs) as llm:
+        replays = llm.executor.runner.cpu_replays
+        rows = [] if replays is None else count_replayed_rows(replays)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.token_ids for o in outputs], rows
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_replayed_decode_equals_eager_and_transformers(tiny_model, block_size):
+    # decode batches of 5, 4, 3, 2 and 1 rows, each a bucket of its own, each recorded once then replayed, with
+    # prefix hits (the repeated prompt) and contexts crossing block boundaries
+    prompts = random_prompts(31, [1, 17, block_size + 3, 40, 5], VOCAB)
+    prompts[4] = prompts[3][:20] + prompts[4]
+    max_tokens = [14, 12, 9, 6, 3]
+    replayed, rows = greedy_tokens(tiny_model, prompts, max_tokens, kvcache_block_size=block_size)
+    eager, no_rows = greedy_tokens(tiny_model, prompts, max_tokens, kvcache_block_size=block_size,
+                                   enforce_eager=True)
+    assert set(rows) == {1, 2, 3, 4, 5} and not no_rows
+    assert replayed == eager
+    assert replayed == [ref[:n] for ref, n in zip(hf_greedy(tiny_model, prompts, 14), max_tokens)]
+
+
+def test_replayed_decode_keeps_tokens_through_preemption(tiny_model):
+    # 8 blocks of 16 for 4 sequences growing to ~50 tokens: sequences are preempted and recomputed, and the
+    # decode batches change size back and forth between buckets
+    prompts = random_prompts(32, [20, 24, 28, 30], VOCAB)
+    tokens, rows = greedy_tokens(tiny_model, prompts, [30] * 4, kvcache_block_size=16, num_kvcache_blocks=8)
+    assert rows
+    assert tokens == hf_greedy(tiny_model, prompts, 30)
+
+
+def test_engines_that_must_run_eagerly_hold_no_replays(tiny_model):
+    for kwargs in (dict(enforce_eager=True), dict(attention_backend="torch")):  # the torch decode reads host lists
+        with LLM(tiny_model, kvcache_block_size=16, **kwargs) as llm:
+            assert llm.executor.runner.cpu_replays is None
+
+
+class ReadsAValue(nn.Module):
+    """A 'model' whose forward asks Python for a tensor's value (.item()): no recording can replay that."""
+
+    def forward(self, input_ids, positions, meta):
+        scale = float(input_ids.sum().item() % 7)
+        return torch.ones(input_ids.size(0), 4) * scale
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 3), requires_grad=False)
+
+    def forward(self, input_ids, positions, meta):
+        rows = nn.functional.embedding(input_ids, self.weight) + positions.unsqueeze(1).float()
+        return nn.functional.silu(rows).to(torch.float32).flatten(1) * 2
+
+
+def step(replays: DecodeCpuReplays, ids: list[int]) -> torch.Tensor:
+    n = len(ids)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.full((n,), -1), block_tables=torch.zeros(n, 1,
+                             dtype=torch.int32), context_lens=torch.zeros(n, dtype=torch.int32))
+    with torch.inference_mode():
+        return replays.run(torch.tensor(ids), torch.arange(n) + ids[0], meta)
+
+
+def test_a_forward_that_reads_a_value_into_python_stays_eager():
+    replays = DecodeCpuReplays(ReadsAValue(), max_num_rows=4, max_num_blocks_per_seq=1)
+    assert torch.equal(step(replays, [3, 5]), torch.full((2, 4), 1.0))
+    assert replays.replays[2] is None and not replays.can_run(2, 1)
+    assert replays.can_run(3, 1)  # another bucket is recorded on its own
+
+
+def test_a_replay_computes_from_this_steps_inputs():
+    model = Plain()
+    replays = DecodeCpuReplays(model, max_num_rows=4, max_num_blocks_per_seq=1)
+    for ids in ([1, 2, 3], [7, 0, 5], [2, 2, 9]):  # recorded at the first, replayed at the others
+        expected = model(torch.tensor(ids), torch.arange(3) + ids[0], None)
+        assert torch.equal(step(replays, ids), expected)
+    assert replays.replays[3] is not None
