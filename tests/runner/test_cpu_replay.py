@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
-from tpengine import LLM, SamplingParams
+from tests.runner import test_cuda_graphs as cuda_graph_tests
+from tpengine import LLM
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.runner.cpu_replay import DecodeCpuReplays
 
@@ -13,9 +14,12 @@ VOCAB = TP_MODEL["vocab_size"]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 
 
-def count_replayed_rows(replays: DecodeCpuReplays) -> list[int]:
+def count_replayed_rows(runner) -> list[int]:
     """The rows of every decode step from now on that a replay ran (not the recording step of its bucket)."""
     rows = []
+    replays = runner.cpu_replays
+    if replays is None:
+        return rows
     run = replays.run
 
     def counted(input_ids, *rest):
@@ -28,12 +32,7 @@ def count_replayed_rows(replays: DecodeCpuReplays) -> list[int]:
 
 
 def greedy_tokens(path, prompts, max_tokens, **engine_kwargs):
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    with LLM(path, dtype="float32", **engine_kwargs) as llm:
-        replays = llm.executor.runner.cpu_replays
-        rows = [] if replays is None else count_replayed_rows(replays)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [o.token_ids for o in outputs], rows
+    return cuda_graph_tests.greedy_tokens(path, prompts, max_tokens, count_replayed_rows, **engine_kwargs)
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -90,12 +90,16 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens(tiny_model):
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, 16)
 
 
-def greedy_tokens(path, prompts, max_tokens, **engine_kwargs):
-    """Each prompt gets its own max_tokens, so decode batches shrink step by step through the buckets."""
+def graph_replays(runner) -> list[int]:
+    return [] if runner.cuda_graphs is None else count_replays(runner.cuda_graphs)
+
+
+def greedy_tokens(path, prompts, max_tokens, count_replays_of=graph_replays, **engine_kwargs):
+    """Each prompt gets its own max_tokens, so decode batches shrink step by step through the buckets; with the rows
+    of every replayed step (count_replays_of(runner) returns the list it fills)."""
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     with LLM(path, dtype="float32", **engine_kwargs) as llm:
-        graphs = llm.executor.runner.cuda_graphs
-        replays = [] if graphs is None else count_replays(graphs)
+        replays = count_replays_of(llm.executor.runner)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [o.token_ids for o in outputs], replays
 
