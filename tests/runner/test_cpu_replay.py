@@ -105,3 +105,12 @@ def test_a_replay_computes_from_this_steps_inputs():
         expected = model(torch.tensor(ids), torch.arange(3) + ids[0], None)
         assert torch.equal(step(replays, ids), expected)
     assert replays.replays[3] is not None
+
+
+def test_replayed_decode_at_tp_2_equals_transformers(tiny_model):
+    # every rank records and replays the same steps; the all-reduces (the vocabulary-parallel embedding's and
+    # the row-parallel linears') are ops of the recording whose shared-memory Python runs at each replay
+    prompts = random_prompts(33, [3, 18, 9], VOCAB)
+    tokens, rows = greedy_tokens(tiny_model, prompts, [10, 7, 4], kvcache_block_size=16, tensor_parallel_size=2)
+    assert set(rows) == {1, 2, 3}
+    assert tokens == [ref[:n] for ref, n in zip(hf_greedy(tiny_model, prompts, 10), [10, 7, 4])]

@@ -5,10 +5,12 @@ store and port, never `torch.distributed`'s global default group, so engines of 
 side by side in one process. Layers read the group they are built under (`building_model_for`)
 and call only the collectives below: this is the one seam a faster all-reduce plugs into.
 """
+import itertools
 import logging
 import os
 import socket
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +41,19 @@ def _all_reduce_min(process_group: dist.ProcessGroup, value: int, device: torch.
     return int(t.item())
 
 
+# Multi-rank groups by key, for the all-reduce op below
+_GROUPS: "weakref.WeakValueDictionary[int, TensorParallelGroup]" = weakref.WeakValueDictionary()
+_GROUP_KEYS = itertools.count()
+
+
+@torch.library.custom_op("tpengine_collectives::all_reduce", mutates_args=("tensor",))
+def _all_reduce_op(tensor: torch.Tensor, group_key: int) -> None:
+    """A group's all-reduce as one dispatched op: what a recorded CPU decode forward (runner/cpu_replay.py) keeps
+    and calls again, where the shared-memory all-reduce's own Python (its sequence numbers, its waits) must run
+    every time."""
+    _GROUPS[group_key].all_reduce_now(tensor)
+
+
 class TensorParallelGroup:
     """This rank's place in its engine's group; size 1 needs no torch.distributed at all."""
 
@@ -48,11 +63,20 @@ class TensorParallelGroup:
         self.size = size
         self.process_group = process_group
         self.shm_all_reduce = None  # a ShmAllReduce when every rank is a CPU process on one host
+        self.key = next(_GROUP_KEYS)
+        if size > 1:
+            _GROUPS[self.key] = self
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum tensor over the ranks, in place: through shared memory where it can, else the process group."""
         if self.size == 1:
             return
+        if torch._C._len_torch_dispatch_stack():  # a forward being recorded: the all-reduce is one op in it
+            _all_reduce_op(tensor, self.key)
+        else:
+            self.all_reduce_now(tensor)
+
+    def all_reduce_now(self, tensor: torch.Tensor) -> None:
         if self.shm_all_reduce is not None and self.shm_all_reduce.supports(tensor):
             self.shm_all_reduce.all_reduce(tensor)
         else:

@@ -11,8 +11,9 @@ A recording is only as good as the forward is a fixed function of its input tens
 when every op the forward dispatched is one that computes from tensors alone (RECORDABLE: tpengine's own ops and
 aten's views, allocations and arithmetic; no op that hands a value back to Python); otherwise that bucket stays
 eager. What the recorder cannot see, Python reading a tensor's values without an op (`tolist()`), the caller rules
-out: replays run at tp 1 on one pipeline stage, for models without experts (their routing groups tokens in
-Python), with an attention backend whose decode reads only tensors.
+out: replays run on one pipeline stage, for models without experts (their routing groups tokens in Python), with an
+attention backend whose decode reads only tensors. At tp > 1 every rank records and replays the same steps, and
+the all-reduce is recorded as one op (parallel_state.py) whose Python runs again at each replay.
 """
 import logging
 
@@ -32,6 +33,10 @@ RECORDABLE_ATEN = frozenset({
     "expand", "contiguous", "clone", "copy_", "to", "_to_copy", "cat", "stack", "add", "add_", "sub", "mul", "mul_",
     "div", "neg", "tanh", "exp", "rsqrt", "pow", "mean", "silu", "gelu", "linear", "addmm", "mm", "matmul", "bmm",
     "embedding", "index_select", "fill_", "zero_",
+    # masks computed and applied elementwise (a vocabulary-parallel embedding's rows of other ranks); never a mask
+    # that picks elements (nonzero, masked_select, boolean indexing: their shapes come from the values)
+    "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not",
+    "logical_and", "logical_or", "logical_not", "where", "masked_fill", "masked_fill_",
 })
 
 

@@ -153,9 +153,10 @@ class ModelRunner:
                 logger.info("no CUDA graphs with the %s attention backend (its store or decode syncs with the "
                             "host): decode runs eagerly", self.backend_name)
         self.cpu_replays = None
-        # what a recording cannot see rules a replay out: collectives and stages (tp or pp > 1), experts' routing
-        # in Python, a drafter between the steps, a decode that reads host lists (cpu_replay.py)
-        if (self.device.type == "cpu" and not config.enforce_eager and group.size == 1 and pipeline.size == 1
+        # what a recording cannot see rules a replay out: pipeline stages (their sends), experts' routing in
+        # Python, a drafter between the steps, a decode that reads host lists (cpu_replay.py); the tensor-parallel
+        # all-reduce is one op it keeps (parallel_state.py)
+        if (self.device.type == "cpu" and not config.enforce_eager and pipeline.size == 1
                 and spec is None and self.attention_backend.decode_reads_only_tensors
                 and not any(isinstance(module, FusedMoE) for module in self.model.modules())):
             self.cpu_replays = DecodeCpuReplays(self.model, self.inputs.row_bucket(config.max_num_seqs),
