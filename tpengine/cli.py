@@ -154,7 +154,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> N
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
                              "kernel built on first use), else torch, on the CPU (default auto)")
-    parser.add_argument("--enforce-eager", action="store_true", help="decode eagerly: no CUDA graphs, no replayed CPU decode steps")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="decode eagerly: no CUDA graphs, no replayed CPU decode steps")
     parser.add_argument("--quantization", default=None, choices=ONLINE_QUANTIZATIONS,
                         help="quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
                              "groups (--quantization-group-size), symmetric; fp8 (e4m3 per output channel, inputs "

@@ -92,7 +92,7 @@ def step(replays: DecodeCpuReplays, ids: list[int]) -> torch.Tensor:
 
 
 def test_a_forward_that_reads_a_value_into_python_stays_eager():
-    replays = DecodeCpuReplays(ReadsAValue(), max_num_rows=4, max_num_blocks_per_seq=1)
+    replays = DecodeCpuReplays(ReadsAValue(), max_num_rows=4, max_num_blocks_per_seq=1, block_size=16)
     assert torch.equal(step(replays, [3, 5]), torch.full((2, 4), 1.0))
     assert replays.replays[2] is None and not replays.can_run(2, 1)
     assert replays.can_run(3, 1)  # another bucket is recorded on its own
@@ -100,7 +100,7 @@ def test_a_forward_that_reads_a_value_into_python_stays_eager():
 
 def test_a_replay_computes_from_this_steps_inputs():
     model = Plain()
-    replays = DecodeCpuReplays(model, max_num_rows=4, max_num_blocks_per_seq=1)
+    replays = DecodeCpuReplays(model, max_num_rows=4, max_num_blocks_per_seq=1, block_size=16)
     for ids in ([1, 2, 3], [7, 0, 5], [2, 2, 9]):  # recorded at the first, replayed at the others
         expected = model(torch.tensor(ids), torch.arange(3) + ids[0], None)
         assert torch.equal(step(replays, ids), expected)

@@ -46,12 +46,13 @@ _GROUPS: "weakref.WeakValueDictionary[int, TensorParallelGroup]" = weakref.WeakV
 _GROUP_KEYS = itertools.count()
 
 
-@torch.library.custom_op("tpengine_collectives::all_reduce", mutates_args=("tensor",))
-def _all_reduce_op(tensor: torch.Tensor, group_key: int) -> None:
-    """A group's all-reduce as one dispatched op: what a recorded CPU decode forward (runner/cpu_replay.py) keeps
-    and calls again, where the shared-memory all-reduce's own Python (its sequence numbers, its waits) must run
-    every time."""
-    _GROUPS[group_key].all_reduce_now(tensor)
+# A group's all-reduce as one dispatched op, tpengine_tp::all_reduce: what a recorded CPU decode forward
+# (runner/cpu_replay.py) keeps and calls again, where the shared-memory all-reduce's own Python (its sequence
+# numbers, its waits) must run every time.
+_OPS = torch.library.Library("tpengine_tp", "DEF")
+_OPS.define("all_reduce(Tensor(a!) tensor, int group_key) -> ()")
+_OPS.impl("all_reduce", lambda tensor, group_key: _GROUPS[group_key].all_reduce_now(tensor),
+          "CompositeExplicitAutograd")
 
 
 class TensorParallelGroup:
@@ -72,7 +73,7 @@ class TensorParallelGroup:
         if self.size == 1:
             return
         if torch._C._len_torch_dispatch_stack():  # a forward being recorded: the all-reduce is one op in it
-            _all_reduce_op(tensor, self.key)
+            torch.ops.tpengine_tp.all_reduce(tensor, self.key)
         else:
             self.all_reduce_now(tensor)
 

@@ -125,9 +125,10 @@ class DecodeCpuReplays:
     """Decode forwards of `model` replayed per row bucket (the CPU pads a decode batch to one: platforms/cpu.py's
     row_bucket), over static input buffers; run() records a bucket's first forward."""
 
-    def __init__(self, model: torch.nn.Module, max_num_rows: int, max_num_blocks_per_seq: int):
+    def __init__(self, model: torch.nn.Module, max_num_rows: int, max_num_blocks_per_seq: int, block_size: int):
         self.model = model
         self.max_num_rows, self.max_num_blocks_per_seq = max_num_rows, max_num_blocks_per_seq
+        self.max_seqlen_k = max_num_blocks_per_seq * block_size
         # replays read these tensors: run() only copies into them
         self.input_ids = torch.zeros(max_num_rows, dtype=torch.int64)
         self.positions = torch.zeros(max_num_rows, dtype=torch.int64)
@@ -153,7 +154,7 @@ class DecodeCpuReplays:
             return replay.run()
         static_meta = AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:n],
                                         block_tables=self.block_tables[:n], context_lens=self.context_lens[:n],
-                                        max_seqlen_k=self.max_num_blocks_per_seq)
+                                        max_seqlen_k=self.max_seqlen_k)
         recorder = _Recorder()
         with recorder:
             hidden_states = self.model(self.input_ids[:n], self.positions[:n], static_meta)

@@ -160,7 +160,7 @@ class ModelRunner:
                 and spec is None and self.attention_backend.decode_reads_only_tensors
                 and not any(isinstance(module, FusedMoE) for module in self.model.modules())):
             self.cpu_replays = DecodeCpuReplays(self.model, self.inputs.row_bucket(config.max_num_seqs),
-                                                self._max_num_blocks_per_seq())
+                                                self._max_num_blocks_per_seq(), self.block_size)
 
     def input_builder(self) -> InputBuilder:
         """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
