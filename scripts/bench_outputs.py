@@ -6,8 +6,10 @@ schedule(), postprocess(), incremental detokenization, stop-string matching and 
 RequestOutputs. Tokens come from a byte-level BPE tokenizer (4,096 tokens) trained here on English
 text, replayed from that text, so texts, merges and partial stop-string matches look like real ones.
 Streamed requests get cumulative outputs (everything so far each step) or delta outputs (only what is new, vLLM's
-RequestOutputKind.DELTA, what `tpengine serve` streams). Baseline: the same step with neither streaming nor stop
-strings (what generate() pays), same run.
+RequestOutputKind.DELTA, what `tpengine serve` streams). Each case runs llm.step() (outputs built in the step, as a
+loop over step() pays them); the server's case runs llm.step_reports() instead, as `tpengine serve`'s engine thread
+does, and times building its outputs apart (the server's event loop does that while the next step runs). Baseline:
+the same step with neither streaming nor stop strings (what generate() pays), same run.
 
     .venv/bin/python scripts/bench_outputs.py [--seqs 256] [--steps 200] [--warmup 50]
     .venv/bin/python scripts/bench_outputs.py --quick    # seconds: 6 sequences, 4 steps
@@ -72,27 +74,36 @@ class ReplayExecutor:
 
 
 def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | None, kind: RequestOutputKind,
-          warmup: int, steps: int):
+          built_off_step: bool, warmup: int, steps: int) -> tuple[float, float]:
+    """Median µs of a step, and of building its outputs apart (0 unless built_off_step)."""
     llm.executor = ReplayExecutor(real_executor, replay)
     params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 10, ignore_eos=True, stop=stop,
                             output_kind=kind)
     ids = [llm.add_request(prompt, params, stream=stream) for prompt in prompts]
     while llm.scheduler.waiting:  # prefill everything first
-        llm._step()
+        llm.step()
     for _ in range(warmup):
-        llm._step()
-    times = []
+        llm.step_reports().build()
+    times, build_times = [], []
     gc.collect()
     for _ in range(steps):
-        started = time.perf_counter_ns()
-        llm._step()
-        times.append(time.perf_counter_ns() - started)
+        if built_off_step:
+            started = time.perf_counter_ns()
+            reports = llm.step_reports()
+            built = time.perf_counter_ns()
+            reports.build()
+            times.append(built - started)
+            build_times.append(time.perf_counter_ns() - built)
+        else:
+            started = time.perf_counter_ns()
+            llm.step()
+            times.append(time.perf_counter_ns() - started)
     assert llm.num_requests_running == len(prompts), "a request finished: the replayed text hit a stop string"
     for request_id in ids:
         llm.abort(request_id)
     llm.step()  # hand out the aborts
     llm.executor = real_executor
-    return statistics.median(times) / 1000
+    return statistics.median(times) / 1000, statistics.median(build_times or [0]) / 1000
 
 
 def main(argv=None):
@@ -120,23 +131,29 @@ def main(argv=None):
         replay = [[text_ids[(o + k) % len(text_ids)] for o in offsets] for k in range(args.warmup + args.steps + 64)]
         real = llm.executor
         cumulative, delta = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA
-        cases = [("neither (generate())", False, None, cumulative), ("streamed", True, None, cumulative),
-                 ("stop strings", False, STOPS, cumulative), ("streamed + stop strings", True, STOPS, cumulative),
-                 ("streamed, delta outputs (the server's)", True, None, delta),
-                 ("streamed + stop strings, delta outputs", True, STOPS, delta)]
-        results = {}
+        cases = [("neither (generate())", False, None, cumulative, False),
+                 ("streamed", True, None, cumulative, False),
+                 ("stop strings", False, STOPS, cumulative, False),
+                 ("streamed + stop strings", True, STOPS, cumulative, False),
+                 ("streamed, delta outputs", True, None, delta, False),
+                 ("streamed, delta outputs, built off the step (the server's)", True, None, delta, True),
+                 ("streamed + stop strings, delta outputs", True, STOPS, delta, False)]
+        results, builds = {}, {}
         for _ in range(2):  # alternate and keep the best of each: a noisy moment hurts no case alone
-            for name, stream, stop, kind in cases:
-                us = bench(llm, real, prompts, replay, stream, stop, kind, args.warmup, args.steps)
-                results[name] = min(results.get(name, us), us)
+            for name, stream, stop, kind, built_off_step in cases:
+                us, build_us = bench(llm, real, prompts, replay, stream, stop, kind, built_off_step, args.warmup,
+                                     args.steps)
+                if us < results.get(name, float("inf")):
+                    results[name], builds[name] = us, build_us
     base = results[cases[0][0]]
     print(f"decode step of {n} sequences on rank 0 (schedule + postprocess + outputs), block size {BLOCK_SIZE}, "
           f"prompts 100..1024 tokens, {len(STOPS)} stop strings, median of {args.steps} steps after "
           f"{args.warmup} warm-up\n")
-    print("| outputs | µs/step | µs/seq | over the baseline µs/step |")
-    print("|---|---:|---:|---:|")
-    for name, *_ in cases:
-        print(f"| {name} | {results[name]:.1f} | {results[name] / n:.3f} | {results[name] - base:+.1f} |")
+    print("| outputs | µs/step | µs/seq | over the baseline µs/step | outputs built apart, µs/step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, *_, built_off_step in cases:
+        apart = f"{builds[name]:.1f}" if built_off_step else ""
+        print(f"| {name} | {results[name]:.1f} | {results[name] / n:.3f} | {results[name] - base:+.1f} | {apart} |")
 
 
 if __name__ == "__main__":

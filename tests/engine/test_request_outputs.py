@@ -211,16 +211,53 @@ def test_delta_outputs_joined_equal_the_cumulative_ones(tied_model):
             assert entry["ends"] == 1  # a completion's end is reported once
 
 
-@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def steps_built_elsewhere(llm, on_step):
+    """Run llm's steps to the end, their reports built on another thread behind them (as a server's event loop
+    builds them); yields each step's built outputs, in order. on_step(k) runs before step k."""
+    import queue
+    import threading
+    import time
+    reports, built, ended = queue.SimpleQueue(), queue.SimpleQueue(), threading.Event()
+    lags = []  # per build: steps run beyond the one built
+
+    def build():
+        while (step := reports.get()) is not None:
+            while reports.qsize() < 2 and not ended.is_set():  # fall behind: two later steps run before it is built
+                time.sleep(0.001)
+            lags.append(reports.qsize())
+            built.put(step.build())
+        built.put(None)
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        steps = 0
+        while llm.has_unfinished_requests():
+            steps += 1
+            on_step(steps)
+            reports.put(llm.step_reports())
+    finally:
+        ended.set()
+        reports.put(None)
+        builder.join()
+    assert max(lags) >= 2, "the builder never fell behind"
+    while (outputs := built.get()) is not None:
+        yield outputs
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "delta built on another thread"])
 def test_plain_streams_report_what_generate_returns(tied_model, kind):
-    """Streams of one completion without stop strings or logprobs (a server's usual request) make their outputs
-    in one pass per step. Beside requests that take the general path, with prefix hits, preemptions (a small
-    cache) and an abort, each one's outputs add up to generate()'s result, every text only extends the last, and
-    its end is reported once. The byte tokenizer's random bytes split characters across tokens."""
+    """Streams of one completion without stop strings or logprobs (a server's usual request) have their outputs
+    made when their reports are built, on another thread too. Beside requests that take the general path, with
+    prefix hits, preemptions (a small cache) and an abort, each one's outputs add up to generate()'s result, every
+    text only extends the last, and its end is reported once. The byte tokenizer's random bytes split characters
+    across tokens."""
     import dataclasses
 
     from tpengine import RequestOutputKind
-    output_kind = RequestOutputKind.DELTA if kind == "delta" else RequestOutputKind.CUMULATIVE
+    delta = kind.startswith("delta")
+    elsewhere = kind.endswith("another thread")
+    output_kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
     prompts = random_prompts(5, [9, 21, 40, 3, 17, 33], 256) + ["Once upon a time", "Once upon a time, there"]
     settings = [dict(temperature=0.0, max_tokens=30), dict(temperature=1.0, seed=7, max_tokens=17),
                 dict(temperature=0.0, max_tokens=25, stop=["zz"]), dict(temperature=0.8, seed=1, max_tokens=1)]
@@ -230,18 +267,36 @@ def test_plain_streams_report_what_generate_returns(tied_model, kind):
         streamed = [dataclasses.replace(p, output_kind=output_kind) for p in params]
         ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, streamed)]
         seen = {request_id: dict(text="", token_ids=[], ends=0) for request_id in ids}
-        steps = 0
-        while llm.has_unfinished_requests():
-            steps += 1
-            if steps == 4:
-                aborted = llm.abort(ids[1])
-            for out in llm.step():
+        aborted = []
+
+        def abort(step):
+            if step == 4:  # built here, or (elsewhere) with the next step's reports
+                aborted.append(llm.abort(ids[1], build=not elsewhere))
+            if step == 6:  # others' steps meanwhile: each stream's reports wait for step 6's, then one ends
+                llm.generate(["x"], SamplingParams(max_tokens=3), use_tqdm=False)
+                aborted.append(llm.abort(ids[4], build=not elsewhere))
+
+        if elsewhere:
+            steps = steps_built_elsewhere(llm, abort)
+        else:
+            def each_step():
+                step = 0
+                while llm.has_unfinished_requests():
+                    step += 1
+                    abort(step)
+                    yield llm.step()
+            steps = each_step()
+        for step, outputs in enumerate(steps, 1):
+            most = 4 if step == 6 else 1  # new tokens in a report: a step's, as that step had them
+            for out in outputs:
                 (completion,) = out.outputs
                 entry = seen[out.request_id]
-                if kind == "delta":
+                if delta:
+                    assert len(completion.token_ids) <= most
                     entry["text"] += completion.text
                     entry["token_ids"] += completion.token_ids
                 else:
+                    assert len(entry["token_ids"]) <= len(completion.token_ids) <= len(entry["token_ids"]) + most
                     assert completion.text.startswith(entry["text"])
                     assert completion.token_ids[:len(entry["token_ids"])] == entry["token_ids"]
                     entry["text"], entry["token_ids"] = completion.text, completion.token_ids
@@ -249,12 +304,13 @@ def test_plain_streams_report_what_generate_returns(tied_model, kind):
                 assert out.finished == (completion.finish_reason is not None)
         assert llm.num_preemptions > 0
         tokenizer = llm.tokenizer
+    assert aborted == [None, None] if elsewhere else all(out.finished for out in aborted)
     for request_id, want in zip(ids, expected):
         entry = seen[request_id]
         assert entry["ends"] == 1
-        if request_id == ids[1]:  # aborted after its third step: what it reported is a start of the whole
-            assert aborted.finished and 0 < len(entry["token_ids"]) < len(want.outputs[0].token_ids)
+        if request_id in (ids[1], ids[4]):  # aborted part-way: what it reported is a start of the whole
+            assert 0 < len(entry["token_ids"]) < len(want.outputs[0].token_ids)
             assert want.outputs[0].token_ids[:len(entry["token_ids"])] == entry["token_ids"]
-            continue
-        assert (entry["token_ids"], entry["text"]) == (want.outputs[0].token_ids, want.outputs[0].text)
+        else:
+            assert (entry["token_ids"], entry["text"]) == (want.outputs[0].token_ids, want.outputs[0].text)
         assert entry["text"] == tokenizer.decode(entry["token_ids"], skip_special_tokens=True)  # the tokenizer's own

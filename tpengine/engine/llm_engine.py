@@ -15,7 +15,7 @@ from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.inputs import parse_prompt, prompt_list
 from tpengine.engine.proposer import make_proposer
-from tpengine.engine.request import Request
+from tpengine.engine.request import Request, StepReports
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
@@ -94,7 +94,8 @@ class LLMEngine:
         self._request_ids = count()
         self._requests: dict[int, Request] = {}
         self._num_per_step_requests = 0     # live requests that need work every step (text, stops, logprobs)
-        self._pending: dict[int, RequestOutput] = {}  # outputs the next step() reports first (generate, abort)
+        # reports the next step() hands out first (generate's for others' requests, aborts'), by request id
+        self._pending: dict[int, tuple[Request, object]] = {}
         # structured outputs: the grammar compiler (made on first use), requests queued once their grammar is
         # compiled, and how many live requests have one
         self._grammar_compiler = None
@@ -284,16 +285,21 @@ class LLMEngine:
         self._queue(request)
         return request.request_id
 
-    def abort(self, request_id: int) -> RequestOutput | None:
-        """Stop a request now; returns its final output (the next step() reports it too), or None if it is not live."""
+    def abort(self, request_id: int, *, build: bool = True) -> RequestOutput | None:
+        """Stop a request now; returns its final output (the next step() reports it too), or None if it is not live.
+        build=False (step_reports()'s caller): nothing is built or returned here; the next step_reports() holds it."""
         aborted = self._abort(request_id)
         if aborted is None:
             return None
-        request, output = aborted
+        request, item = aborted
+        if not build:
+            self._report_later(request, item)
+            return None
+        output = request.build(item)
         self._report_later(request, output)
         return output
 
-    def _abort(self, request_id: int) -> tuple[Request, RequestOutput] | None:
+    def _abort(self, request_id: int) -> tuple[Request, object] | None:
         request = self._requests.get(request_id)
         if request is None:
             return None
@@ -309,22 +315,26 @@ class LLMEngine:
             if not seq.is_finished and self.scheduler.abort(seq.seq_id) is not None:
                 request.on_finish(seq)
         self._forget(request)
-        return request, request.output()
+        return request, request.report()
 
-    def _finish_unqueued(self, request: Request) -> RequestOutput:
+    def _finish_unqueued(self, request: Request):
         """End a request none of whose completions was queued (its grammar never compiled, or it was
         aborted meanwhile)."""
         for seq in request.seqs:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             request.on_finish(seq)
         self._forget(request)
-        return request.output()
+        return request.report()
 
     def _forget(self, request: Request) -> None:
         """A finished or aborted request leaves the engine's books."""
         del self._requests[request.request_id]
         self._num_per_step_requests -= request.per_step
         self._num_constrained_requests -= request.grammar is not None
+
+    def live_request_ids(self) -> list[int]:
+        """The ids of the requests not yet finished or aborted."""
+        return list(self._requests)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or bool(self._pending) or bool(self._awaiting_grammar)
@@ -335,23 +345,26 @@ class LLMEngine:
         """Run one scheduled step. Returns a RequestOutput for every request that got a token, finished or
         was aborted since the last step() (finished=True on its last one): everything so far, or only what
         is new for a request whose output_kind is DELTA."""
+        return self.step_reports().build()
+
+    def step_reports(self) -> StepReports:
+        """step(), its outputs not yet built: StepReports.build() makes them, on any one thread, in the order of
+        the steps. A server's engine thread steps on while its event loop builds them."""
         reports, _ = self._step()
         if not self._pending:
-            return [output for _, output in reports]
-        for request, output in reports:
-            self._report_later(request, output)
+            return StepReports(reports, unique=True)
         pending, self._pending = self._pending, {}
-        return list(pending.values())
+        return StepReports([*pending.values(), *reports], unique=False)
 
-    def _report_later(self, request: Request, output: RequestOutput) -> None:
-        """Hold an output for the next step() (generate's for others' requests, abort's): a newer cumulative
-        output holds everything an older one did; delta outputs are joined."""
+    def _report_later(self, request: Request, item) -> None:
+        """Hold a report for the next step(): a newer one of a plain stream, or a newer cumulative output, stands
+        for all before it (a plain stream's is built from what it has reported so far); delta outputs are joined."""
         older = self._pending.get(request.request_id)
-        self._pending[request.request_id] = output if older is None or not request.delta else \
-            merge_deltas(older, output)
+        self._pending[request.request_id] = (request, item) if older is None or request.plain_stream or \
+            not request.delta else (request, merge_deltas(older[1], item))
 
-    def _step(self) -> tuple[list[tuple[Request, RequestOutput]], StepPlan | None]:
-        """One step; its outputs (with their requests) and its plan (None when nothing was queued)."""
+    def _step(self) -> tuple[list[tuple[Request, object]], StepPlan | None]:
+        """One step; its reports (Request.report, with their requests) and its plan (None when nothing was queued)."""
         if self._awaiting_grammar:  # wait a moment for a grammar only when nothing else could run
             self._admit_awaiting(AWAIT_GRAMMAR_S if self.scheduler.is_finished() else 0.0)
         if isinstance(self.scheduler, VirtualEngines):
@@ -367,7 +380,7 @@ class LLMEngine:
         sampled = self.executor.execute(plan)
         return self._finish_step(scheduler, plan, sampled, started, num_output_tokens), plan
 
-    def _pipelined_step(self, engines: VirtualEngines) -> tuple[list[tuple[Request, RequestOutput]], StepPlan | None]:
+    def _pipelined_step(self, engines: VirtualEngines) -> tuple[list[tuple[Request, object]], StepPlan | None]:
         """Pipeline parallelism: every virtual engine without a step in flight submits its next one (so each
         stage has a step to run), then the oldest step's tokens are collected and accounted for."""
         self.executor.check_open()
@@ -405,12 +418,12 @@ class LLMEngine:
                 self.executor.shutdown(graceful=False)
                 raise
             engines.in_flight.popleft()
-            for request, output in self._finish_step(scheduler, plan, sampled, started, num_output_tokens):
-                self._report_later(request, output)
+            for request, item in self._finish_step(scheduler, plan, sampled, started, num_output_tokens):
+                self._report_later(request, item)
 
     def _finish_step(self, scheduler: Scheduler, plan: StepPlan, sampled, started: float,
-                     num_output_tokens: int) -> list[tuple[Request, RequestOutput]]:
-        """Append a step's sampled tokens to its sequences and make its outputs."""
+                     num_output_tokens: int) -> list[tuple[Request, object]]:
+        """Append a step's sampled tokens to its sequences and report them (Request.report)."""
         self.prompt_tokens_total += plan.num_prefill_tokens
         # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
         # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
@@ -419,32 +432,32 @@ class LLMEngine:
         if self._num_constrained_requests:
             self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
-        reports: list[tuple[Request, RequestOutput]] = []
+        reports: list[tuple[Request, object]] = []
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched, reports)
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)
-        reports += [(request, request.output()) for request in touched.values() if request.stream or request.finished]
+        reports += [(request, request.report()) for request in touched.values() if request.stream or request.finished]
         return reports
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request],
-                        reports: list[tuple[Request, RequestOutput]]) -> None:
-        """seqs: those that got a token this step, logprobs their rows'. A plain stream's output goes to reports
-        at once; every other request that needs one is left in touched."""
+                        reports: list[tuple[Request, object]]) -> None:
+        """seqs: those that got a token this step, logprobs their rows'. A plain stream's report (its token count)
+        goes to reports at once; every other request that needs one is left in touched."""
         # once per sampled sequence per step: attribute tests only for a request that needs nothing
         requests = self._requests
         for i, seq in enumerate(seqs):
             request = requests[seq.request_id]
             if seq.finish_reason is not None:  # finished in this step
-                if request.per_step and seq.finish_reason != "abort":
+                if request.per_step and not request.plain_stream and seq.finish_reason != "abort":
                     found = request.on_token(seq, logprobs[i])
                     if found is not None:  # a token up to its last (max_tokens, a stop token) completed a stop string
                         self.scheduler.truncate(seq, found[1])
                         seq.finish_reason, seq.stop_reason = "stop", found[0]
                 self._process_finished(seq, touched)
-            elif request.plain_stream:  # no stop string can end it here
-                reports.append((request, request.stream_step(seq)))
+            elif request.plain_stream:  # no stop string can end it here; its text is grown when built
+                reports.append((request, seq.num_tokens))
             elif request.per_step:
                 found = request.on_token(seq, logprobs[i])
                 if found is None:
@@ -516,12 +529,12 @@ class LLMEngine:
                     decode_rate = (self.generation_tokens_total - generated) / elapsed
                 progress.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s",
                                          refresh=False)
-                for request, output in reports:
-                    if output.request_id in own:
-                        outputs[output.request_id] = output
+                for request, item in reports:
+                    if request.request_id in own:  # not streamed: its report is its output
+                        outputs[request.request_id] = item
                         progress.update(1)
                     else:  # someone else's request: step() hands it out
-                        self._report_later(request, output)
+                        self._report_later(request, item)
         except BaseException:
             for request in requests:  # leave the engine clean for the next call
                 self._abort(request.request_id)

@@ -2,7 +2,7 @@
 from tpengine.engine.detokenizer import Detokenizer, IncrementalText
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.stop_strings import StopStrings
-from tpengine.outputs import CompletionOutput, RequestOutput, completion_snapshot
+from tpengine.outputs import CompletionOutput, RequestOutput, completion_snapshot, merge_deltas
 from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -40,8 +40,8 @@ class Request:
         self.num_reported_chars = [0] * len(seqs)
         self.reported_finished = [False] * len(seqs)
         self.grammar = None  # structured outputs: its grammar's compilation (a Future), set by the engine
-        # a stream of one completion with no stop strings or logprobs (a server's usual request): each step
-        # makes its output in one pass (stream_step)
+        # a stream of one completion with no stop strings or logprobs (a server's usual request): the engine only
+        # notes how many tokens it has each step (report, build); its text and output are made when built
         self.plain_stream = self.stream and len(seqs) == 1 and not params.stop and params.logprobs is None
 
     @property
@@ -73,10 +73,25 @@ class Request:
                 return stop, num_tokens
         return None
 
-    def stream_step(self, seq: Sequence) -> RequestOutput:
-        """A plain stream's output for a step in which its one completion got tokens and runs on: on_token and
-        output() in one pass, as they would make it."""
-        num_tokens = seq.num_tokens
+    def report(self):
+        """What reports this request's output now: the output itself, or (a plain stream) None, which build() turns
+        into it later, its text included, in the order of the request's reports."""
+        return None if self.plain_stream else self.output()
+
+    def build(self, item) -> RequestOutput:
+        """The output a report stands for: a built one as it is; for a plain stream, the number of tokens its
+        completion had (it ran on) or None (its last output). A plain stream's text is grown only here, so its
+        reports may be built on another thread than the engine's, while later steps run, if in order."""
+        if item.__class__ is int:
+            return self._stream_output(item)
+        if item is None:
+            self._complete_text(self.seqs[0])
+            return self.output()
+        return item
+
+    def _stream_output(self, num_tokens: int) -> RequestOutput:
+        # a plain stream's completion ran on with num_tokens tokens: read nothing of it that changes after the step
+        seq = self.seqs[0]
         text = self.texts[0]
         if text is not None:
             text.append(seq.token_ids, self.num_decoded[0], num_tokens)
@@ -98,8 +113,12 @@ class Request:
                              num_cached_tokens=num_cached if num_cached > 0 else 0)
 
     def on_finish(self, seq: Sequence) -> None:
-        """seq finished (by any reason): complete its text."""
+        """seq finished (by any reason): complete its text (a plain stream's: when its last report is built)."""
         self.num_unfinished -= 1
+        if not self.plain_stream:
+            self._complete_text(seq)
+
+    def _complete_text(self, seq: Sequence) -> None:
         if self.detokenizer is None or isinstance(seq.stop_reason, str):
             return  # no text, or a stop string already cut it
         text = self.texts[seq.index]
@@ -173,3 +192,30 @@ class Request:
         return completion_snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
                                    seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
                                    logprob_start=start - seq.num_prompt_tokens)
+
+
+class StepReports:
+    """The outputs a step hands out (with those held for it: aborts', generate()'s for others' requests), not yet
+    built: build() makes them. Made on the engine's thread; built on any one thread, steps in the order they ran
+    (a server's event loop builds them while its engine thread runs the next step)."""
+
+    __slots__ = ("items", "unique")
+
+    def __init__(self, items: list[tuple[Request, object]], unique: bool):
+        self.items = items      # (request, Request.report()'s value), in the order they were made
+        self.unique = unique    # no request twice (one step's own)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def build(self) -> list[RequestOutput]:
+        """One RequestOutput per request: a request reported more than once gets its newest (cumulative) or
+        all of them joined (delta)."""
+        if self.unique:
+            return [request.build(item) for request, item in self.items]
+        outputs: dict[int, RequestOutput] = {}
+        for request, item in self.items:
+            output = request.build(item)  # each one, in order: a plain stream's text grows as they are built
+            older = outputs.get(request.request_id)
+            outputs[request.request_id] = output if older is None or not request.delta else merge_deltas(older, output)
+        return list(outputs.values())

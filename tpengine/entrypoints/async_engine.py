@@ -2,10 +2,11 @@
 
 Commands (add, abort, stop) cross to the engine thread through a thread-safe queue that the
 thread drains before every step, and blocks on while idle (an idle server sleeps). Each step's
-outputs go back to the loop in one call, to the HTTP request they belong to, which keeps only the
-newest output of each prompt (they are cumulative): a client that reads slowly holds one output
-per prompt, never one per step. A step runs off the event loop, so the server answers during a
-long prefill.
+reports go to the loop in one call, unbuilt: the loop builds the outputs (a stream's text, its
+RequestOutput) while the engine thread runs the next step, and hands each to the HTTP request it
+belongs to, which keeps only the newest output of each prompt (or joins delta outputs): a client
+that reads slowly holds one output per prompt, never one per step. A step runs off the event loop,
+so the server answers during a long prefill.
 """
 import asyncio
 import itertools
@@ -16,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from tpengine.engine.llm_engine import LLMEngine
+from tpengine.engine.request import StepReports
 from tpengine.entrypoints.metrics import Metrics, RequestTimes
 from tpengine.errors import InvalidRequestError
 from tpengine.outputs import RequestOutput, merge_deltas
@@ -39,6 +41,8 @@ class Submission:
         self.key = key
         self.num_unfinished = num_prompts
         self.delta = delta  # its outputs hold only what is new: ones not yet taken are joined, not replaced
+        self.request_ids: list[int] = []  # the engine's ids of its prompts (set and read on the engine thread)
+        self.aborted = False
         self._latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output not yet taken
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -73,7 +77,8 @@ class Submission:
         """Abort whatever of it still runs (a client went away); a no-op once finished."""
         if not self.finished:
             self.num_unfinished = 0
-            self._engine.abort(self.key)
+            self.aborted = True
+            self._engine.abort(self)
 
 
 class AsyncEngine:
@@ -85,9 +90,8 @@ class AsyncEngine:
         self._keys = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="tpengine-engine", daemon=True)
-        # engine thread only: request id -> (submission, prompt index, times); submission key -> request ids
+        # event loop only: request id -> (submission, prompt index, times), from its acceptance to its last output
         self._requests: dict[int, tuple[Submission, int, RequestTimes]] = {}
-        self._request_ids: dict[int, list[int]] = {}
 
     # --- event-loop side ------------------------------------------------------------------------
 
@@ -115,9 +119,9 @@ class AsyncEngine:
             raise
         return submission
 
-    def abort(self, key: int) -> None:
+    def abort(self, submission: Submission) -> None:
         """Abort a submission's requests (thread-safe; the engine thread does it before its next step)."""
-        self._commands.put(("abort", key))
+        self._commands.put(("abort", submission))
 
     def abort_all(self) -> None:
         """Abort every request now: each ends with finish_reason "abort" (the end of a graceful shutdown)."""
@@ -132,6 +136,47 @@ class AsyncEngine:
             self._thread.join(timeout)
         self.engine.shutdown()
 
+    def _accepted(self, submission: Submission, stream: bool, arrival: float, accepted: asyncio.Future) -> None:
+        # before any report of its requests: the engine thread queues this first
+        for index, request_id in enumerate(submission.request_ids):
+            self._requests[request_id] = (submission, index, RequestTimes(arrival, stream))
+        _resolve(accepted, None)
+
+    def _deliver(self, reports: StepReports) -> None:
+        """A step's reports: build their outputs (in step order: the loop runs these calls as queued) and hand
+        each to its submission; an aborted one's only count in the metrics."""
+        try:
+            outputs = reports.build()
+        except BaseException as e:  # a bug: every request learns it, /health turns 503
+            logger.exception("building outputs failed: %s", e)
+            self.error = e
+            self._commands.put(("stop",))
+            self._fail_all(EngineDeadError(f"the engine failed: {e}"))
+            return
+        requests, metrics = self._requests, self.metrics
+        now = time.monotonic()
+        for output in outputs:
+            entry = requests.get(output.request_id)
+            if entry is None:
+                continue  # its add failed part-way: nobody waits for it
+            submission, index, times = entry
+            if output.finished:
+                del requests[output.request_id]
+            if submission.aborted:
+                if metrics is not None and output.finished:
+                    metrics.record_finished(output)
+                continue
+            if metrics is not None:
+                metrics.record_output(output, times, now)
+            submission.deliver(index, output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """(event loop) Every request still running learns error."""
+        submissions = {submission for submission, _, _ in self._requests.values()}
+        self._requests.clear()
+        for submission in submissions:
+            submission.fail(error)
+
     # --- engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -139,7 +184,6 @@ class AsyncEngine:
         try:
             while True:
                 commands = [] if engine.has_unfinished_requests() else [self._wait_for_command()]
-                deliveries = []
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
@@ -153,23 +197,25 @@ class AsyncEngine:
                     elif command[0] == "add":
                         self._add(*command[1:])
                     elif command[0] == "abort":
-                        self._abort(command[1])
+                        for request_id in command[1].request_ids:
+                            engine.abort(request_id, build=False)
                     else:
-                        deliveries.extend(self._abort_all())
+                        for request_id in engine.live_request_ids():
+                            engine.abort(request_id, build=False)
                 if stopping:
-                    self._fail_all(EngineDeadError("the server is shutting down"))
+                    self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError("the server is shutting down"))
                     self._reject_queued()
                     return
                 if engine.has_unfinished_requests():
-                    deliveries.extend(self._route(engine.step()))
+                    reports = engine.step_reports()
+                    if reports:
+                        self._loop.call_soon_threadsafe(self._deliver, reports)
                 if self.metrics is not None:
                     self.metrics.record_engine_state(engine)
-                if deliveries:
-                    self._loop.call_soon_threadsafe(_deliver, deliveries)
         except BaseException as e:  # a worker died, or a bug: every request learns it, /health turns 503
             logger.exception("engine failed: %s", e)
             self.error = e
-            self._fail_all(EngineDeadError(f"the engine failed: {e}"))
+            self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"the engine failed: {e}"))
             self._reject_until_stopped()
 
     def _wait_for_command(self):
@@ -186,53 +232,14 @@ class AsyncEngine:
             for prompt in prompts:
                 request_ids.append(self.engine.add_request(prompt, params, stream=stream))
         except ValueError as e:
-            for request_id in request_ids:
-                self.engine.abort(request_id)
+            for request_id in request_ids:  # its final output reaches the loop, which knows no such request
+                self.engine.abort(request_id, build=False)
             if len(prompts) > 1:
                 e = InvalidRequestError(f"prompt {len(request_ids)}: {e}", getattr(e, "param", None))
             self._loop.call_soon_threadsafe(_resolve, accepted, e)
             return
-        for index, request_id in enumerate(request_ids):
-            self._requests[request_id] = (submission, index, RequestTimes(arrival, stream))
-        self._request_ids[submission.key] = request_ids
-        self._loop.call_soon_threadsafe(_resolve, accepted, None)
-
-    def _abort(self, key: int) -> None:
-        for request_id in self._request_ids.pop(key, ()):
-            if self._requests.pop(request_id, None) is not None:
-                output = self.engine.abort(request_id)
-                if output is not None and self.metrics is not None:
-                    self.metrics.record_finished(output)
-
-    def _abort_all(self) -> list:
-        outputs = [self.engine.abort(request_id) for request_id in list(self._requests)]
-        return self._route([output for output in outputs if output is not None])
-
-    def _route(self, outputs: list[RequestOutput]) -> list:
-        deliveries = []
-        now = time.monotonic()
-        for output in outputs:
-            entry = self._requests.get(output.request_id)
-            if entry is None:
-                continue  # aborted in this step's drain
-            submission, index, times = entry
-            if self.metrics is not None:
-                self.metrics.record_output(output, times, now)
-            if output.finished:
-                del self._requests[output.request_id]
-                ids = self._request_ids[submission.key]
-                ids.remove(output.request_id)
-                if not ids:
-                    del self._request_ids[submission.key]
-            deliveries.append((submission, index, output))
-        return deliveries
-
-    def _fail_all(self, error: BaseException) -> None:
-        submissions = {submission for submission, _, _ in self._requests.values()}
-        self._requests.clear()
-        self._request_ids.clear()
-        if submissions:
-            self._loop.call_soon_threadsafe(_fail, submissions, error)
+        submission.request_ids = request_ids
+        self._loop.call_soon_threadsafe(self._accepted, submission, stream, arrival, accepted)
 
     def _reject_until_stopped(self) -> None:
         while (command := self._commands.get())[0] != "stop":
@@ -249,15 +256,6 @@ class AsyncEngine:
     def _reject(self, command) -> None:
         if command[0] == "add":  # nothing will run it
             self._loop.call_soon_threadsafe(_resolve, command[5], EngineDeadError("the engine is not running"))
-
-def _deliver(deliveries: list[tuple[Submission, int, RequestOutput]]) -> None:
-    for submission, index, output in deliveries:
-        submission.deliver(index, output)
-
-
-def _fail(submissions, error: BaseException) -> None:
-    for submission in submissions:
-        submission.fail(error)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

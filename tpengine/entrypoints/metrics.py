@@ -1,4 +1,5 @@
-"""Prometheus metrics under vLLM's names with the prefix `tpengine:`, recorded on the engine thread."""
+"""Prometheus metrics under vLLM's names with the prefix `tpengine:`: the engine's state recorded on its thread,
+requests' outputs on the event loop."""
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
