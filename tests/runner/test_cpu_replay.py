@@ -8,6 +8,7 @@ from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tests.runner import test_cuda_graphs as cuda_graph_tests
 from tpengine import LLM
 from tpengine.attention.metadata import AttentionMetadata
+from tpengine.kernels.cpu import op_replay
 from tpengine.runner.cpu_replay import DecodeCpuReplays
 
 VOCAB = TP_MODEL["vocab_size"]
@@ -15,7 +16,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CP
 
 
 def count_replayed_rows(runner) -> list[int]:
-    """The rows of every decode step from now on that a replay ran (not the recording step of its bucket)."""
+    """The rows of every decode step from now on that a replay ran (not the recording step of its bucket); each
+    replay calls its ops from C++ where that is built."""
     rows = []
     replays = runner.cpu_replays
     if replays is None:
@@ -23,7 +25,9 @@ def count_replayed_rows(runner) -> list[int]:
     run = replays.run
 
     def counted(input_ids, *rest):
-        if replays.replays.get(input_ids.size(0)) is not None:
+        replay = replays.replays.get(input_ids.size(0))
+        if replay is not None:
+            assert replay.program is not None or not op_replay.available(), "a replay calls its ops from Python"
             rows.append(input_ids.size(0))
         return run(input_ids, *rest)
 
@@ -96,6 +100,41 @@ def test_a_forward_that_reads_a_value_into_python_stays_eager():
     assert torch.equal(step(replays, [3, 5]), torch.full((2, 4), 1.0))
     assert replays.replays[2] is None and not replays.can_run(2, 1)
     assert replays.can_run(3, 1)  # another bucket is recorded on its own
+
+
+class Promotes(nn.Module):
+    """Ops whose boxed calls need care: numbers where a tensor is taken (wrapped numbers, which type promotion
+    treats as Python scalars: an int64 tensor + 2.5 is float32, not float64), a split into a list, a memory
+    format, an in-place op."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 3), requires_grad=False)
+
+    def forward(self, input_ids, positions, meta):
+        rows = nn.functional.embedding(input_ids, self.weight).to(torch.float16) * 2.5
+        first, last = rows.split([2, 1], dim=1)
+        last = last.clone(memory_format=torch.contiguous_format)
+        last.add_(1)
+        return first.float() * last.float() + (positions + 2.5).unsqueeze(1)
+
+
+@pytest.mark.parametrize("model", [Plain, Promotes])
+def test_ops_called_from_cpp_compute_what_python_calls_do(model):
+    model = model()
+    replays = DecodeCpuReplays(model, max_num_rows=4, max_num_blocks_per_seq=1, block_size=16)
+    step(replays, [1, 2, 3])  # recorded
+    replay = replays.replays[3]
+    assert replay is not None and (replay.program is not None or not op_replay.available())
+    program = replay.program
+    for ids in ([7, 0, 5], [2, 2, 9]):
+        expected = model(torch.tensor(ids), torch.arange(3) + ids[0], None)
+        replay.program = None  # the ops called from Python
+        from_python = step(replays, ids)
+        replay.program = program
+        from_cpp = step(replays, ids)
+        assert expected.dtype == from_python.dtype == from_cpp.dtype == torch.float32
+        assert torch.equal(from_cpp, expected) and torch.equal(from_python, expected)
 
 
 def test_a_replay_computes_from_this_steps_inputs():

@@ -5,7 +5,9 @@ At small batches a CPU decode forward's Python (module calls, attribute reads, c
 runs its forward under a recorder (a TorchDispatchMode) that keeps every op the forward dispatched with its
 arguments; later steps of the bucket copy their inputs into the same static buffers and call those ops again, in
 order, each op's outputs standing in for the recorded ones in the arguments of the ops after it. What CUDA graphs
-do on a GPU, without a graph: the ops still run one by one, but none of the model's Python does.
+do on a GPU, without a graph: the ops still run one by one, but none of the model's Python does. The ops are called
+from C++ (kernels/cpu/op_replay.cpp: their boxed arguments converted once, at the recording, and the GIL released
+for the whole forward), or from Python where that is not built.
 
 A recording is only as good as the forward is a fixed function of its input tensors. So a bucket is replayed only
 when every op the forward dispatched is one that computes from tensors alone (RECORDABLE: tpengine's own ops and
@@ -21,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpengine.attention.metadata import AttentionMetadata
+from tpengine.kernels.cpu import op_replay
 
 logger = logging.getLogger("tpengine")
 
@@ -68,7 +71,7 @@ class _Replay:
         # id of a recorded output -> its slot, a new one for every output (an op may return its input: to(),
         # flatten() of a vector); the recorded tensors live until this returns, so no id is reused
         slot_of, self.num_slots = {}, 0
-        self.ops = []
+        self.ops, recorded = [], []
         for op, args, kwargs, outputs in calls:
             if op is torch.ops.aten.detach.default:  # only autograd tells a detached tensor from its source
                 if id(args[0]) in slot_of:
@@ -95,11 +98,15 @@ class _Replay:
                     output_slots.append(None)
             # OpOverload's C++ callable: its __call__ only forwards to it
             self.ops.append((getattr(op, "_op", op), template, slots, output_slots, several, kwargs))
+            recorded.append((op, template, kwargs, slots, output_slots))
         if id(result) not in slot_of:
             raise _NotReplayable("the forward's result is no op's output")
         self.result_slot = slot_of[id(result)]
+        self.program = _program(recorded) if op_replay.available() else None
 
     def run(self) -> torch.Tensor:
+        if self.program is not None:
+            return self.program.run(self.result_slot)
         values = [None] * self.num_slots
         for op, template, slots, output_slots, several, kwargs in self.ops:
             args = template
@@ -115,6 +122,47 @@ class _Replay:
             elif output_slots[0] is not None:
                 values[output_slots[0]] = outputs
         return values[self.result_slot]
+
+
+# A boxed call takes these as ints (c10's MemoryFormat and Layout enums); Python's conversion has no rule for them
+_ENUM_VALUES = {torch.contiguous_format: 0, torch.preserve_format: 1, torch.channels_last: 2,
+                torch.channels_last_3d: 3, torch.strided: 0, torch.sparse_coo: 1}
+
+
+def _boxable(argument):
+    # what Python's conversion to a boxed argument can type: lists for tuples, ints for enums, a marker for []
+    if isinstance(argument, (torch.memory_format, torch.layout)):
+        return _ENUM_VALUES[argument]
+    if isinstance(argument, (list, tuple)):
+        return [_boxable(a) for a in argument] if argument else op_replay.EMPTY_LIST
+    return argument
+
+
+def _program(recorded: list):
+    """The recorded ops as an OpReplay (kernels/cpu/op_replay.py), called from C++; None (with a log line) where
+    an argument does not convert, so the ops are called from Python."""
+    program = op_replay.new_program()
+    try:
+        for op, template, kwargs, slots, output_slots in recorded:
+            schema = op._schema
+            arguments = []  # every argument in the schema's order, as a boxed call takes them
+            for position, argument in enumerate(schema.arguments):
+                if position < len(template):
+                    arguments.append(template[position])
+                elif argument.name in kwargs:
+                    arguments.append(kwargs[argument.name])
+                else:
+                    assert argument.has_default_value(), f"{op} was called without its argument {argument.name}"
+                    arguments.append(argument.default_value)
+            arguments = [_boxable(argument) for argument in arguments]
+            returns_list = len(schema.returns) == 1 and str(schema.returns[0].type) == "List[Tensor]"
+            outputs = [-1 if s is None else s for s in output_slots] if schema.returns else []
+            program.add(schema.name, schema.overload_name or "default", arguments, [p for p, _ in slots],
+                        [s for _, s in slots], outputs, returns_list)
+    except RuntimeError as error:
+        logger.info("replayed ops are called from Python: %s", error)
+        return None
+    return program
 
 
 class _NotReplayable(Exception):
