@@ -7,6 +7,7 @@ feature flags as well as by the source, the torch version and the compiler.
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -93,3 +94,14 @@ def build_and_load(source_name: str, extra_flags: tuple[str, ...] = ()) -> None:
             if not os.path.exists(library):
                 _build(compiler, source, folder, library, extra_flags)
     torch.ops.load_library(library)
+
+
+def build_and_load_or_warn(source_name: str, instead: str, extra_flags: tuple[str, ...] = ()) -> bool:
+    """build_and_load(); False where it fails (no compiler, a failed build, an unwritable cache folder), with a
+    warning that says what runs instead."""
+    try:
+        build_and_load(source_name, extra_flags)
+    except (RuntimeError, OSError) as error:
+        logging.getLogger("tpengine").warning("could not build %s (%s): %s", source_name, error, instead)
+        return False
+    return True

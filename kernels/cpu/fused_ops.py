@@ -6,13 +6,10 @@ rounds. Callers ask `available()` first: without a compiler the CPU platform (tp
 runs the torch code, which computes the same values.
 """
 import functools
-import logging
 
 import torch
 
-from tpengine.kernels.cpu.build import build_and_load
-
-logger = logging.getLogger("tpengine")
+from tpengine.kernels.cpu.build import build_and_load, build_and_load_or_warn
 
 # transformers rounds each product and sum of these ops on its own: no FMA may merge them
 EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -28,12 +25,7 @@ def load() -> None:
 @functools.cache
 def available() -> bool:
     """Whether the ops are built and loaded here; the first failure is logged once."""
-    try:
-        load()
-    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
-        logger.warning("could not build the fused CPU ops (%s): the CPU runs their torch code", error)
-        return False
-    return True
+    return build_and_load_or_warn("fused_ops.cpp", "the CPU runs their torch code", EXTRA_FLAGS)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,10 @@
 as the class `torch.classes.tpengine_op_replay.OpReplay`: a replayed decode forward (tpengine/runner/cpu_replay.py)
 without a Python call per op. Without a compiler the replay calls its ops from Python."""
 import functools
-import logging
 
 import torch
 
-from tpengine.kernels.cpu.build import build_and_load
-
-logger = logging.getLogger("tpengine")
+from tpengine.kernels.cpu.build import build_and_load_or_warn
 
 EMPTY_LIST = "<empty list>"  # an argument [] (op_replay.cpp's kEmptyList): the op's schema types it
 
@@ -16,12 +13,7 @@ EMPTY_LIST = "<empty list>"  # an argument [] (op_replay.cpp's kEmptyList): the 
 @functools.cache
 def available() -> bool:
     """Whether the class is built and loaded here; the first failure is logged once."""
-    try:
-        build_and_load("op_replay.cpp")
-    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
-        logger.warning("could not build the CPU op replay (%s): replayed ops are called from Python", error)
-        return False
-    return True
+    return build_and_load_or_warn("op_replay.cpp", "replayed ops are called from Python")
 
 
 def new_program():

@@ -12,15 +12,12 @@ int4 0.5 + 5 / group; per output channel the scales are negligible: int8 1.0 (0.
 128: int8 1.04 (0.52x), int4 0.54 (0.27x); groups of 32: int4 0.66 (0.33x).
 """
 import functools
-import logging
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from tpengine.kernels.cpu.build import build_and_load
-
-logger = logging.getLogger("tpengine")
+from tpengine.kernels.cpu.build import build_and_load, build_and_load_or_warn
 
 BLOCK_OUT = 8  # output features per packed block (quant_linear.cpp)
 STEP_INPUTS = 4  # inputs of each output in one 32-byte step
@@ -56,12 +53,7 @@ def load() -> None:
 @functools.cache
 def available() -> bool:
     """Whether the ops build and load here; the first failure is logged once."""
-    try:
-        load()
-    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
-        logger.warning("could not build the quantized CPU linear (%s)", error)
-        return False
-    return True
+    return build_and_load_or_warn("quant_linear.cpp", "no quantized linear runs on this CPU", EXTRA_FLAGS)
 
 
 def _check(qweight, scales, zeros, bits, group_size, activation) -> int:

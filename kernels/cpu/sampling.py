@@ -8,13 +8,10 @@ slices taken in order; temperature 0 is the first index of the maximum; -1 where
 finite maximum.
 """
 import functools
-import logging
 
 import torch
 
-from tpengine.kernels.cpu.build import build_and_load
-
-logger = logging.getLogger("tpengine")
+from tpengine.kernels.cpu.build import build_and_load_or_warn
 
 STATS = 3  # per row and slice: maximum, sum of exp((x - maximum) / t), first index of the maximum
 BLOCK = 256  # entries per block sum (sampling.cpp's kBlock)
@@ -23,12 +20,7 @@ BLOCK = 256  # entries per block sum (sampling.cpp's kBlock)
 @functools.cache
 def available() -> bool:
     """Whether the ops are built and loaded here; the first failure is logged once."""
-    try:
-        build_and_load("sampling.cpp")
-    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
-        logger.warning("could not build the CPU sampling kernel (%s): the CPU samples with torch", error)
-        return False
-    return True
+    return build_and_load_or_warn("sampling.cpp", "the CPU samples with torch")
 
 
 def slice_stats(logits: torch.Tensor, temperatures: torch.Tensor, bitmask: torch.Tensor | None = None,

@@ -2,24 +2,16 @@
 kernels/cpu/build.py and loaded as `torch.ops.tpengine_token_bitmask.apply_token_bitmask`: a row's logit
 becomes -inf where its mask bit (xgrammar's layout, 32 tokens a word) is 0, whole words skipped or filled."""
 import functools
-import logging
 
 import torch
 
-from tpengine.kernels.cpu.build import build_and_load
-
-logger = logging.getLogger("tpengine")
+from tpengine.kernels.cpu.build import build_and_load_or_warn
 
 
 @functools.cache
 def available() -> bool:
     """Whether the op is built and loaded here; the first failure is logged once."""
-    try:
-        build_and_load("token_bitmask.cpp")
-    except (RuntimeError, OSError) as error:  # no compiler, a failed build, an unwritable cache folder
-        logger.warning("could not build the CPU token-mask kernel (%s): masks are applied by xgrammar's", error)
-        return False
-    return True
+    return build_and_load_or_warn("token_bitmask.cpp", "masks are applied by xgrammar's")
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
