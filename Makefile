@@ -31,6 +31,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -c "from tpengine.kernels.cpu.sampling import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.token_bitmask import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.quant_linear import available; available()"
+	$(BIN)/python -c "from tpengine.kernels.cpu.op_replay import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.shm_allreduce import load; load()" \
 		|| echo "could not build the CPU all-reduce kernel: CPU ranks on one host will all-reduce through gloo"
 	touch $(STAMP)
