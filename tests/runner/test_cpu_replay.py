@@ -153,3 +153,13 @@ def test_replayed_decode_at_tp_2_equals_transformers(tiny_model):
     tokens, rows = greedy_tokens(tiny_model, prompts, [10, 7, 4], kvcache_block_size=16, tensor_parallel_size=2)
     assert set(rows) == {1, 2, 3}
     assert tokens == [ref[:n] for ref, n in zip(hf_greedy(tiny_model, prompts, 10), [10, 7, 4])]
+
+
+def test_gemma_decode_is_replayed_and_equals_transformers():
+    # Gemma's GELU-and-mul splits its packed gate and up with chunk(): a view op like split, so its steps replay too
+    from tests.models.test_gemma import gemma_checkpoint
+    path = gemma_checkpoint("gemma2")
+    prompts = random_prompts(34, [5, 21], 256)
+    tokens, rows = greedy_tokens(path, prompts, [8, 5], kvcache_block_size=16)
+    assert set(rows) == {1, 2}
+    assert tokens == [ref[:n] for ref, n in zip(hf_greedy(path, prompts, 8), [8, 5])]

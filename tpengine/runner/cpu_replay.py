@@ -32,10 +32,10 @@ logger = logging.getLogger("tpengine")
 RECORDABLE_NAMESPACES = ("tpengine_", "mkldnn")
 RECORDABLE_ATEN = frozenset({
     "empty", "empty_like", "zeros", "zeros_like", "detach", "alias", "view", "_unsafe_view", "reshape", "flatten",
-    "split", "split_with_sizes", "slice", "select", "narrow", "unsqueeze", "squeeze", "t", "transpose", "permute",
-    "expand", "contiguous", "clone", "copy_", "to", "_to_copy", "cat", "stack", "add", "add_", "sub", "mul", "mul_",
-    "div", "neg", "tanh", "exp", "rsqrt", "pow", "mean", "silu", "gelu", "linear", "addmm", "mm", "matmul", "bmm",
-    "embedding", "index_select", "fill_", "zero_",
+    "split", "split_with_sizes", "chunk", "slice", "select", "narrow", "unsqueeze", "squeeze", "t", "transpose",
+    "permute", "expand", "contiguous", "clone", "copy_", "to", "_to_copy", "cat", "stack", "add", "add_", "sub", "mul",
+    "mul_", "div", "neg", "tanh", "exp", "rsqrt", "pow", "mean", "silu", "gelu", "linear", "addmm", "mm", "matmul",
+    "bmm", "embedding", "index_select", "fill_", "zero_",
     # masks computed and applied elementwise (a vocabulary-parallel embedding's rows of other ranks); never a mask
     # that picks elements (nonzero, masked_select, boolean indexing: their shapes come from the values)
     "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not",
