@@ -49,7 +49,8 @@ struct OpReplay : torch::CustomClassHolder {
   void add(const std::string& name, const std::string& overload, c10::List<c10::IValue> arguments,
            std::vector<int64_t> input_positions, std::vector<int64_t> input_slots, std::vector<int64_t> output_slots,
            bool returns_list) {
-    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload == "default" ? "" : overload.c_str());
+    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(),
+                                                                 overload == "default" ? "" : overload.c_str());
     TORCH_CHECK(arguments.size() == handle.schema().arguments().size(), name, ": ", arguments.size(),
                 " arguments for a schema of ", handle.schema().arguments().size());
     TORCH_CHECK(input_positions.size() == input_slots.size(), "one slot per input position");
@@ -82,27 +83,63 @@ struct OpReplay : torch::CustomClassHolder {
     ops.push_back(std::move(recorded));
   }
 
-  at::Tensor run(int64_t result_slot) {
-    TORCH_CHECK(result_slot >= 0 && result_slot < num_slots, "no such slot");
-    std::vector<c10::IValue> values(num_slots);
+  // A run in parts, for host calls between ops (a collective's Python): start(), run_ops(n) to run the ops up to
+  // the n-th, value(slot) for a host call's tensor, finish(result_slot) to run the rest. run() is all of it.
+  void start() {
+    values_.assign(num_slots, c10::IValue());
+    next_ = 0;
+  }
+
+  void run_ops(int64_t end) {
+    TORCH_CHECK(static_cast<size_t>(end) >= next_ && static_cast<size_t>(end) <= ops.size(), "ops ", next_,
+                " to ", end, " of ", ops.size());
     torch::jit::Stack stack;
-    for (const RecordedOp& recorded : ops) {
+    for (; next_ < static_cast<size_t>(end); ++next_) {
+      const RecordedOp& recorded = ops[next_];
       stack.assign(recorded.arguments.begin(), recorded.arguments.end());
-      for (const auto& [position, slot] : recorded.inputs) stack[position] = values[slot];
+      for (const auto& [position, slot] : recorded.inputs) stack[position] = values_[slot];
       recorded.op.callBoxed(stack);
       if (recorded.returns_list) {
         auto tensors = stack.at(0).toTensorList();
         TORCH_CHECK(tensors.size() == recorded.outputs.size(), "a returned list of another length than recorded");
         for (size_t i = 0; i < tensors.size(); ++i)
-          if (recorded.outputs[i] >= 0) values[recorded.outputs[i]] = tensors.get(i);
+          if (recorded.outputs[i] >= 0) values_[recorded.outputs[i]] = tensors.get(i);
       } else {
         TORCH_CHECK(stack.size() == recorded.outputs.size(), "another number of outputs than recorded");
         for (size_t i = 0; i < stack.size(); ++i)
-          if (recorded.outputs[i] >= 0) values[recorded.outputs[i]] = std::move(stack[i]);
+          if (recorded.outputs[i] >= 0) values_[recorded.outputs[i]] = std::move(stack[i]);
       }
     }
-    return values[result_slot].toTensor();
   }
+
+  // run_ops(end), then value(slot): a host call's tensor in one call from Python
+  at::Tensor run_to(int64_t end, int64_t slot) {
+    run_ops(end);
+    return value(slot);
+  }
+
+  at::Tensor value(int64_t slot) {
+    TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(values_.size()) && values_[slot].isTensor(),
+                "slot ", slot, " holds no tensor yet");
+    return values_[slot].toTensor();
+  }
+
+  at::Tensor finish(int64_t result_slot) {
+    TORCH_CHECK(result_slot >= 0 && result_slot < num_slots, "no such slot");
+    run_ops(static_cast<int64_t>(ops.size()));
+    at::Tensor result = values_[result_slot].toTensor();
+    values_.clear();  // the intermediate tensors go now, not at the next run
+    return result;
+  }
+
+  at::Tensor run(int64_t result_slot) {
+    start();
+    return finish(result_slot);
+  }
+
+ private:
+  std::vector<c10::IValue> values_;
+  size_t next_ = 0;
 };
 
 }  // namespace
@@ -111,5 +148,10 @@ TORCH_LIBRARY(tpengine_op_replay, m) {
   m.class_<OpReplay>("OpReplay")
       .def(torch::init<>())
       .def("add", &OpReplay::add)
+      .def("start", &OpReplay::start)
+      .def("run_ops", &OpReplay::run_ops)
+      .def("value", &OpReplay::value)
+      .def("run_to", &OpReplay::run_to)
+      .def("finish", &OpReplay::finish)
       .def("run", &OpReplay::run);
 }

@@ -3,6 +3,7 @@ a bucket whose forward the recording cannot hold left eager."""
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tests.runner import test_cuda_graphs as cuda_graph_tests
@@ -135,6 +136,40 @@ def test_ops_called_from_cpp_compute_what_python_calls_do(model):
         from_cpp = step(replays, ids)
         assert expected.dtype == from_python.dtype == from_cpp.dtype == torch.float32
         assert torch.equal(from_cpp, expected) and torch.equal(from_python, expected)
+
+
+class CallsTheHost(nn.Module):
+    """A forward with a host call in the middle, made as parallel_state.py makes its all-reduce: Python that runs
+    at every replay (here it scales by a count of its calls, in place), between the ops before and after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 3), requires_grad=False)
+        self.num_calls = 0
+
+    def scale(self, tensor):
+        self.num_calls += 1
+        tensor.mul_(self.num_calls)
+
+    def forward(self, input_ids, positions, meta):
+        rows = nn.functional.embedding(input_ids, self.weight) * 2
+        record = getattr(_get_current_dispatch_mode(), "record_host_call", None)
+        record(self.scale, rows) if record is not None else self.scale(rows)
+        return rows + 1
+
+
+def test_a_host_call_runs_again_at_every_replay_from_cpp_and_from_python():
+    model = CallsTheHost()
+    replays = DecodeCpuReplays(model, max_num_rows=4, max_num_blocks_per_seq=1, block_size=16)
+    step(replays, [1, 2, 3])  # recorded: the call ran once
+    replay = replays.replays[3]
+    assert replay is not None and (replay.program is not None or not op_replay.available())
+    program = replay.program
+    for k, (ids, from_cpp) in enumerate([([7, 0, 5], True), ([2, 2, 9], False), ([4, 1, 1], True)], start=2):
+        replay.program = program if from_cpp else None
+        expected = model.weight[torch.tensor(ids)] * 2 * k + 1
+        assert torch.equal(step(replays, ids), expected)
+    assert model.num_calls == 4
 
 
 def test_a_replay_computes_from_this_steps_inputs():

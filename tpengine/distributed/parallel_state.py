@@ -5,18 +5,17 @@ store and port, never `torch.distributed`'s global default group, so engines of 
 side by side in one process. Layers read the group they are built under (`building_model_for`)
 and call only the collectives below: this is the one seam a faster all-reduce plugs into.
 """
-import itertools
 import logging
 import os
 import socket
 import threading
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 logger = logging.getLogger("tpengine")
 
@@ -41,20 +40,6 @@ def _all_reduce_min(process_group: dist.ProcessGroup, value: int, device: torch.
     return int(t.item())
 
 
-# Multi-rank groups by key, for the all-reduce op below
-_GROUPS: "weakref.WeakValueDictionary[int, TensorParallelGroup]" = weakref.WeakValueDictionary()
-_GROUP_KEYS = itertools.count()
-
-
-# A group's all-reduce as one dispatched op, tpengine_tp::all_reduce: what a recorded CPU decode forward
-# (runner/cpu_replay.py) keeps and calls again, where the shared-memory all-reduce's own Python (its sequence
-# numbers, its waits) must run every time.
-_OPS = torch.library.Library("tpengine_tp", "DEF")
-_OPS.define("all_reduce(Tensor(a!) tensor, int group_key) -> ()")
-_OPS.impl("all_reduce", lambda tensor, group_key: _GROUPS[group_key].all_reduce_now(tensor),
-          "CompositeExplicitAutograd")
-
-
 class TensorParallelGroup:
     """This rank's place in its engine's group; size 1 needs no torch.distributed at all."""
 
@@ -64,18 +49,19 @@ class TensorParallelGroup:
         self.size = size
         self.process_group = process_group
         self.shm_all_reduce = None  # a ShmAllReduce when every rank is a CPU process on one host
-        self.key = next(_GROUP_KEYS)
-        if size > 1:
-            _GROUPS[self.key] = self
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum tensor over the ranks, in place: through shared memory where it can, else the process group."""
         if self.size == 1:
             return
-        if torch._C._len_torch_dispatch_stack():  # a forward being recorded: the all-reduce is one op in it
-            torch.ops.tpengine_tp.all_reduce(tensor, self.key)
-        else:
-            self.all_reduce_now(tensor)
+        if torch._C._len_torch_dispatch_stack():
+            # a forward being recorded (runner/cpu_replay.py): the recording keeps this call, whose Python (the
+            # shared-memory sequence numbers, the waits on peers) must run again at every replay
+            record = getattr(_get_current_dispatch_mode(), "record_host_call", None)
+            if record is not None:
+                record(self.all_reduce_now, tensor)
+                return
+        self.all_reduce_now(tensor)
 
     def all_reduce_now(self, tensor: torch.Tensor) -> None:
         if self.shm_all_reduce is not None and self.shm_all_reduce.supports(tensor):

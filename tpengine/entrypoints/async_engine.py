@@ -109,7 +109,8 @@ class AsyncEngine:
         another only the final ones (the engine then does no per-step work for it)."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        submission = Submission(self, next(self._keys), len(prompts), delta=params.output_kind == RequestOutputKind.DELTA)
+        submission = Submission(self, next(self._keys), len(prompts),
+                                delta=params.output_kind == RequestOutputKind.DELTA)
         accepted = self._loop.create_future()
         self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic()))
         try:

@@ -15,12 +15,13 @@ aten's views, allocations and arithmetic; no op that hands a value back to Pytho
 eager. What the recorder cannot see, Python reading a tensor's values without an op (`tolist()`), the caller rules
 out: replays run on one pipeline stage, for models without experts (their routing groups tokens in Python), with an
 attention backend whose decode reads only tensors. At tp > 1 every rank records and replays the same steps, and
-the all-reduce is recorded as one op (parallel_state.py) whose Python runs again at each replay.
+the all-reduce is recorded as a host call (parallel_state.py) whose Python runs again at each replay, between the
+ops before and after it.
 """
 import logging
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.kernels.cpu import op_replay
@@ -49,11 +50,12 @@ def recordable(op) -> bool:
 
 
 class _Recorder(TorchDispatchMode):
-    """Every op dispatched inside it, with its arguments and outputs, in order."""
+    """Every op dispatched inside it, with its arguments and outputs, in order; and the host calls made in it."""
 
     def __init__(self):
         super().__init__()
         self.calls = []
+        self.host_calls = []  # (how many ops came before it, fn, the tensor it takes)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -61,18 +63,29 @@ class _Recorder(TorchDispatchMode):
         self.calls.append((op, args, kwargs, outputs))
         return outputs
 
+    def record_host_call(self, fn, tensor: torch.Tensor) -> None:
+        """Call fn(tensor) now, outside the recording, and again at each replay with that replay's tensor in its
+        place: a collective whose Python (parallel_state.py's all-reduce) must run every time."""
+        with _pop_mode_temporarily():
+            fn(tensor)
+        self.host_calls.append((len(self.calls), fn, tensor))
+
 
 class _Replay:
     """A recorded forward as a list of ops: each op's arguments with the tensors earlier ops produced left as slots
     that the replay fills with this run's outputs; every other argument (weights, caches, static buffers) as
     recorded."""
 
-    def __init__(self, calls: list, result: torch.Tensor):
+    def __init__(self, calls: list, host_calls: list, result: torch.Tensor):
         # id of a recorded output -> its slot, a new one for every output (an op may return its input: to(),
         # flatten() of a vector); the recorded tensors live until this returns, so no id is reused
         slot_of, self.num_slots = {}, 0
         self.ops, recorded = [], []
-        for op, args, kwargs, outputs in calls:
+        # per host call: how many ops of self.ops / of the program run before it, the call, its tensor's slot
+        self.host_calls, pending = [], list(reversed(host_calls))
+        for index, (op, args, kwargs, outputs) in enumerate(calls):
+            while pending and pending[-1][0] == index:
+                self._add_host_call(pending.pop(), slot_of, len(recorded))
             if op is torch.ops.aten.detach.default:  # only autograd tells a detached tensor from its source
                 if id(args[0]) in slot_of:
                     slot_of[id(outputs)] = slot_of[id(args[0])]
@@ -99,16 +112,34 @@ class _Replay:
             # OpOverload's C++ callable: its __call__ only forwards to it
             self.ops.append((getattr(op, "_op", op), template, slots, output_slots, several, kwargs))
             recorded.append((op, template, kwargs, slots, output_slots))
+        for host_call in reversed(pending):  # after the last op
+            self._add_host_call(host_call, slot_of, len(recorded))
         if id(result) not in slot_of:
             raise _NotReplayable("the forward's result is no op's output")
         self.result_slot = slot_of[id(result)]
         self.program = _program(recorded) if op_replay.available() else None
 
+    def _add_host_call(self, host_call, slot_of: dict, num_program_ops: int) -> None:
+        _, fn, tensor = host_call
+        if id(tensor) not in slot_of:
+            raise _NotReplayable(f"a host call ({fn.__qualname__}) takes a tensor no op computed")
+        self.host_calls.append((num_program_ops, fn, slot_of[id(tensor)]))
+        self.ops.append((None, fn, slot_of[id(tensor)], None, None, None))
+
     def run(self) -> torch.Tensor:
-        if self.program is not None:
-            return self.program.run(self.result_slot)
+        program = self.program
+        if program is not None:
+            if not self.host_calls:
+                return program.run(self.result_slot)
+            program.start()
+            for num_ops, fn, slot in self.host_calls:
+                fn(program.run_to(num_ops, slot))
+            return program.finish(self.result_slot)
         values = [None] * self.num_slots
         for op, template, slots, output_slots, several, kwargs in self.ops:
+            if op is None:  # a host call: template is its function, slots its tensor's slot
+                template(values[slots])
+                continue
             args = template
             if slots:
                 args = template.copy()
@@ -210,7 +241,7 @@ class DecodeCpuReplays:
             unrecordable = sorted({str(op) for op, *_ in recorder.calls if not recordable(op)})
             if unrecordable:
                 raise _NotReplayable(f"ops that may read values into Python: {', '.join(unrecordable)}")
-            self.replays[n] = _Replay(recorder.calls, hidden_states)
+            self.replays[n] = _Replay(recorder.calls, recorder.host_calls, hidden_states)
         except _NotReplayable as reason:
             logger.info("decode steps of %d rows run eagerly: %s", n, reason)
             self.replays[n] = None

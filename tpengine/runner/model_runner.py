@@ -155,7 +155,7 @@ class ModelRunner:
         self.cpu_replays = None
         # what a recording cannot see rules a replay out: pipeline stages (their sends), experts' routing in
         # Python, a drafter between the steps, a decode that reads host lists (cpu_replay.py); the tensor-parallel
-        # all-reduce is one op it keeps (parallel_state.py)
+        # all-reduce is a host call it keeps (parallel_state.py)
         if (self.device.type == "cpu" and not config.enforce_eager and pipeline.size == 1
                 and spec is None and self.attention_backend.decode_reads_only_tensors
                 and not any(isinstance(module, FusedMoE) for module in self.model.modules())):
