@@ -10,7 +10,8 @@ Models (random weights, written once and cached in ~/.cache/tpengine-bench/, or 
 Formats: LLM(model, dtype=...) for float32 and bfloat16; LLM(model, dtype=--quantized-dtype, quantization="int8" |
 "int4", quantization_group_size=--group-size) for int8 (one scale per output channel) and int4 (groups of 128),
 the LM head (and the tied embedding) quantized too. A half dtype this CPU has no instructions for runs as float32
-(the "runs in" column says so): without AVX512-BF16, "bfloat16" is float32 weights.
+(the "runs in" column says so): without AVX512-BF16, "bfloat16" is float32 activations on bfloat16 linear weights
+(AVX2 CPUs) or float32 weights (others).
 
 Each round loads every format in turn into a fresh engine (one at a time, so a 0.6B model's four copies never
 share the memory) and measures, in this order:
@@ -141,17 +142,14 @@ def memory_bytes(device: str) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and of every packed form (attributes named packed_*) the model's layers hold,
-    each tensor counted once (a tied head's packed weight may be its embedding's)."""
-    seen, total = set(), 0
+def weight_tensors(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The parameters and every packed form (attributes named packed_*) the model's layers hold, each tensor once
+    (a tied head's packed weight may be its embedding's), by id."""
+    tensors = {}
 
     def add(value) -> None:
-        nonlocal total
         if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                seen.add(id(value))
-                total += value.numel() * value.element_size()
+            tensors[id(value)] = value
         elif isinstance(value, (tuple, list)):  # NamedTuples of tensors, lists of packed experts
             for item in value:
                 add(item)
@@ -162,7 +160,11 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
         for name, value in vars(module).items():
             if name.startswith("packed"):
                 add(value)
-    return total
+    return tensors
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in weight_tensors(model).values())
 
 
 def generate_seconds(llm, prompts: list[list[int]], output_len: int) -> float:
@@ -198,7 +200,11 @@ def measure_format(model_path: str, fmt: str, args, agreement_prompts, enforce_e
               **engine_kwargs(fmt, args))
     try:
         runner = llm.executor.runner
-        result = dict(runs_in=str(runner.dtype).removeprefix("torch."),
+        # a float model's linear weights kept in another dtype (bfloat16 where the CPU computes float32)
+        kept = runner.weight_dtype is not None and any(t.dtype == runner.weight_dtype and t.numel()
+                                                       for t in weight_tensors(runner.model).values())
+        weights = f", {str(runner.weight_dtype).removeprefix('torch.')} weights" if kept else ""
+        result = dict(runs_in=str(runner.dtype).removeprefix("torch.") + weights,
                       weight_bytes=resident_weight_bytes(runner.model),
                       rss_growth=memory_bytes(args.device) - memory_before,
                       step_ms={b: decode_step_ms(llm, rng, b, args) for b in args.batch_sizes})

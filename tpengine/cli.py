@@ -133,7 +133,8 @@ def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> N
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
-                             "dtype the CPU has no instructions for runs as float32")
+                             "dtype the CPU has no instructions for runs as float32 (bfloat16 keeping its linear "
+                             "weights in bfloat16 on AVX2 CPUs)")
     parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
     parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,

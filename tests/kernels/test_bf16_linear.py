@@ -1,13 +1,17 @@
-"""The AVX512-BF16 linear: float32-accumulated products of bfloat16 rows against a block-packed weight, rounded
-once, for any number of rows, output features that fill no whole block, bias or none, and strided inputs."""
+"""The bfloat16 linear: float32-accumulated products of bfloat16 rows (AVX512-BF16) or of float32 rows (AVX2) against
+a block-packed bfloat16 weight, for any number of rows, output features that fill no whole block, bias or none, and
+strided inputs; and the rows of a packed table, as an embedding reads them."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.conftest import relative_error
-from tpengine.kernels.cpu.bf16_linear import available, bf16_linear, pack_weight
+from tpengine.kernels.cpu.bf16_linear import available, bf16_linear, float_rows_available, pack_weight, packed_rows
 
-pytestmark = pytest.mark.skipif(not available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler)")
+needs_bf16_rows = pytest.mark.skipif(not available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler)")
+needs_float_rows = pytest.mark.skipif(not float_rows_available(), reason="this CPU has no AVX2 and FMA (or no compiler)")
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64, 300]
+SHAPES = [(64, 32), (200, 96), (1003, 64), (40, 30)]
 
 
 def reference(x, weight, bias):
@@ -15,8 +19,9 @@ def reference(x, weight, bias):
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
-@pytest.mark.parametrize("out_features, in_features", [(64, 32), (200, 96), (1003, 64), (40, 30)])
+@needs_bf16_rows
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_float32_product_rounded_once(rows, out_features, in_features, with_bias):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
@@ -36,6 +41,7 @@ def test_packing_round_trips_and_pads_the_last_block_with_zeros():
     assert torch.equal(unpacked[:100], weight) and not unpacked[100:].any()
 
 
+@needs_bf16_rows
 def test_takes_strided_and_batched_inputs():
     weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70).bfloat16()
     wide = torch.randn(3, 4, 81).bfloat16()
@@ -45,9 +51,45 @@ def test_takes_strided_and_batched_inputs():
     assert relative_error(out, reference(x, weight, bias)) < 1e-2
 
 
-def test_a_packed_weight_of_another_shape_is_refused():
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_rows),
+                                   pytest.param(torch.float32, marks=needs_float_rows)])
+def test_a_packed_weight_of_another_shape_is_refused(dtype):
     packed = pack_weight(torch.randn(100, 48).bfloat16())
     with pytest.raises(RuntimeError, match="out_features"):
-        bf16_linear(torch.randn(1, 48).bfloat16(), packed, 300)
+        bf16_linear(torch.randn(1, 48, dtype=dtype), packed, 300)
     with pytest.raises(RuntimeError, match="in-features"):
-        bf16_linear(torch.randn(1, 50).bfloat16(), packed, 100)
+        bf16_linear(torch.randn(1, 50, dtype=dtype), packed, 100)
+
+
+@needs_float_rows
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_rows_give_the_float32_product_with_the_bfloat16_weight(rows, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    out = bf16_linear(x, pack_weight(weight), out_features, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    # the weight widens exactly; only float32's summation order differs from the float64 product
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert relative_error(out, reference) < 1e-5
+
+
+@needs_float_rows
+def test_float32_rows_may_be_strided_and_batched():
+    weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70)
+    x = torch.randn(3, 81, 4).transpose(1, 2)[..., 1:41]  # neither contiguous nor aligned rows
+    out = bf16_linear(x, pack_weight(weight), 70, bias)
+    assert out.shape == (3, 4, 70)
+    assert relative_error(out, F.linear(x.double(), weight.double(), bias.double())) < 1e-5
+
+
+@needs_float_rows
+def test_packed_rows_are_the_weight_rows_widened_exactly():
+    weight = torch.randn(130, 48).bfloat16()
+    rows = torch.tensor([0, 63, 64, 129, 5, 5])
+    assert torch.equal(packed_rows(pack_weight(weight), rows), weight[rows].float())
+    with pytest.raises(RuntimeError, match="outside the packed weight's 192 rows"):
+        packed_rows(pack_weight(weight), torch.tensor([192]))

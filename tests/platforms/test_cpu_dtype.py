@@ -1,16 +1,22 @@
 """Half precision on the CPU: bfloat16 runs natively where the CPU has the instructions and agrees with
 transformers in bfloat16; a half dtype the CPU cannot compute fast runs as float32, exactly transformers'
-float32 greedy tokens, with one log line."""
+float32 greedy tokens, with one log line; a bfloat16 model there keeps its linear weights in bfloat16 where
+the CPU has AVX2."""
 import functools
 import logging
+import os
 
 import pytest
 import torch
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
+from tests.runner.test_cpu_replay import count_replayed_rows
 from tpengine import LLM, SamplingParams
-from tpengine.platforms import cpu_dtype
+from tpengine.kernels.cpu import bf16_linear as bf16_kernel
+from tpengine.kernels.cpu.build import cpu_flags
+from tpengine.platforms import cpu, cpu_dtype
 from tpengine.platforms.cpu_dtype import half_precision_problem, resolve_cpu_dtype
+from tpengine.tiny_model import write_tiny_model
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -97,3 +103,76 @@ def test_bfloat16_runs_on_packed_bf16_weights_and_agrees_with_transformers_in_bf
         top = o.outputs[0].logprobs[0]
         gap = max(abs(logprob - ref[token].item()) for token, logprob in top.items())
         assert gap < LOGPROB_TOLERANCE, (top, {t: ref[t].item() for t in top})
+
+
+def _bf16_checkpoint(tmp_path_factory, name: str, **overrides) -> str:
+    """A tiny checkpoint saved in bfloat16, as published ones are: transformers' float32 reading of it is exact."""
+    from safetensors.torch import load_file, save_file
+    path = write_tiny_model(str(tmp_path_factory.mktemp(name)), seed=3, **{**TP_MODEL, **overrides})
+    weights = os.path.join(path, "model.safetensors")
+    save_file({key: value.bfloat16() for key, value in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {"untied": _bf16_checkpoint(tmp_path_factory, "bf16_untied"),
+            "tied": _bf16_checkpoint(tmp_path_factory, "bf16_tied", tie_word_embeddings=True)}
+
+
+def without_bf16_instructions() -> frozenset[str]:
+    return cpu_flags() - set(cpu_dtype.NATIVE_FLAGS[torch.bfloat16])
+
+
+needs_bf16_weights_kernel = pytest.mark.skipif(
+    not {"avx2", "fma"} <= cpu_flags() or not bf16_kernel.float_rows_available(),
+    reason="no AVX2 and FMA (or no C++ compiler): a bfloat16 model's weights run as float32 here")
+
+
+@needs_bf16_weights_kernel
+@pytest.mark.parametrize("tied", ["untied", "tied"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bfloat16_without_its_instructions_keeps_bfloat16_weights_with_transformers_float32_tokens(
+        bf16_checkpoints, tied, tp, monkeypatch, caplog):
+    """A bfloat16 model on a CPU without AVX512-BF16 runs in float32 with its linear weights and embedding table kept
+    in bfloat16: the same numbers as transformers' float32 on the checkpoint's bfloat16 weights, half the bytes."""
+    if tp == 1:  # as on an AVX2 CPU: the same process builds the model
+        monkeypatch.setattr(cpu_dtype, "cpu_flags", without_bf16_instructions)
+        monkeypatch.setattr(cpu_dtype, "onednn_supports", lambda dtype: False)
+    elif resolve_cpu_dtype(torch.bfloat16, log=False) == torch.bfloat16:
+        pytest.skip("the ranks' processes see this CPU's AVX512-BF16: bfloat16 runs natively there")
+    path = bf16_checkpoints[tied]
+    # chunked prefills (48 tokens a step), prefix hits (PROMPTS[:3] again) and blocks of 16
+    prompts = PROMPTS[:8] + PROMPTS[:3]
+    with caplog.at_level(logging.INFO, logger="tpengine"):
+        with LLM(path, dtype="bfloat16", kvcache_block_size=16, tensor_parallel_size=tp, max_num_batched_tokens=48,
+                 max_num_seqs=4) as llm:
+            runner = llm.executor.runner
+            assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.float32
+            assert runner.weight_dtype == torch.bfloat16
+            model = runner.model
+            linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
+            assert linears and all(type(m.packed_weight) is cpu.Bf16Blocks for m in linears)
+            assert all(m.packed_weight.blocks.dtype == torch.bfloat16 and m.weight.numel() == 0 for m in linears)
+            embedding = model.model.embed_tokens
+            assert type(embedding.packed_rows) is cpu.Bf16Blocks and embedding.weight.numel() == 0
+            if tied == "tied":  # one packed table for both
+                assert embedding.packed_rows is model.lm_head.packed_weight
+            replayed = count_replayed_rows(runner)
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            logits = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=1, logprobs=3),
+                                  use_tqdm=False)
+    assert replayed, "the decode steps ran eagerly: the packed table's lookups must replay"
+    if tp == 1:
+        assert [line for line in caplog.messages if "its linear weights stay bfloat16" in line]
+    assert [o.token_ids for o in outputs] == hf_greedy(path, prompts, MAX_TOKENS)
+    for o, prompt in zip(logits, prompts[:2]):  # the supplement: float32 log-probabilities, to float32's tolerance
+        ref = torch.log_softmax(_hf_float32_logits(path, prompt), dim=-1)
+        for token, logprob in o.outputs[0].logprobs[0].items():
+            assert abs(logprob - ref[token].item()) < 1e-4
+
+
+def _hf_float32_logits(path: str, prompt: list[int]) -> torch.Tensor:
+    from tests.conftest import _hf_model
+    with torch.inference_mode():
+        return _hf_model(path)(torch.tensor([prompt])).logits[0, -1].float()

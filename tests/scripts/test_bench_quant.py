@@ -10,7 +10,7 @@ def test_bench_quant_quick_reports_every_format_against_bfloat16_and_float32(qui
     record = tmp_path / "quant.json"
     out = run_script("bench_quant.py", "--quick", "--model", quick_model, "--json", str(record)).stdout
     for fmt in ("float32", "bfloat16", "int8", "int4"):
-        assert re.search(rf"^\| {fmt} \(\w+\) \| [\d,]+ \([\d.]+x\) \| -?[\d,]+ \| [\d,.]+ \([\d.]+x\) \| "
+        assert re.search(rf"^\| {fmt} \([\w ,]+\) \| [\d,]+ \([\d.]+x\) \| -?[\d,]+ \| [\d,.]+ \([\d.]+x\) \| "
                          rf"[\d,.]+ \([\d.]+x\) \| [\d,.]+ \([\d.]+x\) \| \d+%, \d+% \|$", out, re.MULTILINE), out
     assert "| float32 (float32) | " in out and "100%, 100% |" in out, out  # float32 agrees with itself
     assert re.search(r"^- (met|NOT met): int4 resident weights <= 0.3x bfloat16", out, re.MULTILINE), out

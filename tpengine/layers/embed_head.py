@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_quantized
+from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_in, packed_quantized
 from tpengine.platforms import current_platform
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
@@ -28,6 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.takes_quantized = True  # quantized, rows are dequantized as they are gathered
         platform = current_platform()
         self.pack_quantized_weight, self.embedding_rows = platform.pack_quantized_weight, platform.embedding_rows
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.packed_rows = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
@@ -47,9 +48,13 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[:real].copy_(loaded_weight[start:start + real])
 
-    def prepack(self) -> None:
-        """After loading: a quantized table stays packed; its rows are dequantized as tokens gather them."""
+    def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
+        """After loading: a quantized table stays packed; its rows are dequantized as tokens gather them. So does a
+        table kept in weight_dtype (the platform's linear_weight_dtype), in the LM head's packed form: a tied
+        head shares it."""
         self.packed_rows = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_rows is None and weight_dtype is not None:
+            self.packed_rows = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
 
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.packed_rows is None:
@@ -72,14 +77,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
-        platform = current_platform()
-        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.packed_weight = None
 
-    def prepack(self) -> None:
+    def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: logits from the platform's packed copy where it makes one (the CPU's, or a quantized
-        weight's). A float weight stays: a tied embedding shares it."""
+        weight's). A float weight stays: a tied embedding shares it; one kept in weight_dtype is shared packed."""
         self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_weight is None and weight_dtype is not None:
+            self.packed_weight = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
         if self.packed_weight is None:
             self.packed_weight = self.pack_linear_weight(self.weight)
 

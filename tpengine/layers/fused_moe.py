@@ -128,9 +128,10 @@ class FusedMoE(nn.Module):
             part = loaded_weight[..., first::2].narrow(-1, rank * size, size)
             param.data.narrow(1, offset, size).copy_(part if is_bias else part.transpose(1, 2))
 
-    def prepack(self) -> None:
+    def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: quantized experts (gate and up joined) packed as the platform runs them (CUDA: stacked for
-        the fused kernel), their floats freed."""
+        the fused kernel), their floats freed. Float experts stay in the model's dtype whatever weight_dtype: the
+        grouped matmuls multiply them as they are."""
         w13_parts = getattr(self.w13_weight, "quantized_parts", {})
         w2_parts = getattr(self.w2_weight, "quantized_parts", {})
         if not w13_parts and not w2_parts:

@@ -56,6 +56,17 @@ def packed_quantized(param: nn.Parameter, pack):
     return param.packed_quantized
 
 
+def packed_in(param: nn.Parameter, weight_dtype: torch.dtype, pack):
+    """The platform's packed copy of a float parameter with its weights kept in weight_dtype (pack_linear_weight), or
+    None where it makes none; packed once however many modules share the parameter (a tied embedding and LM head),
+    and the float storage freed."""
+    if not hasattr(param, "packed_in_weight_dtype"):
+        param.packed_in_weight_dtype = pack(param, weight_dtype)
+        if param.packed_in_weight_dtype is not None:
+            param.data = param.data.new_empty(0)
+    return param.packed_in_weight_dtype
+
+
 def load_fused(param: nn.Parameter, loaded: Loaded, part_sizes: dict, load_part) -> None:
     """A checkpoint tensor holding every part of a packed parameter, stacked by rows in part_sizes' order: each
     part goes through the per-part loader (load_part(param, part, shard_id)), so it is sharded as a part would."""
@@ -95,10 +106,13 @@ class LinearBase(nn.Module):
         self.pack_quantized_weight = platform.pack_quantized_weight
         self.packed_weight = None
 
-    def prepack(self) -> None:
+    def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's, or
-        any platform's of a quantized weight), and free the plain weight it replaces."""
+        any platform's of a quantized weight), and free the plain weight it replaces. weight_dtype: the platform's
+        linear_weight_dtype, where the copy keeps its weights in another dtype than the model's."""
         self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
+        if self.packed_weight is None and weight_dtype is not None:
+            self.packed_weight = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
         if self.packed_weight is None:
             self.packed_weight = self.pack_linear_weight(self.weight)
         if self.packed_weight is not None:

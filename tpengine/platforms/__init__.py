@@ -22,6 +22,10 @@ class Platform(Protocol):
     def resolve_dtype(self, dtype: str, hf_config, log: bool = True) -> torch.dtype:
         """The dtype a model runs in when EngineConfig.dtype is `dtype` ("auto", "bfloat16", ...)."""
 
+    def linear_weight_dtype(self, dtype: str) -> torch.dtype | None:
+        """The dtype linear weights are kept in when EngineConfig.dtype is `dtype`, where it is not the one the model
+        runs in (a bfloat16 model running as float32 on a CPU); None: the model's."""
+
     def set_up_rank(self, device: torch.device, num_ranks: int) -> None:
         """Ready this process to compute on device as one of num_ranks ranks of an engine."""
 
@@ -50,8 +54,10 @@ class Platform(Protocol):
         """torch_ops.grouped_experts' sum, however the platform computes it; act_and_mul None: silu(gate) * up.
         w13, w2: the stacked float weights, or what pack_quantized_experts made of quantized ones."""
 
-    def pack_linear_weight(self, weight: torch.Tensor):
-        """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None."""
+    def pack_linear_weight(self, weight: torch.Tensor, weight_dtype: torch.dtype | None = None):
+        """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None. weight_dtype
+        (linear_weight_dtype's): the copy keeps the weights in it, and embedding_rows reads it too; None if this
+        weight cannot be."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed_weight) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The CPU platform: the decoder's elementwise ops as C++ ops, linears on packed weights, the dtype a model
-runs in (cpu_dtype.py), the rows a forward is padded to and the threads a rank takes.
+runs in and the one its linear weights are kept in (cpu_dtype.py), the rows a forward is padded to and the threads
+a rank takes.
 
 The C++ ops (kernels/cpu/fused_ops.cpp, built on first use) each replace several torch ops, each a
 dispatch and an allocation, which at decode sizes cost more than the arithmetic. Each function here takes
@@ -17,7 +18,7 @@ from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu import fused_ops
 from tpengine.kernels.cpu import quant_linear as quant_kernel
 from tpengine.platforms import torch_ops
-from tpengine.platforms.cpu_dtype import resolve_cpu_dtype
+from tpengine.platforms import cpu_dtype
 
 logger = logging.getLogger("tpengine")
 
@@ -28,7 +29,12 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
     """float32 for "auto"; a half dtype the CPU cannot compute fast runs as float32 (cpu_dtype.py)."""
-    return torch.float32 if dtype == "auto" else resolve_cpu_dtype(getattr(torch, dtype), log)
+    return torch.float32 if dtype == "auto" else cpu_dtype.resolve_cpu_dtype(getattr(torch, dtype), log)
+
+
+def linear_weight_dtype(dtype: str) -> torch.dtype | None:
+    """bfloat16 where a bfloat16 model runs as float32 with its linear weights kept in bfloat16 (cpu_dtype.py)."""
+    return None if dtype == "auto" else cpu_dtype.linear_weight_dtype(getattr(torch, dtype))
 
 
 def set_up_rank(device: torch.device, num_ranks: int) -> None:
@@ -123,19 +129,29 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Bf16Blocks(NamedTuple):
-    """A bfloat16 weight packed for tpengine's AVX512-BF16 linear (kernels/cpu/bf16_linear.cpp)."""
+    """A bfloat16 weight packed for tpengine's bfloat16 linear (kernels/cpu/bf16_linear.cpp)."""
     blocks: torch.Tensor
     out_features: int
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | Bf16Blocks | None:
+def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = None
+                       ) -> torch.Tensor | Bf16Blocks | None:
     """A packed copy of an [out, in] weight that linear() multiplies faster, or None.
 
     bfloat16 on a CPU with AVX512-BF16: blocks for tpengine's kernel, ~2-3x oneDNN's speed at decode
     batch sizes (no per-call dispatch) and on par with it for a prefill. Otherwise oneDNN's blocked copy:
     without it each matmul repacks the weight first, at decode batch sizes as costly as the product; the
     packed copy runs about 2-3.5x faster (docs/benchmarks.md).
+
+    weight_dtype (linear_weight_dtype's bfloat16): a float32 weight kept as bfloat16 blocks that the same kernel
+    multiplies by float32 rows, 1.7-2.5x oneDNN's float32 speed at decode batch sizes and ~0.9x for a prefill;
+    None where this weight cannot be (an odd number of in-features).
     """
+    if weight_dtype is not None:
+        if (weight_dtype == torch.bfloat16 and weight.dtype == torch.float32 and weight.size(1) % 2 == 0
+                and bf16_kernel.float_rows_available()):
+            return Bf16Blocks(bf16_kernel.pack_weight(weight.detach().to(torch.bfloat16)), weight.size(0))
+        return None
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
         return None
     if weight.dtype == torch.bfloat16 and weight.size(1) % 2 == 0 and bf16_kernel.available():
@@ -206,6 +222,8 @@ def _packed_linear(x: torch.Tensor, packed_weight) -> torch.Tensor:
 
 
 def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
+    if type(packed_weight) is Bf16Blocks:
+        return bf16_kernel.packed_rows(packed_weight.blocks, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)
     if type(packed_weight) is QuantizedLinear:
         assert packed_weight.input_order is None, "an embedding table has no act order"
         return quant_kernel.dequantize_rows(packed_weight.packed, token_ids.flatten()).view(

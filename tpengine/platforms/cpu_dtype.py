@@ -5,13 +5,16 @@ and one log line says why.
 Without the instructions a half-precision matmul converts every weight on every call: measured on an
 AVX-512 CPU without avx512_fp16, float16 weights ran a batch-1 linear ~7x slower upcast per matmul and
 up to ~10x slower at batch 16 through torch's own float16 kernel than float32 weights converted once at
-load (docs/benchmarks.md), so the fallback converts once, at load, and computes in float32.
+load (docs/benchmarks.md), so the fallback computes in float32. A bfloat16 model keeps its linear weights
+(and embedding table) in bfloat16 where the CPU has AVX2 and FMA: tpengine's linear widens them to float32 in
+registers, exactly, as it multiplies, so a decode step reads half the bytes of float32 weights.
 """
 import logging
 import platform
 
 import torch
 
+from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu.build import cpu_flags
 
 logger = logging.getLogger("tpengine")
@@ -51,7 +54,17 @@ def resolve_cpu_dtype(dtype: torch.dtype, log: bool = True) -> torch.dtype:
     if problem is None:
         return dtype
     if log:
-        logger.info("dtype %s runs as float32 on this CPU: %s, and converting its weights on every matmul is "
-                    "several times slower than converting them once at load", str(dtype).removeprefix("torch."),
-                    problem)
+        weights = ("; its linear weights stay bfloat16, widened to float32 as they are multiplied"
+                   if linear_weight_dtype(dtype) is not None else
+                   ", and converting its weights on every matmul is several times slower than converting them once")
+        logger.info("dtype %s runs as float32 on this CPU: %s%s", str(dtype).removeprefix("torch."), problem, weights)
     return torch.float32
+
+
+def linear_weight_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a model asked for in dtype keeps its linear weights in while it runs in float32: bfloat16 where the
+    CPU has tpengine's AVX2 linear on bfloat16 weights (kernels/cpu/bf16_linear.cpp); else None: the weights are
+    the model's dtype."""
+    if dtype != torch.bfloat16 or resolve_cpu_dtype(dtype, log=False) == dtype:
+        return None
+    return dtype if {"avx2", "fma"} <= cpu_flags() and bf16_kernel.float_rows_available() else None

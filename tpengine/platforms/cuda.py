@@ -71,6 +71,11 @@ def resolve_dtype(dtype: str, hf_config, log: bool = True) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def linear_weight_dtype(dtype: str) -> None:
+    """Linear weights are in the dtype the model runs in."""
+    return None
+
+
 def set_up_rank(device: torch.device, num_ranks: int) -> None:
     """This rank's GPU becomes the current device."""
     torch.cuda.set_device(device)
@@ -125,8 +130,8 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
 
 # --- linears -------------------------------------------------------------------------------------
 
-def pack_linear_weight(weight: torch.Tensor) -> None:
-    """No packed copy: cuBLAS reads the plain weight."""
+def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> None:
+    """No packed copy: cuBLAS reads the plain weight (and linear_weight_dtype asks for no other dtype)."""
     return None
 
 

@@ -105,6 +105,7 @@ class ModelRunner:
         self.platform.set_up_rank(device, config.world_size)  # every stage's ranks share the host
         self.max_num_batched_tokens = config.max_num_batched_tokens or self.platform.DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.dtype = self.platform.resolve_dtype(config.dtype, hf_config, log=rank == 0)
+        self.weight_dtype = self.platform.linear_weight_dtype(config.dtype)  # None: the linears' weights are in dtype
         self.max_model_len = config.max_model_len  # the engine already bounded it by the model's positions
         # the cache's element: 1 byte for FP8, so the same memory holds 2x the tokens of a half-precision cache
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
@@ -191,7 +192,7 @@ class ModelRunner:
             logger.info("%s: weights quantized at load: %s, inputs %s", path, config.quantization, online.activation)
         for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
             if hasattr(module, "prepack"):
-                module.prepack()
+                module.prepack(self.weight_dtype)
         return model
 
     # --- KV cache -------------------------------------------------------------------------------
