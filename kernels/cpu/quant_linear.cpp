@@ -80,40 +80,51 @@ struct IntRows {  // R rows of quantized x: xq [rows][in_padded], xsum [rows][gr
   int64_t in_padded, num_groups;
 };
 
-// out[m][0:num_out] for R rows against one block; CORRECT: subtract zero * sum(xq) per group (int4 always)
-template <int64_t R, bool CORRECT, typename OutT, int64_t CHAINS = (R >= 4 ? 1 : 4 / R)>
+// out[m][0:num_out] for R rows against NB consecutive blocks (num_out <= 8 * NB); CORRECT: subtract zero * sum(xq)
+// per group (int4 always)
+template <int64_t R, bool CORRECT, typename OutT, int64_t NB = 1, int64_t CHAINS = (R * NB >= 4 ? 1 : 4 / (R * NB))>
 void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, const int8_t* zeros, IntRows x,
                     const float* bias, OutT* out, int64_t num_out) {
-  const int64_t steps_per_group = L.group_columns / STEP_INPUTS;
-  float result[R][BLOCK_OUT];
+  const int64_t steps_per_group = L.group_columns / STEP_INPUTS, group_stride = L.num_groups * BLOCK_OUT;
+  float result[R][NB * BLOCK_OUT];
 #if TPENGINE_QUANT_AVX2
   const __m256i ones16 = _mm256_set1_epi16(1);
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  __m256 total[R];
-  for (int64_t m = 0; m < R; ++m) total[m] = _mm256_setzero_ps();
+  __m256 total[R][NB];
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = 0; n < NB; ++n) total[m][n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < L.num_groups; ++g) {
-    // CHAINS independent sums per row: one dot product waits on the last (about 5 cycles), so with few rows a
-    // single chain leaves the core idle; integer sums are exact in any order
-    __m256i acc[R][CHAINS];
+    // CHAINS independent sums per row and block: one dot product waits on the last (about 5 cycles), so with few
+    // rows a single chain leaves the core idle; integer sums are exact in any order
+    __m256i acc[R][NB][CHAINS];
     for (int64_t m = 0; m < R; ++m)
-      for (int64_t c = 0; c < CHAINS; ++c) acc[m][c] = _mm256_setzero_si256();
+      for (int64_t n = 0; n < NB; ++n)
+        for (int64_t c = 0; c < CHAINS; ++c) acc[m][n][c] = _mm256_setzero_si256();
     const int64_t first = g * steps_per_group, last = first + steps_per_group;
     if (L.bits == 8) {
-      // step s into chain c of row m
+      // step s of each block into its chain c of row m
       auto int8_step = [&](int64_t s, int64_t c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * STEP_BYTES));
-        _mm_prefetch(reinterpret_cast<const char*>(w + s * STEP_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m256i q_abs = _mm256_abs_epi8(q);  // -128 becomes byte 0x80: 128 read unsigned
+        __m256i x4[R];  // the step's 4 inputs of each row, broadcast once for every block
         for (int64_t m = 0; m < R; ++m) {
-          int32_t x4;
-          std::memcpy(&x4, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
-          // |q| * (x * sign(q)) = q * x; a pair sums to at most 2 * 128 * 127 < 2^15: maddubs cannot saturate
-          const __m256i x_signed = _mm256_sign_epi8(_mm256_set1_epi32(x4), q);
+          int32_t four;
+          std::memcpy(&four, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
+          x4[m] = _mm256_set1_epi32(four);
+        }
+        for (int64_t n = 0; n < NB; ++n) {
+          const uint8_t* wn = w + n * L.block_bytes + s * STEP_BYTES;
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn));
+          _mm_prefetch(reinterpret_cast<const char*>(wn + PREFETCH_BYTES), _MM_HINT_T0);
+          const __m256i q_abs = _mm256_abs_epi8(q);  // -128 becomes byte 0x80: 128 read unsigned
+          for (int64_t m = 0; m < R; ++m) {
+            // |q| * (x * sign(q)) = q * x; a pair sums to at most 2 * 128 * 127 < 2^15: maddubs cannot saturate
+            const __m256i x_signed = _mm256_sign_epi8(x4[m], q);
 #if TPENGINE_QUANT_VNNI
-          acc[m][c] = _mm256_dpbusd_epi32(acc[m][c], q_abs, x_signed);
+            acc[m][n][c] = _mm256_dpbusd_epi32(acc[m][n][c], q_abs, x_signed);
 #else
-          acc[m][c] = _mm256_add_epi32(acc[m][c], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, x_signed), ones16));
+            acc[m][n][c] = _mm256_add_epi32(acc[m][n][c],
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, x_signed), ones16));
 #endif
+          }
         }
       };
       int64_t s = first;
@@ -121,66 +132,113 @@ void int_block_rows(const Layout& L, const uint8_t* w, const float* scales, cons
         for (int64_t c = 0; c < CHAINS; ++c) int8_step(s + c, c);
       for (; s < last; ++s) int8_step(s, 0);
     } else {
-      // steps s and s + 1 (one 32-byte load: low and high nibbles) into chain c of row m
-      auto int4_steps = [&](int64_t s, int64_t c) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s / 2 * STEP_BYTES));
-        _mm_prefetch(reinterpret_cast<const char*>(w + s / 2 * STEP_BYTES + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m256i u_low = _mm256_and_si256(packed, low_nibbles);
-        const __m256i u_high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-        for (int64_t m = 0; m < R; ++m) {
-          int32_t x_low, x_high;
-          std::memcpy(&x_low, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
-          std::memcpy(&x_high, x.xq + m * x.in_padded + (s + 1) * STEP_INPUTS, 4);
-#if TPENGINE_QUANT_VNNI
-          acc[m][c] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[m][c], u_low, _mm256_set1_epi32(x_low)), u_high,
-                                          _mm256_set1_epi32(x_high));
-#else
-          // u <= 15: two steps' pair sums add to at most 4 * 15 * 127 in int16
-          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u_low, _mm256_set1_epi32(x_low)),
-                                                 _mm256_maddubs_epi16(u_high, _mm256_set1_epi32(x_high)));
-          acc[m][c] = _mm256_add_epi32(acc[m][c], _mm256_madd_epi16(pairs, ones16));
+      // steps s and s + 1 of each block (one 32-byte load: low and high nibbles) into its chain c of row m. Without
+      // VNNI they add up in int16 first: two steps' pair sums are at most 4 * 15 * 127 = 7,620, so four calls' sum
+      // fits before it widens to int32, one madd for every four (madds and maddubs share one pipe on Zen 2)
+#if !TPENGINE_QUANT_VNNI
+      __m256i acc16[R][NB][CHAINS];
+      auto widen = [&]() {
+        for (int64_t m = 0; m < R; ++m)
+          for (int64_t n = 0; n < NB; ++n)
+            for (int64_t c = 0; c < CHAINS; ++c) {
+              acc[m][n][c] = _mm256_add_epi32(acc[m][n][c], _mm256_madd_epi16(acc16[m][n][c], ones16));
+              acc16[m][n][c] = _mm256_setzero_si256();
+            }
+      };
+      for (int64_t m = 0; m < R; ++m)
+        for (int64_t n = 0; n < NB; ++n)
+          for (int64_t c = 0; c < CHAINS; ++c) acc16[m][n][c] = _mm256_setzero_si256();
 #endif
+      auto int4_steps = [&](int64_t s, int64_t c) {
+        __m256i x_low[R], x_high[R];  // the two steps' inputs of each row, broadcast once for every block
+        for (int64_t m = 0; m < R; ++m) {
+          int32_t low, high;
+          std::memcpy(&low, x.xq + m * x.in_padded + s * STEP_INPUTS, 4);
+          std::memcpy(&high, x.xq + m * x.in_padded + (s + 1) * STEP_INPUTS, 4);
+          x_low[m] = _mm256_set1_epi32(low);
+          x_high[m] = _mm256_set1_epi32(high);
+        }
+        for (int64_t n = 0; n < NB; ++n) {
+          const uint8_t* wn = w + n * L.block_bytes + s / 2 * STEP_BYTES;
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn));
+          _mm_prefetch(reinterpret_cast<const char*>(wn + PREFETCH_BYTES), _MM_HINT_T0);
+          const __m256i u_low = _mm256_and_si256(packed, low_nibbles);
+          const __m256i u_high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+          for (int64_t m = 0; m < R; ++m) {
+#if TPENGINE_QUANT_VNNI
+            acc[m][n][c] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[m][n][c], u_low, x_low[m]), u_high, x_high[m]);
+#else
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u_low, x_low[m]),
+                                                   _mm256_maddubs_epi16(u_high, x_high[m]));
+            acc16[m][n][c] = _mm256_add_epi16(acc16[m][n][c], pairs);
+#endif
+          }
         }
       };
       int64_t s = first;
-      for (; s + 2 * CHAINS <= last; s += 2 * CHAINS)
+      for (int64_t calls = 1; s + 2 * CHAINS <= last; s += 2 * CHAINS, ++calls) {
         for (int64_t c = 0; c < CHAINS; ++c) int4_steps(s + 2 * c, c);
-      for (; s < last; s += 2) int4_steps(s, 0);
+#if !TPENGINE_QUANT_VNNI
+        if (calls % 4 == 0) widen();
+#endif
+      }
+#if !TPENGINE_QUANT_VNNI
+      widen();
+#endif
+      for (; s < last; s += 2) {
+        int4_steps(s, 0);
+#if !TPENGINE_QUANT_VNNI
+        widen();
+#endif
+      }
     }
-    const __m256 scale = _mm256_loadu_ps(scales + g * BLOCK_OUT);
-    __m256i zero;
-    if (CORRECT) zero = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + g * BLOCK_OUT)));
-    for (int64_t m = 0; m < R; ++m) {
-      __m256i d = acc[m][0];
-      for (int64_t c = 1; c < CHAINS; ++c) d = _mm256_add_epi32(d, acc[m][c]);
-      if (CORRECT) d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zero, _mm256_set1_epi32(x.xsum[m * x.num_groups + g])));
-      total[m] = _mm256_add_ps(total[m], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(d)));
+    for (int64_t n = 0; n < NB; ++n) {
+      const __m256 scale = _mm256_loadu_ps(scales + n * group_stride + g * BLOCK_OUT);
+      __m256i zero;
+      if (CORRECT)
+        zero = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + n * group_stride + g * BLOCK_OUT)));
+      for (int64_t m = 0; m < R; ++m) {
+        __m256i d = acc[m][n][0];
+        for (int64_t c = 1; c < CHAINS; ++c) d = _mm256_add_epi32(d, acc[m][n][c]);
+        if (CORRECT)
+          d = _mm256_sub_epi32(d, _mm256_mullo_epi32(zero, _mm256_set1_epi32(x.xsum[m * x.num_groups + g])));
+        total[m][n] = _mm256_add_ps(total[m][n], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(d)));
+      }
     }
   }
-  for (int64_t m = 0; m < R; ++m) _mm256_storeu_ps(result[m], _mm256_mul_ps(total[m], _mm256_set1_ps(x.sx[m])));
+  for (int64_t m = 0; m < R; ++m)
+    for (int64_t n = 0; n < NB; ++n)
+      _mm256_storeu_ps(result[m] + n * BLOCK_OUT, _mm256_mul_ps(total[m][n], _mm256_set1_ps(x.sx[m])));
 #else
   for (int64_t m = 0; m < R; ++m)
-    for (int64_t o = 0; o < BLOCK_OUT; ++o) result[m][o] = 0.0f;
-  for (int64_t g = 0; g < L.num_groups; ++g) {
-    for (int64_t m = 0; m < R; ++m) {
-      int32_t acc[BLOCK_OUT] = {};
-      const int8_t* xm = x.xq + m * x.in_padded;
-      for (int64_t i = g * L.group_columns; i < (g + 1) * L.group_columns; ++i) {
-        const int64_t step = i / STEP_INPUTS, j = i % STEP_INPUTS;
-        for (int64_t o = 0; o < BLOCK_OUT; ++o) {
-          const int32_t q = packed_value(w, L.bits, step, o, j);
-          acc[o] += q * xm[i];
+    for (int64_t o = 0; o < NB * BLOCK_OUT; ++o) result[m][o] = 0.0f;
+  for (int64_t n = 0; n < NB; ++n) {
+    const uint8_t* wn = w + n * L.block_bytes;
+    const float* sn = scales + n * group_stride;
+    const int8_t* zn = zeros + n * group_stride;
+    for (int64_t g = 0; g < L.num_groups; ++g) {
+      for (int64_t m = 0; m < R; ++m) {
+        int32_t acc[BLOCK_OUT] = {};
+        const int8_t* xm = x.xq + m * x.in_padded;
+        for (int64_t i = g * L.group_columns; i < (g + 1) * L.group_columns; ++i) {
+          const int64_t step = i / STEP_INPUTS, j = i % STEP_INPUTS;
+          for (int64_t o = 0; o < BLOCK_OUT; ++o) {
+            const int32_t q = packed_value(wn, L.bits, step, o, j);
+            acc[o] += q * xm[i];
+          }
         }
-      }
-      for (int64_t o = 0; o < BLOCK_OUT; ++o) {
-        int32_t d = acc[o];
-        if (CORRECT) d -= static_cast<int32_t>(zeros[g * BLOCK_OUT + o]) * x.xsum[m * x.num_groups + g];
-        result[m][o] = result[m][o] + scales[g * BLOCK_OUT + o] * static_cast<float>(d);
+        float* rm = result[m] + n * BLOCK_OUT;
+        for (int64_t o = 0; o < BLOCK_OUT; ++o) {
+          int32_t d = acc[o];
+          if (CORRECT) d -= static_cast<int32_t>(zn[g * BLOCK_OUT + o]) * x.xsum[m * x.num_groups + g];
+          rm[o] = rm[o] + sn[g * BLOCK_OUT + o] * static_cast<float>(d);
+        }
       }
     }
   }
   for (int64_t m = 0; m < R; ++m)
-    for (int64_t o = 0; o < BLOCK_OUT; ++o) result[m][o] = result[m][o] * x.sx[m];
+    for (int64_t o = 0; o < NB * BLOCK_OUT; ++o) result[m][o] = result[m][o] * x.sx[m];
 #endif
   for (int64_t m = 0; m < R; ++m)
     for (int64_t o = 0; o < num_out; ++o)
@@ -542,6 +600,17 @@ void quant_linear_into(const Layout& L, const at::Tensor& x, const uint8_t* w, c
             const int64_t num_out = std::min(BLOCK_OUT, out_features - b * BLOCK_OUT);
             T* ob = out_ptr + m * out_features + b * BLOCK_OUT;
             const float* bb = bias_ptr ? bias_ptr + b * BLOCK_OUT : nullptr;
+            if (tile_rows == 1 && b + 1 < c_end) {  // a lone row streams two blocks at once (see PAIRED_BLOCKS)
+              const int64_t pair_out = std::min(2 * BLOCK_OUT, out_features - b * BLOCK_OUT);
+              if (correct_zeros)
+                int_block_rows<1, true, T, 2>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride,
+                                              xm, bb, ob, pair_out);
+              else
+                int_block_rows<1, false, T, 2>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride,
+                                               xm, bb, ob, pair_out);
+              ++b;
+              continue;
+            }
             if (correct_zeros)
               int_block<true>(L, w + b * L.block_bytes, s + b * group_stride, z + b * group_stride, xm, tile_rows,
                               bb, ob, num_out);
