@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.kernels.cpu.build import build_and_load, cpu_flags, has_compiler
+from tpengine.kernels.cpu.huge_pages import on_huge_pages
 
 BLOCK_OUT = 64  # output features per packed block (bf16_linear.cpp)
 
@@ -33,10 +34,10 @@ def float_rows_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bfloat16 (in even) -> [ceil(out / 64), in / 2, 64, 2]: zero rows pad the last block."""
+    """[out, in] bfloat16 (in even) -> [ceil(out / 64), in / 2, 64, 2]: zero rows pad the last block. On huge pages."""
     out_features, in_features = weight.shape
     padded = F.pad(weight, (0, 0, 0, -out_features % BLOCK_OUT))
-    return padded.view(-1, BLOCK_OUT, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return on_huge_pages(padded.view(-1, BLOCK_OUT, in_features // 2, 2).permute(0, 2, 1, 3))
 
 
 def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

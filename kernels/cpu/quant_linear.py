@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tpengine.kernels.cpu.build import build_and_load, build_and_load_or_warn
+from tpengine.kernels.cpu.huge_pages import on_huge_pages
 
 BLOCK_OUT = 8  # output features per packed block (quant_linear.cpp)
 STEP_INPUTS = 4  # inputs of each output in one 32-byte step
@@ -114,7 +115,8 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
     def per_block(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return F.pad(t, (0, 0, 0, pad_out)).view(blocks, BLOCK_OUT, num_groups).permute(0, 2, 1).to(dtype).contiguous()
 
-    return PackedQuantWeight(weight, per_block(scales, torch.float32), per_block(zero_points + offset, torch.int8),
+    return PackedQuantWeight(on_huge_pages(weight), per_block(scales, torch.float32),
+                             per_block(zero_points + offset, torch.int8),
                              out_features, in_features, bits, group_size,
                              in_padded if num_groups == 1 else group_size, activation, bits == 4 or zeros is not None)
 
