@@ -117,7 +117,10 @@ def _bf16_checkpoint(tmp_path_factory, name: str, **overrides) -> str:
 @pytest.fixture(scope="module")
 def bf16_checkpoints(tmp_path_factory) -> dict[str, str]:
     return {"untied": _bf16_checkpoint(tmp_path_factory, "bf16_untied"),
-            "tied": _bf16_checkpoint(tmp_path_factory, "bf16_tied", tie_word_embeddings=True)}
+            "tied": _bf16_checkpoint(tmp_path_factory, "bf16_tied", tie_word_embeddings=True),
+            # a hidden size of 63: the packing pairs inputs, so the linears that take the hidden states (and the
+            # tables) run on float32 weights; o_proj and down_proj still on bfloat16 ones
+            "odd": _bf16_checkpoint(tmp_path_factory, "bf16_odd", hidden_size=63)}
 
 
 def without_bf16_instructions() -> frozenset[str]:
@@ -130,7 +133,7 @@ needs_bf16_weights_kernel = pytest.mark.skipif(
 
 
 @needs_bf16_weights_kernel
-@pytest.mark.parametrize("tied", ["untied", "tied"])
+@pytest.mark.parametrize("tied", ["untied", "tied", "odd"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_bfloat16_without_its_instructions_keeps_bfloat16_weights_with_transformers_float32_tokens(
         bf16_checkpoints, tied, tp, monkeypatch, caplog):
@@ -152,10 +155,18 @@ def test_bfloat16_without_its_instructions_keeps_bfloat16_weights_with_transform
             assert runner.weight_dtype == torch.bfloat16
             model = runner.model
             linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
+            odd = [m for m in linears if type(m.packed_weight) is not cpu.Bf16Blocks]
+            # qkv and gate_up in every layer, and the LM head: in float32
+            assert len(odd) == (2 * TP_MODEL["num_hidden_layers"] + 1 if tied == "odd" else 0)
+            assert all(m.packed_weight.dtype == torch.float32 and m.weight.dtype == torch.float32 for m in odd)
+            linears = [m for m in linears if m not in odd]
             assert linears and all(type(m.packed_weight) is cpu.Bf16Blocks for m in linears)
             assert all(m.packed_weight.blocks.dtype == torch.bfloat16 and m.weight.numel() == 0 for m in linears)
             embedding = model.model.embed_tokens
-            assert type(embedding.packed_rows) is cpu.Bf16Blocks and embedding.weight.numel() == 0
+            if tied == "odd":  # gathered from its float32 table
+                assert embedding.packed_rows is None and embedding.weight.dtype == torch.float32
+            else:
+                assert type(embedding.packed_rows) is cpu.Bf16Blocks and embedding.weight.numel() == 0
             if tied == "tied":  # one packed table for both
                 assert embedding.packed_rows is model.lm_head.packed_weight
             replayed = count_replayed_rows(runner)

@@ -26,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.takes_quantized = True  # quantized, rows are dequantized as they are gathered
+        self.dtype = self.weight.dtype  # the model's: the rows' dtype, whatever the table is kept in
         platform = current_platform()
         self.pack_quantized_weight, self.embedding_rows = platform.pack_quantized_weight, platform.embedding_rows
         self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
@@ -59,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.packed_rows is None:
             return F.embedding(token_ids, self.weight)
-        return self.embedding_rows(token_ids, self.packed_rows, self.weight.dtype)
+        return self.embedding_rows(token_ids, self.packed_rows, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -50,20 +50,35 @@ def packed_quantized(param: nn.Parameter, pack):
                              f"parts are {sorted(parts, key=str)}, it needs all of {order} or none")
         ordered = [parts[args] for args in order]
         whole = (cat_fp8_rows if isinstance(ordered[0], Fp8Weight) else cat_rows)(ordered).to(param.device)
-        param.packed_quantized = pack(whole, param.dtype)
+        param.packed_quantized = pack(whole, getattr(param, "run_dtype", param.dtype))
         param.data = param.data.new_empty(0)
         del param.quantized_parts
     return param.packed_quantized
 
 
+def keep_weights_in(model: nn.Module, weight_dtype: torch.dtype) -> None:
+    """Before loading: the weights that prepack packs in weight_dtype (packed_in: the linears' and the embedding
+    tables', every module that packs linear weights) are allocated in weight_dtype, so a checkpoint loads into its
+    memory, not into the model dtype's (twice as much for bfloat16 weights of a float32 model). Each remembers the
+    model's dtype (run_dtype), which it is multiplied in where it is not packed."""
+    for module in model.modules():
+        param = getattr(module, "weight", None)
+        if (hasattr(module, "pack_linear_weight") and isinstance(param, nn.Parameter) and param.is_floating_point()
+                and not hasattr(param, "run_dtype")):  # a tied table once
+            param.run_dtype = param.dtype
+            param.data = torch.empty(param.shape, dtype=weight_dtype, device=param.device)
+
+
 def packed_in(param: nn.Parameter, weight_dtype: torch.dtype, pack):
     """The platform's packed copy of a float parameter with its weights kept in weight_dtype (pack_linear_weight), or
-    None where it makes none; packed once however many modules share the parameter (a tied embedding and LM head),
-    and the float storage freed."""
+    None where it makes none (then the parameter is in its run_dtype again); packed once however many modules share
+    the parameter (a tied embedding and LM head), and the float storage freed."""
     if not hasattr(param, "packed_in_weight_dtype"):
         param.packed_in_weight_dtype = pack(param, weight_dtype)
         if param.packed_in_weight_dtype is not None:
             param.data = param.data.new_empty(0)
+        elif param.dtype != getattr(param, "run_dtype", param.dtype):
+            param.data = param.data.to(param.run_dtype)
     return param.packed_in_weight_dtype
 
 

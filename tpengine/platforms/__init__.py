@@ -26,6 +26,9 @@ class Platform(Protocol):
         """The dtype linear weights are kept in when EngineConfig.dtype is `dtype`, where it is not the one the model
         runs in (a bfloat16 model running as float32 on a CPU); None: the model's."""
 
+    def release_freed_memory(self) -> None:
+        """After loading: hand the host memory the load freed back to the system."""
+
     def set_up_rank(self, device: torch.device, num_ranks: int) -> None:
         """Ready this process to compute on device as one of num_ranks ranks of an engine."""
 

@@ -76,6 +76,10 @@ def linear_weight_dtype(dtype: str) -> None:
     return None
 
 
+def release_freed_memory() -> None:
+    """Nothing: the load's host memory is freed as it goes, and torch's caching allocator keeps the GPU's."""
+
+
 def set_up_rank(device: torch.device, num_ranks: int) -> None:
     """This rank's GPU becomes the current device."""
     torch.cuda.set_device(device)

@@ -13,6 +13,7 @@ from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGr
 from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of, quantization_config_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.layers.fused_moe import FusedMoE
+from tpengine.layers.linear import keep_weights_in
 from tpengine.models.loader import OnlineQuantization, load_model
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
@@ -183,6 +184,8 @@ class ModelRunner:
         quantization = quantization_config_of(hf_config)
         online = None if quantization is not None else online_quantization(config, self.platform, self.device)
         keep_fp8 = self.platform.runs_fp8_linears(self.device)
+        if self.weight_dtype is not None:
+            keep_weights_in(model, self.weight_dtype)
         load_model(model, path, quantization, online, keep_fp8)
         if rank == 0 and quantization is not None:
             fp8 = ("FP8 W8A8 linears" if keep_fp8 else "FP8 weights converted to float at load: no FP8 matmul here")
@@ -193,6 +196,7 @@ class ModelRunner:
         for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
             if hasattr(module, "prepack"):
                 module.prepack(self.weight_dtype)
+        self.platform.release_freed_memory()
         return model
 
     # --- KV cache -------------------------------------------------------------------------------
