@@ -14,23 +14,29 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64, 300]
 SHAPES = [(64, 32), (200, 96), (1003, 64), (40, 30)]
 
 
+# rows of each dtype, and how far the kernel may be from the exact product: bfloat16 rounds its float32 sums once to
+# 8 bits; float32 rows meet the bfloat16 weight widened exactly, so only the summation order differs
+ROW_DTYPES = [pytest.param(torch.bfloat16, 1e-2, marks=needs_bf16_rows, id="bfloat16-rows"),
+              pytest.param(torch.float32, 1e-5, marks=needs_float_rows, id="float32-rows")]
+
+
 def reference(x, weight, bias):
-    """The exact product in float32, rounded once to bfloat16: what the kernel computes up to summation order."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).bfloat16()
+    """The exact product, rounded once to x's dtype."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).to(x.dtype)
 
 
-@needs_bf16_rows
+@pytest.mark.parametrize("dtype, tolerance", ROW_DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_the_float32_product_rounded_once(rows, out_features, in_features, with_bias):
+def test_matches_the_exact_product_rounded_once(dtype, tolerance, rows, out_features, in_features, with_bias):
     g = torch.Generator().manual_seed(rows * out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=g).bfloat16()
-    bias = torch.randn(out_features, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
     out = bf16_linear(x, pack_weight(weight), out_features, bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    assert relative_error(out, reference(x, weight, bias)) < 1e-2  # bfloat16 keeps 8 bits: one rounding
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    assert relative_error(out, reference(x, weight, bias)) < tolerance
 
 
 def test_packing_round_trips_and_pads_the_last_block_with_zeros():
@@ -41,49 +47,24 @@ def test_packing_round_trips_and_pads_the_last_block_with_zeros():
     assert torch.equal(unpacked[:100], weight) and not unpacked[100:].any()
 
 
-@needs_bf16_rows
-def test_takes_strided_and_batched_inputs():
-    weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70).bfloat16()
-    wide = torch.randn(3, 4, 81).bfloat16()
-    x = wide[..., 1:41]  # rows start at odd offsets: not the 4-byte pairs the kernel reads
+@pytest.mark.parametrize("dtype, tolerance", ROW_DTYPES)
+def test_takes_strided_and_batched_inputs(dtype, tolerance):
+    weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70).to(dtype)
+    # rows that start at odd offsets (not the 4-byte pairs the bfloat16 path reads), with strided columns for float32
+    wide = torch.randn(3, 4, 81).to(dtype) if dtype == torch.bfloat16 else torch.randn(3, 81, 4).transpose(1, 2)
+    x = wide[..., 1:41]
     out = bf16_linear(x, pack_weight(weight), 70, bias)
     assert out.shape == (3, 4, 70)
-    assert relative_error(out, reference(x, weight, bias)) < 1e-2
+    assert relative_error(out, reference(x, weight, bias)) < tolerance
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16_rows),
-                                   pytest.param(torch.float32, marks=needs_float_rows)])
-def test_a_packed_weight_of_another_shape_is_refused(dtype):
+@pytest.mark.parametrize("dtype, tolerance", ROW_DTYPES)
+def test_a_packed_weight_of_another_shape_is_refused(dtype, tolerance):
     packed = pack_weight(torch.randn(100, 48).bfloat16())
     with pytest.raises(RuntimeError, match="out_features"):
         bf16_linear(torch.randn(1, 48, dtype=dtype), packed, 300)
     with pytest.raises(RuntimeError, match="in-features"):
         bf16_linear(torch.randn(1, 50, dtype=dtype), packed, 100)
-
-
-@needs_float_rows
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("out_features, in_features", SHAPES)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_float32_rows_give_the_float32_product_with_the_bfloat16_weight(rows, out_features, in_features, with_bias):
-    g = torch.Generator().manual_seed(rows * out_features + in_features)
-    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
-    bias = torch.randn(out_features, generator=g) if with_bias else None
-    x = torch.randn(rows, in_features, generator=g)
-    out = bf16_linear(x, pack_weight(weight), out_features, bias)
-    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
-    # the weight widens exactly; only float32's summation order differs from the float64 product
-    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    assert relative_error(out, reference) < 1e-5
-
-
-@needs_float_rows
-def test_float32_rows_may_be_strided_and_batched():
-    weight, bias = torch.randn(70, 40).bfloat16(), torch.randn(70)
-    x = torch.randn(3, 81, 4).transpose(1, 2)[..., 1:41]  # neither contiguous nor aligned rows
-    out = bf16_linear(x, pack_weight(weight), 70, bias)
-    assert out.shape == (3, 4, 70)
-    assert relative_error(out, F.linear(x.double(), weight.double(), bias.double())) < 1e-5
 
 
 @needs_float_rows
