@@ -83,8 +83,8 @@ struct OpReplay : torch::CustomClassHolder {
     ops.push_back(std::move(recorded));
   }
 
-  // A run in parts, for host calls between ops (a collective's Python): start(), run_ops(n) to run the ops up to
-  // the n-th, value(slot) for a host call's tensor, finish(result_slot) to run the rest. run() is all of it.
+  // A run in parts, for host calls between ops (a collective's Python): start(), run_to(n, slot) to run the ops
+  // up to the n-th and hand over a host call's tensor, finish(result_slot) to run the rest. run() is all of it.
   void start() {
     values_.assign(num_slots, c10::IValue());
     next_ = 0;
@@ -112,7 +112,7 @@ struct OpReplay : torch::CustomClassHolder {
     }
   }
 
-  // run_ops(end), then value(slot): a host call's tensor in one call from Python
+  // the ops up to end, then the tensor in slot: a host call's, in one call from Python
   at::Tensor run_to(int64_t end, int64_t slot) {
     run_ops(end);
     return value(slot);
@@ -149,8 +149,6 @@ TORCH_LIBRARY(tpengine_op_replay, m) {
       .def(torch::init<>())
       .def("add", &OpReplay::add)
       .def("start", &OpReplay::start)
-      .def("run_ops", &OpReplay::run_ops)
-      .def("value", &OpReplay::value)
       .def("run_to", &OpReplay::run_to)
       .def("finish", &OpReplay::finish)
       .def("run", &OpReplay::run);

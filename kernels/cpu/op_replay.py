@@ -19,6 +19,6 @@ def available() -> bool:
 def new_program():
     """An empty OpReplay: add(name, overload, arguments, input_positions, input_slots, output_slots, returns_list)
     per op, in order (arguments: every schema argument, a computed input as None at its position, filled from its
-    slot), then run(result_slot) -> the tensor in that slot; or, with host calls between ops, start(), run_ops(n)
-    up to the n-th op, value(slot) for a call's tensor, finish(result_slot). Needs available()."""
+    slot), then run(result_slot) -> the tensor in that slot; or, with host calls between ops, start(),
+    run_to(n, slot) (the ops up to the n-th, then a call's tensor), finish(result_slot). Needs available()."""
     return torch.classes.tpengine_op_replay.OpReplay()

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_in, packed_quantized
+from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_as_loaded
 from tpengine.platforms import current_platform
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
@@ -29,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.dtype = self.weight.dtype  # the model's: the rows' dtype, whatever the table is kept in
         platform = current_platform()
         self.pack_quantized_weight, self.embedding_rows = platform.pack_quantized_weight, platform.embedding_rows
-        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.pack_linear_weight = platform.pack_linear_weight
         self.packed_rows = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded) -> None:
@@ -53,9 +53,8 @@ class VocabParallelEmbedding(nn.Module):
         """After loading: a quantized table stays packed; its rows are dequantized as tokens gather them. So does a
         table kept in weight_dtype (the platform's linear_weight_dtype), in the LM head's packed form: a tied
         head shares it."""
-        self.packed_rows = packed_quantized(self.weight, self.pack_quantized_weight)
-        if self.packed_rows is None and weight_dtype is not None:
-            self.packed_rows = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
+        self.packed_rows = packed_as_loaded(self.weight, weight_dtype, self.pack_quantized_weight,
+                                            self.pack_linear_weight)
 
     def lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.packed_rows is None:
@@ -78,14 +77,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
+        self.linear = current_platform().linear
         self.packed_weight = None
 
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: logits from the platform's packed copy where it makes one (the CPU's, or a quantized
         weight's). A float weight stays: a tied embedding shares it; one kept in weight_dtype is shared packed."""
-        self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
-        if self.packed_weight is None and weight_dtype is not None:
-            self.packed_weight = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
+        self.packed_weight = packed_as_loaded(self.weight, weight_dtype, self.pack_quantized_weight,
+                                              self.pack_linear_weight)
         if self.packed_weight is None:
             self.packed_weight = self.pack_linear_weight(self.weight)
 

@@ -82,6 +82,15 @@ def packed_in(param: nn.Parameter, weight_dtype: torch.dtype, pack):
     return param.packed_in_weight_dtype
 
 
+def packed_as_loaded(param: nn.Parameter, weight_dtype: torch.dtype | None, pack_quantized, pack_linear):
+    """What prepack makes of a parameter before any float packing: its quantized parts packed (packed_quantized), else
+    its weights kept in weight_dtype (packed_in), else None."""
+    packed = packed_quantized(param, pack_quantized)
+    if packed is None and weight_dtype is not None:
+        packed = packed_in(param, weight_dtype, pack_linear)
+    return packed
+
+
 def load_fused(param: nn.Parameter, loaded: Loaded, part_sizes: dict, load_part) -> None:
     """A checkpoint tensor holding every part of a packed parameter, stacked by rows in part_sizes' order: each
     part goes through the per-part loader (load_part(param, part, shard_id)), so it is sharded as a part would."""
@@ -125,9 +134,8 @@ class LinearBase(nn.Module):
         """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's, or
         any platform's of a quantized weight), and free the plain weight it replaces. weight_dtype: the platform's
         linear_weight_dtype, where the copy keeps its weights in another dtype than the model's."""
-        self.packed_weight = packed_quantized(self.weight, self.pack_quantized_weight)
-        if self.packed_weight is None and weight_dtype is not None:
-            self.packed_weight = packed_in(self.weight, weight_dtype, self.pack_linear_weight)
+        self.packed_weight = packed_as_loaded(self.weight, weight_dtype, self.pack_quantized_weight,
+                                              self.pack_linear_weight)
         if self.packed_weight is None:
             self.packed_weight = self.pack_linear_weight(self.weight)
         if self.packed_weight is not None:
