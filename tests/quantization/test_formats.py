@@ -229,6 +229,28 @@ def test_gptq_leaves_lm_head_and_modules_to_not_convert_float():
     assert awq.skips("visual.blocks.0.attn.qkv") and not awq.skips("model.layers.0.self_attn.q_proj")
 
 
+def test_gptq_quantizes_only_modules_in_block_to_quantize():
+    config = {**quantization_config(CheckpointFormat("gptq")), "lm_head": True,
+              "modules_in_block_to_quantize": [["self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj"],
+                                               ["mlp.gate"]]}
+    gptq = QuantizationConfig.from_hf(config)
+    assert gptq.quantized_tensor("model.layers.2.self_attn.q_proj") == "model.layers.2.self_attn.q_proj.qweight"
+    assert gptq.quantized_tensor("model.layers.2.mlp.gate") == "model.layers.2.mlp.gate.qweight"
+    assert gptq.skips("model.layers.2.self_attn.o_proj") and gptq.skips("model.layers.2.mlp.gate_proj")
+    assert gptq.quantized_tensor("model.layers.2.self_attn.o_proj") is None
+    assert not gptq.skips("lm_head")  # outside the decoder layers the list names
+
+
+def test_quantized_tensor_names_the_marker_each_format_stores():
+    module = "model.layers.0.mlp.up_proj"
+    expected = {"gptq": "qweight", "awq": "qweight", "pack-quantized": "weight_packed",
+                "int-quantized": "weight_scale", "float-quantized": "weight_scale"}
+    for method, marker in expected.items():
+        config = QuantizationConfig.from_hf(quantization_config(CheckpointFormat(method)))
+        assert config.quantized_tensor(module) == f"{module}.{marker}", method
+        assert config.quantized_tensor("lm_head") is None, method
+
+
 # --- refusals --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, message", [
@@ -270,6 +292,33 @@ def test_inconsistent_tensors_are_refused_naming_module_and_tensor():
         config.read_linear("model.layers.0.mlp.up_proj", {**tensors, "weight_scale": tensors["weight_scale"][:, :2]})
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj: missing tensor 'weight_scale'"):
         config.read_linear("model.layers.0.mlp.up_proj", {k: v for k, v in tensors.items() if k != "weight_scale"})
+
+
+@pytest.mark.parametrize("fmt, suffix", [
+    (CheckpointFormat("gptq", group_size=32), "scales"),
+    (CheckpointFormat("awq", group_size=32), "scales"),
+    (CheckpointFormat("pack-quantized", group_size=32, sym=False), "weight_scale"),
+    (CheckpointFormat("int-quantized", group_size=None), "weight_scale"),
+    (CheckpointFormat("float-quantized", fp8_strategy="tensor"), "weight_scale"),
+], ids=lambda v: v.method if isinstance(v, CheckpointFormat) else None)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_scale_is_refused_naming_the_tensor(fmt, suffix, value):
+    _, tensors, config = _linear(fmt, scale_dtype=torch.float16 if fmt.method in ("gptq", "awq") else torch.float32)
+    scale = tensors[suffix].clone()
+    scale.view(-1)[-1] = value
+    with pytest.raises(ValueError, match=rf"model.layers.0.mlp.up_proj.{suffix} has 1 non-finite values "
+                                         r"\(NaN or Inf\): the checkpoint is corrupt"):
+        config.read_linear("model.layers.0.mlp.up_proj", {**tensors, suffix: scale})
+
+
+def test_an_mxfp4_scale_of_0xff_is_refused_as_nan_naming_the_tensor():
+    config = QuantizationConfig.from_hf({"quant_method": "mxfp4"})
+    blocks, scales = torch.zeros(2, 8, 2, 16, dtype=torch.uint8), torch.full((2, 8, 2), 127, dtype=torch.uint8)
+    assert config.read_linear("model.layers.0.mlp.experts.down_proj", {"blocks": blocks, "scales": scales}).shape \
+        == (2, 64, 8)
+    scales[1, 3] = 0xFF  # e8m0's NaN
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.down_proj_scales has 2 non-finite values"):
+        config.read_linear("model.layers.0.mlp.experts.down_proj", {"blocks": blocks, "scales": scales})
 
 
 # --- online quantization ------------------------------------------------------------------------------------

@@ -100,6 +100,18 @@ def test_fp8_method_without_blocks_reads_a_per_tensor_scale_and_static_input_sca
     assert config.skips("model.layers.0.mlp.down_proj") and not config.skips("model.layers.1.mlp.down_proj")
 
 
+def test_fp8_method_non_finite_block_scales_and_input_scales_are_refused_naming_the_tensor():
+    blocks = QuantizationConfig.from_hf(QWEN_FP8)
+    tensors = block_fp8(_weight(), (16, 16))
+    tensors["weight_scale_inv"][1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv has 1 non-finite values \(NaN or Inf\)"):
+        blocks.read_linear("model.layers.0.self_attn.q_proj", tensors, keep_fp8=True)
+    static = QuantizationConfig.from_hf({"quant_method": "fp8", "activation_scheme": "static"})
+    tensors = pack_fp8(_weight(), CheckpointFormat("float-quantized", fp8_strategy="tensor"), torch.float32)
+    with pytest.raises(ValueError, match=r"q_proj.input_scale has 1 non-finite values"):
+        static.read_linear("model.layers.0.self_attn.q_proj", {**tensors, "input_scale": torch.tensor(float("inf"))})
+
+
 @pytest.mark.parametrize("change,message", [
     ({"fmt": "e5m2"}, "fp8 fmt 'e5m2' is not supported"),
     ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported with blocks"),

@@ -37,6 +37,16 @@ def test_an_fp8_checkpoint_with_kv_cache_scales_loads_them_into_each_layer(tiny_
     assert loaded == pytest.approx([0.02, 0.03, 0.04, 0.05])
 
 
+def test_a_nan_kv_cache_scale_is_a_value_error_naming_it(tiny_model, tmp_path):
+    path = str(tmp_path / "fp8-kv")
+    write_quantized_checkpoint(tiny_model, path, FP8_WEIGHTS)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([float("nan")])
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_proj.output_scale has 1 non-finite values"):
+        LLM(path, kvcache_block_size=16, num_kvcache_blocks=4, kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("change, shown", [
     (dict(strategy="attn_head"), "'strategy': 'attn_head'"),  # a scale per KV head
     (dict(type="int"), "'type': 'int'"),

@@ -8,8 +8,9 @@ parameter takes one, else as its float weight. A float checkpoint quantized at l
 linear's weight quantized whole, before any rank takes its shard, so every tensor-parallel size computes
 with the same scales.
 
-A checkpoint that cannot fill the model (a file cut short, a tensor missing or of the wrong shape)
-is a ValueError naming the file or tensor, raised alike on every rank.
+A checkpoint that cannot fill the model (a file cut short, a tensor missing or of the wrong shape), a scale
+that is NaN or Inf, or a linear stored float where the checkpoint's quantization_config quantizes it, is a
+ValueError naming the file or tensor, raised alike on every rank.
 """
 import json
 import os
@@ -21,7 +22,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tpengine.layers.attention import kv_scale_target
 from tpengine.layers.linear import FUSED, check_weight_shape
+from tpengine.quantization.config import check_finite_scales
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,9 @@ class OnlineQuantization:
         takes = "takes_fp8" if self.fp8 else "takes_quantized"
         if not getattr(param, takes, False) or target.endswith(".bias"):
             return False
-        if ".mlp.gate." in target:  # an MoE router: tiny, and its top-k choice is sensitive
+        if _is_moe_router(target):
             return False
-        return self.lm_head or not (target.startswith("lm_head.") or "embed_tokens." in target)
+        return self.lm_head or not _is_head_or_embedding(target)
 
     def quantize(self, weight: torch.Tensor):
         if self.fp8:
@@ -48,6 +51,15 @@ class OnlineQuantization:
             return quantize_fp8_weight(weight)
         from tpengine.quantization.online import quantize_weight
         return quantize_weight(weight.float(), self.bits, self.group_size, self.activation)
+
+
+def _is_moe_router(target: str) -> bool:
+    # tiny, and its top-k choice is sensitive: quantizers leave it float unless told
+    return ".mlp.gate." in target or ".mlp.router." in target
+
+
+def _is_head_or_embedding(target: str) -> bool:
+    return target.startswith("lm_head.") or "embed_tokens." in target
 
 
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
@@ -86,6 +98,20 @@ def _quantized_modules(quantization, files_of: dict[str, str]) -> dict[str, dict
             modules.setdefault(module, {})[suffix] = name
     return {module: tensors for module, tensors in modules.items()
             if not quantization.skips(module) and quantization.is_quantized(module, set(tensors))}
+
+
+def _check_not_left_float(quantization, name: str, target: str, param: nn.Parameter) -> None:
+    """A linear's or expert's float weight where the quantization_config quantizes its module is a ValueError naming
+    the quantized tensor the checkpoint lacks (a float checkpoint under a quantized one's config, say). The router,
+    LM head and embedding are left alone: the tools leave them float unless told, and the config may not say."""
+    module, _ = quantization.split_name(name)
+    if name != quantization.weight_name(module) or param.dim() < 2 or _is_moe_router(target) \
+            or _is_head_or_embedding(target):
+        return  # not a weight the quantization tools quantize by default
+    expected = quantization.quantized_tensor(module)
+    if expected is not None:
+        raise ValueError(f"checkpoint tensor {name!r} is float, but its {quantization.method} quantization_config "
+                         f"quantizes {module!r}: the checkpoint lacks {expected!r}")
 
 
 def _served(model: nn.Module, name: str) -> bool:
@@ -140,6 +166,8 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
         target, args = model.checkpoint_target(name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+        if quantization is not None:
+            _check_not_left_float(quantization, name, target, params[target])
         key = (id(params[target]), args)
         if key not in chosen or target == canonical[key[0]]:
             chosen[key] = (file, name, target, args)
@@ -147,6 +175,8 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
         with _open(file) as f:
             for _, name, target, args in (entry for entry in chosen.values() if entry[0] == file):
                 param, tensor = params[target], f.get_tensor(name)
+                if kv_scale_target(name) is not None:
+                    check_finite_scales(name, tensor)
                 if online is not None and tensor.dim() == 2 and online.applies_to(target, param):
                     tensor = online.quantize(tensor)
                 _load(param, tensor, args, f"checkpoint tensor {name!r} in {file}")

@@ -10,6 +10,7 @@ The loader groups a checkpoint's tensors by module prefix and asks, for each mod
     config = QuantizationConfig.from_hf(hf_config["quantization_config"])   # ValueError: what is unsupported
     config.skips(module_name) -> bool          # left float by the checkpoint (ignore, lm_head, ...)
     config.is_quantized(module_name, suffixes_present) -> bool
+    config.quantized_tensor(module_name) -> str | None   # what a float weight there lacks (a float checkpoint)
     config.read_linear(module_name, tensors_by_suffix) -> QuantizedWeight | torch.Tensor
 `tensor_suffixes` names every suffix a quantized linear of this checkpoint may have (a "bias" stays the
 loader's). int-quantized and float-quantized keep the suffix "weight" for the quantized tensor, so a
@@ -17,7 +18,8 @@ module is quantized when it is not skipped and carries that format's scale ("wei
 names alone. read_linear takes one whole, unsharded linear and returns its QuantizedWeight; an FP8 linear
 (compressed-tensors float-quantized, or the "fp8" method of DeepSeek-V3's and Qwen's FP8 releases) is read as
 its float32 [out, in] weight, its input_scale unused (the CPU converts FP8 at load), or with keep_fp8 as an
-Fp8Weight with its scales and input_scale (a platform with FP8 matmuls).
+Fp8Weight with its scales and input_scale (a platform with FP8 matmuls). Every scale read must be finite:
+check_finite_scales names the tensor that is not.
 """
 import math
 import re
@@ -64,6 +66,7 @@ class QuantizationConfig:
     schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...]  # (targets, scheme), compressed-tensors' groups
     ignore: tuple[str, ...] = ()  # exact module names and "re:" patterns left float (compressed-tensors)
     not_converted: tuple[str, ...] = ()  # dotted parts of module names left float (GPTQ, AWQ)
+    quantized_only: tuple[str, ...] = ()  # dotted parts naming the only modules quantized; (): all (GPTQ)
     lm_head_quantized: bool = False
 
     # a summary for logs: the first scheme's
@@ -128,24 +131,34 @@ class QuantizationConfig:
 
     def skips(self, module_name: str) -> bool:
         """Whether the checkpoint leaves this module float (ignored, not converted, or no group targets it)."""
-        if module_name == "lm_head" or module_name.endswith(".lm_head"):
-            if not self.lm_head_quantized and self.method != "compressed-tensors":
-                return True
+        is_lm_head = module_name == "lm_head" or module_name.endswith(".lm_head")
+        if is_lm_head and not self.lm_head_quantized and self.method != "compressed-tensors":
+            return True
         if any(_matches(module_name, pattern) for pattern in self.ignore):
             return True
-        # whole dotted parts, so that "mlp.gate" (an MoE router) does not also leave mlp.gate_proj float
-        if any(f".{part}." in f".{module_name}." for part in self.not_converted):
+        if any(_has_part(module_name, part) for part in self.not_converted):
+            return True
+        # GPTQ's modules_in_block_to_quantize names the decoder layers' quantized linears; lm_head is outside them
+        if self.quantized_only and not is_lm_head and \
+                not any(_has_part(module_name, part) for part in self.quantized_only):
             return True
         return self.scheme_for(module_name) is None
 
     def is_quantized(self, module_name: str, suffixes_present: set[str]) -> bool:
         """Whether this module's tensors are a quantized linear: it is not skipped and carries its format's
         quantized tensor (an int-quantized or FP8 "weight" comes with a "weight_scale"; a norm's does not)."""
+        expected = self.quantized_tensor(module_name)
+        return expected is not None and self.split_name(expected)[1] in suffixes_present
+
+    def quantized_tensor(self, module_name: str) -> str | None:
+        """The checkpoint tensor that marks this linear as stored quantized (GPTQ's and AWQ's qweight,
+        pack-quantized's weight_packed, an int- or float-quantized weight's scale), or None where the checkpoint
+        leaves it float."""
         if self.skips(module_name):
-            return False
+            return None
         scheme = self.scheme_for(module_name)
         marker = {"pack-quantized": "weight_packed", "gptq": "qweight", "awq": "qweight"}
-        return marker.get(scheme.layout, _fp8_scale_suffix(scheme)) in suffixes_present
+        return f"{module_name}.{marker.get(scheme.layout, _fp8_scale_suffix(scheme))}"
 
     def scheme_for(self, module_name: str) -> LinearScheme | None:
         """The scheme of the most specific target that names this module: exact name, then "re:" pattern,
@@ -187,6 +200,20 @@ def _matches(module_name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module_name) is not None
     return module_name == pattern
+
+
+def _has_part(module_name: str, part: str) -> bool:
+    # whole dotted parts, so that "mlp.gate" (an MoE router) does not also name mlp.gate_proj
+    return f".{part}." in f".{module_name}."
+
+
+def check_finite_scales(name: str, scales: torch.Tensor) -> None:
+    """A ValueError naming the checkpoint tensor when any of its scales is NaN or Inf (uint8 scales are e8m0
+    exponents, MXFP4's, whose 0xFF is NaN): a model loaded with one would answer every request with nothing."""
+    non_finite = scales == 0xFF if scales.dtype == torch.uint8 else ~torch.isfinite(scales)
+    count = int(non_finite.sum())
+    if count:
+        raise ValueError(f"{name} has {count} non-finite values (NaN or Inf): the checkpoint is corrupt")
 
 
 # --- configs -----------------------------------------------------------------------------------------------
@@ -349,13 +376,16 @@ def _gptq_config(d: dict) -> QuantizationConfig:
         if not pattern.startswith("-:"):
             raise ValueError(f"GPTQ dynamic override {pattern!r} is not supported; tpengine reads '-:' exclusions")
         skipped.append("re:" + pattern[2:])
+    # a list of lists of names within a decoder layer, in the order GPTQ quantizes them ("self_attn.q_proj", ...)
+    quantized_only = tuple(name for names in d.get("modules_in_block_to_quantize") or ()
+                           for name in ([names] if isinstance(names, str) else names))
     scheme = LinearScheme(layout="gptq", bits=bits, group_size=None if group_size == -1 else group_size,
                           symmetric=bool(d.get("sym", True)), activation="float",
                           strategy="channel" if group_size == -1 else "group",
                           zeros_stored_minus_one=checkpoint_format == "gptq")
     return QuantizationConfig(method="gptq", schemes=((("Linear",), scheme),), ignore=tuple(skipped),
                               not_converted=tuple(d.get("modules_to_not_convert") or ()),
-                              lm_head_quantized=bool(d.get("lm_head", False)))
+                              quantized_only=quantized_only, lm_head_quantized=bool(d.get("lm_head", False)))
 
 
 def _awq_config(d: dict) -> QuantizationConfig:
@@ -401,9 +431,13 @@ class _Tensors:
         return tensor
 
     def scale(self, suffix: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return self.get(suffix, (torch.float32, torch.float16, torch.bfloat16), shape).float()
+        """A scale as float32, checked finite (read each scale through here once: the check is its cost)."""
+        scale = self.get(suffix, _SCALE_DTYPES, shape)
+        check_finite_scales(f"{self.module_name}.{suffix}", scale)
+        return scale.float()
 
 
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -517,7 +551,7 @@ def _read_fp8(tensors: _Tensors, scheme: LinearScheme) -> Fp8Weight:
 def _read_gptq(tensors: _Tensors, scheme: LinearScheme) -> QuantizedWeight:
     per_word = 32 // scheme.bits
     qweight = tensors.get("qweight", (torch.int32,))
-    scales = tensors.scale("scales")
+    scales = tensors.get("scales", _SCALE_DTYPES)
     if qweight.dim() != 2 or scales.dim() != 2:
         raise tensors.error("qweight", f"shape {list(qweight.shape)} with scales {list(scales.shape)}, "
                             "expected [in * bits / 32, out] and [groups, out]")

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tpengine.quantization.config import check_finite_scales
+
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP_SIZE = 32  # values per scale
 _KNOWN_KEYS = {"quant_method", "modules_to_not_convert", "dequantize"}
+_EXPERT_PROJECTIONS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -73,11 +76,16 @@ class Mxfp4Config:
     def is_quantized(self, module_name: str, suffixes_present: set[str]) -> bool:
         return "blocks" in suffixes_present
 
+    def quantized_tensor(self, module_name: str) -> str | None:
+        """The tensor an expert projection is stored in (MXFP4 quantizes the experts only), else None."""
+        return f"{module_name}_blocks" if module_name.endswith(_EXPERT_PROJECTIONS) else None
+
     def read_linear(self, module_name: str, tensors: dict[str, torch.Tensor], keep_fp8: bool = False) -> torch.Tensor:
         """The float tensor (keep_fp8 is QuantizationConfig's: MXFP4 is always read into floats)."""
         missing = sorted(self.tensor_suffixes - set(tensors))
         if missing:
             raise ValueError(f"{module_name}: missing tensor {missing[0]!r}")
+        check_finite_scales(f"{module_name}_scales", tensors["scales"])
         # bfloat16 holds every value float32 does (an FP4 value times 2^-127..2^127: at most 2 significant bits,
         # float32's exponent range), in half the memory; the weight loader casts it to the model's dtype
         return dequantize_mxfp4(tensors["blocks"], tensors["scales"], torch.bfloat16)
