@@ -38,6 +38,8 @@ def test_launch_scripts_take_every_flag_of_their_command(command, capsys):
     args = build_parser(under_torchrun=True).parse_args([command, "--pp", "2"])
     assert args.tp is None and args.pp == 2 and args.pp_layer_partition is None
     assert build_parser().parse_args([command, "--pp-layer-partition", "3,1"]).pp_layer_partition == [3, 1]
+    # a count that starts with '-' is a value, for the engine to refuse by name, not a flag
+    assert build_parser().parse_args([command, "--pp-layer-partition", "-1,5"]).pp_layer_partition == [-1, 5]
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([command, "--pp-layer-partition", "3,x"])
     assert exit_info.value.code == 2 and "comma-separated layer counts" in capsys.readouterr().err
@@ -115,6 +117,9 @@ def test_default_model_from_stdin_at_tp_2_says_it_is_the_tiny_model(tmp_path):
     (["--speculative-config", "ngram", "hi"], "argument --speculative-config: not JSON"),
     (["--speculative-config", '{"model": "/no/such/draft", "num_speculative_tokens": 2}', "hi"],
      "/no/such/draft"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 100000}', "hi"],
+     "num_speculative_tokens=100000 is more than the limit of 32"),
+    (["--pp", "2", "--pp-layer-partition", "-1,5", "hi"], "pp_layer_partition=[-1, 5] must be 2 counts >= 1"),
 ])
 def test_user_mistakes_print_one_error_line_and_exit_2(tied_model, capsys, argv, message):
     try:

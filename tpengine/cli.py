@@ -4,6 +4,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
 from tpengine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS,
@@ -18,7 +19,31 @@ MAX_NUM_SEQS = 512
 SERVE_CPU_MAX_NUM_SEQS = 128
 
 
+# Flags whose value may start with '-' (layer counts such as -1,5, which the engine then refuses by name).
+_DASHED_VALUE_FLAGS = ("--pp-layer-partition",)
+
+
+def _join_dashed_values(argv: list[str]) -> list[str]:
+    """'--pp-layer-partition -1,5' as '--pp-layer-partition=-1,5': argparse reads a separate value that starts
+    with '-' as a flag (and says "expected one argument"); joined, the value reaches its own check."""
+    joined, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":  # the rest are positional: left as they are
+            return joined + argv[i:]
+        if argv[i] in _DASHED_VALUE_FLAGS and i + 1 < len(argv) and re.match(r"-\d", argv[i + 1]):
+            joined.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(argv[i])
+            i += 1
+    return joined
+
+
 class _Parser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        return super().parse_known_args(_join_dashed_values(sys.argv[1:] if args is None else list(args)),
+                                        namespace)
+
     def error(self, message):
         # every user mistake reads the same: "tpengine: error: ...", exit status 2
         self.exit(2, f"tpengine: error: {message} (see: {self.prog} --help)\n")
@@ -70,7 +95,8 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve the OpenAI API over HTTP",
         description="Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions (streamed as "
-                    "server-sent events when asked), /v1/models, /health and Prometheus /metrics. "
+                    "server-sent events when asked), /v1/models, vLLM's /tokenize, /detokenize and /version, "
+                    "/health and Prometheus /metrics. "
                     "SIGTERM or Ctrl-C stops it cleanly.")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
                                                            "only; 0.0.0.0 for every interface)")
@@ -78,8 +104,8 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name clients send (default: the --model value, "
                                                    "or tpengine-tiny for the embedded model)")
     serve.add_argument("--api-key", default=os.environ.get("TPENGINE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TPENGINE_API_KEY, "
-                            "else no key)")
+                       help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize (default: "
+                            "$TPENGINE_API_KEY, else no key)")
     serve.add_argument("--chat-template", help="Jinja chat template file (or the template itself) for models "
                                                "whose tokenizer has none, or to override it")
     serve.add_argument("--body-timeout", type=float, default=60.0,

@@ -6,6 +6,7 @@ import pytest
 
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
+from tpengine.config import MAX_SPECULATIVE_TOKENS
 from tpengine.tiny_model import write_layer_draft, write_tiny_model
 
 VOCAB = TP_MODEL["vocab_size"]
@@ -141,6 +142,18 @@ def test_a_draft_that_is_the_model_has_every_draft_accepted_through_preemptions(
         assert llm.num_preemptions > 0 and llm.kv_cache_usage == 0.0
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats["num_accepted_tokens"] >= 0.9 * stats["num_draft_tokens"] > 0
+
+
+def test_the_most_speculative_tokens_equal_transformers_and_more_are_refused_naming_the_limit(tiny_model):
+    prompts = prompts_with_a_loop(7)[-2:]
+    with LLM(tiny_model, max_model_len=256,
+             speculative_config={**NGRAM, "num_speculative_tokens": MAX_SPECULATIVE_TOKENS}) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert len(llm.spec_decode_stats["num_accepted_tokens_per_pos"]) == MAX_SPECULATIVE_TOKENS
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match=f"num_speculative_tokens=100000 is more than the limit of "
+                                         f"{MAX_SPECULATIVE_TOKENS}"):
+        LLM(tiny_model, speculative_config={**NGRAM, "num_speculative_tokens": 100000})
 
 
 def test_draft_models_the_engine_cannot_run_are_refused_by_name(tiny_model, other_draft, tmp_path):

@@ -51,10 +51,86 @@ def test_invalid_chat_requests_get_400(server, body, message):
     assert_openai_error(status, answer, message)
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "a", "temperature": 2.5}, "temperature", "from 0 to 2.0"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": 2.01}, "temperature", "from 0 to 2.0"),
+    ("/v1/chat/completions", {"messages": [*HI, {"role": "wizard", "content": "hi"}]}, "messages.1.role",
+     "unknown role 'wizard'"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER_TOOL, WEATHER_TOOL], "tool_choice": "required"},
+     "tools", "'get_weather' is given to two tools"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     'type "json_schema" needs json_schema'),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema", 'type "json_schema" needs json_schema'),
+])
+def test_openais_limits_and_shapes_get_400_naming_the_field(server, path, body, param, message):
+    status, answer = server.request("POST", path, {"model": "tiny", **body})
+    assert status == 400, answer
+    assert_openai_error(status, answer, message)
+    assert answer["error"]["param"] == param, answer
+
+
+def test_openais_edges_are_accepted(client):
+    client.completions.create(model="tiny", prompt="a", max_tokens=1, temperature=2.0)
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "system", "content": "Be kind."},
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, tools=[WEATHER_TOOL],
+                                   tool_choice="none")
+
+
+@pytest.mark.parametrize("structured", [
+    {"response_format": {"type": "json_schema"}},
+    {"response_format": {"type": "json_schema", "json_schema": None}},
+    {"response_format": {"type": "json_schema", "json_schema": {}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+    {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+    {"response_format": {"type": "nope"}},
+    {"response_format": {}},
+    {"response_format": "json_object"},
+    {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+    {"structured_outputs": {}},
+    {"structured_outputs": "x"},
+    {"structured_outputs": {"json": 5}},
+    {"structured_outputs": {"json": "{bad"}},
+    {"structured_outputs": {"json_object": "yes"}},
+    {"structured_outputs": {"regex": "("}},
+    {"structured_outputs": {"choice": "a"}},
+    {"structured_outputs": {"grammar": ["root ::= x"]}},
+    {"structured_outputs": {"regex": "a", "disable_any_whitespace": "no"}},
+    {"structured_outputs": {"json": {"type": "array", "minItems": 5, "maxItems": 2}}},
+    {"structured_outputs": {"bogus": 1}},
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_structured_output_shape_mistakes_get_400_naming_the_field(server, path, structured):
+    base = {"prompt": "a"} if path == "/v1/completions" else {"messages": HI}
+    status, answer = server.request("POST", path, {"model": "tiny", "max_tokens": 2, **base, **structured})
+    assert status == 400, answer
+    assert_openai_error(status, answer)
+    assert answer["error"]["param"].split(".")[0] in structured, answer
+
+
 def test_malformed_json_gets_400(server):
     status, answer = server.request("POST", "/v1/completions", "{not json", {"Content-Type": "application/json"})
     assert status == 400
     assert_openai_error(status, answer, "JSON")
+
+
+def test_json_nested_deeper_than_the_server_reads_gets_400(server):
+    schema = "[" * 20000 + "]" * 20000
+    body = '{"model": "tiny", "prompt": "a", "response_format": {"type": "json_schema", "json_schema": ' \
+           '{"name": "deep", "schema": {"items": ' + schema + "}}}}"
+    status, answer = server.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 400
+    assert_openai_error(status, answer, "nests deeper than this server reads")
 
 
 def test_unknown_model_gets_404(client):
@@ -113,6 +189,15 @@ def test_missing_or_wrong_api_key_gets_401(secured_server):
     assert secured_server.request("GET", "/metrics")[0] == 200
     with openai.OpenAI(base_url=f"{secured_server.url}/v1", api_key=API_KEY, max_retries=0) as client:
         assert [model.id for model in client.models.list()] == ["tiny"]
+
+
+def test_the_tokenizer_endpoints_need_the_api_key_and_the_version_does_not(secured_server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [72]})):
+        status, answer = secured_server.request("POST", path, body)
+        assert status == 401
+        assert_openai_error(status, answer, "API key")
+        assert secured_server.request("POST", path, body, {"Authorization": f"Bearer {API_KEY}"})[0] == 200
+    assert secured_server.request("GET", "/version")[0] == 200
 
 
 def test_chat_without_any_template_gets_400_naming_the_flag(secured_server):

@@ -1,8 +1,11 @@
 """The FastAPI app: routes, the API key, the body-size cap, and errors in OpenAI's shape."""
 import asyncio
+import importlib.metadata
 import logging
 import secrets
+import sys
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -16,7 +19,8 @@ from tpengine.entrypoints.async_engine import AsyncEngine
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
-from tpengine.entrypoints.protocol import FIELD_KINDS, ChatCompletionRequest, CompletionRequest
+from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeChatRequest, tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.serving import ApiError
 
@@ -26,6 +30,8 @@ logger = logging.getLogger("tpengine")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 # A client has this long to send a whole request body: a slow one cannot hold a connection forever.
 BODY_TIMEOUT_S = 60.0
+# What --api-key guards: the routes that do work for a client (health, metrics and the version stay open).
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
 
 
 def error_response(error: ApiError, close: bool = False) -> JSONResponse:
@@ -61,7 +67,7 @@ def _bearer_token(authorization: bytes) -> bytes | None:
 
 
 class RequestGate:
-    """ASGI middleware in front of every route: the API key on /v1, the body-size cap (a body over it
+    """ASGI middleware in front of every route: the API key on KEYED_PATHS, the body-size cap (a body over it
     gets a 413 whether or not it says its length), the body deadline (408), and the drain at shutdown
     (503 for a body still arriving). Pure ASGI, so streams pass untouched."""
 
@@ -72,7 +78,7 @@ class RequestGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and scope["path"].startswith(KEYED_PATHS):
             token = _bearer_token(dict(scope["headers"]).get(b"authorization", b""))
             if token is None or not secrets.compare_digest(token, self.api_key):
                 error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
@@ -122,16 +128,23 @@ class RequestGate:
         return bytes(body)
 
 
-def parse_request(model: type[BaseModel], body: bytes, max_request_len: int) -> BaseModel:
-    """A request body as `model`, or an ApiError naming what is wrong. msgspec decodes the JSON (several
-    times faster than json.loads on long token lists, and this runs on the event loop); the model's checks
-    know the server's token limit, so a prompt that cannot fit is refused before its tokens are checked."""
+def parse_request(model: type[BaseModel] | Callable[[dict], type[BaseModel]], body: bytes,
+                  max_request_len: int) -> BaseModel:
+    """A request body as `model` (or as the model that function of the decoded body picks), or an ApiError
+    naming what is wrong. msgspec decodes the JSON (several times faster than json.loads on long token lists,
+    and this runs on the event loop); the model's checks know the server's token limit, so a prompt that
+    cannot fit is refused before its tokens are checked."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec descends as deep as Python's recursion limit lets it
+        raise ApiError(400, f"the body's JSON nests deeper than this server reads (about {sys.getrecursionlimit()} "
+                            "levels)") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    if not isinstance(model, type):
+        model = model(data)
     try:
         return model.model_validate(data, context={"max_request_len": max_request_len})
     except ValidationError as e:
@@ -165,6 +178,13 @@ def validation_error(problems: list[dict]) -> ApiError:
 def _is_union_tag(part) -> bool:
     # pydantic names a union's alternatives in loc by their type ("str", "list[str]", "constrained-int", ...)
     return isinstance(part, str) and any(c in part for c in "[]-") or part in ("str", "int", "float", "bool", "none")
+
+
+def tpengine_version() -> str:
+    try:
+        return importlib.metadata.version("tpengine")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model_name: str, model_path: str,
@@ -217,11 +237,21 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
             return Response(status_code=200)
         return error_response(ApiError(503, f"the engine is not running: {engine.error}", "service_unavailable"))
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "tpengine",
+                  "root": model_path, "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "tpengine", "root": model_path,
-                                            "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path, as a served name may hold slashes ("org/model")
+    async def retrieve_model(model_id: str):
+        completions.check_model(model_id)
+        return model_card
+
+    @app.get("/version")
+    async def version():
+        return {"version": tpengine_version()}
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request):
@@ -241,6 +271,30 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(raw_request: Request):
         return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
+
+    # vLLM's tokenizer endpoints: the token ids /v1/completions or /v1/chat/completions would run, and the text of ids
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request):
+        request = parse_request(tokenize_request_kind, await raw_request.body(), max_request_len)
+        if isinstance(request, TokenizeChatRequest):
+            tokens = (await chat.render(request))["token_ids"]
+        else:
+            tokens = (await completions.render(request))[0]["token_ids"]
+        token_strs = await renderer.run(renderer.tokenizer.convert_ids_to_tokens, tokens) \
+            if request.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request):
+        request = parse_request(DetokenizeRequest, await raw_request.body(), max_request_len)
+        completions.check_model(request.model)
+        if renderer.tokenizer is None:
+            raise ApiError(400, "this model folder has no tokenizer, so token ids have no text here", param="tokens")
+        vocab_size = engine.engine.vocab_size
+        if request.tokens and max(request.tokens) >= vocab_size:
+            raise ApiError(400, f"token id {max(request.tokens)} is outside the vocabulary [0, {vocab_size})",
+                           param="tokens")
+        return {"prompt": await renderer.run(renderer.tokenizer.decode, request.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -18,6 +18,10 @@ from tpengine.sampling_params import (MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_
 MAX_N = 128
 # and give at most this many prompts (each one a request in the engine)
 MAX_PROMPTS = 1024
+# OpenAI's highest temperature: past it the endpoints refuse what OpenAI refuses (the offline LLM takes more)
+MAX_TEMPERATURE = 2.0
+# The roles OpenAI's chat messages take (a template renders any role it is given, a typo as well).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -79,13 +83,18 @@ class JsonSchemaFormat(OpenAIBody):
 
 class ResponseFormat(OpenAIBody):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    # validate_default: a "json_schema" type without its json_schema is refused here, not found missing later
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
 
     @field_validator("json_schema")
     @classmethod
     def _schema_goes_with_its_type(cls, json_schema, info: ValidationInfo):
-        if (json_schema is not None) != (info.data.get("type") == "json_schema"):
-            raise ValueError('json_schema is given exactly when type is "json_schema"')
+        if "type" not in info.data:
+            return json_schema  # the type itself was refused, naming what it takes
+        if json_schema is None and info.data["type"] == "json_schema":
+            raise ValueError('type "json_schema" needs json_schema: {"name": ..., "schema": {...}}')
+        if json_schema is not None and info.data["type"] != "json_schema":
+            raise ValueError(f'json_schema goes with type "json_schema" only, not {info.data["type"]!r}')
         return json_schema
 
 
@@ -106,7 +115,7 @@ class SamplingRequest(OpenAIBody):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
+    temperature: float | None = None   # OpenAI's range, [0, MAX_TEMPERATURE]; SamplingParams takes any >= 0
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -139,6 +148,13 @@ class SamplingRequest(OpenAIBody):
     return_hidden_states: Any = None
 
     _service_tier = field_validator("service_tier", "no_stop_trim", "return_hidden_states")(_refuse_unsupported)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_in_openais_range(cls, temperature):
+        if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"must be from 0 to {MAX_TEMPERATURE} (OpenAI's range), got {temperature}")
+        return temperature
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's grammar and the field that asked for it; InvalidRequestError naming that field."""
@@ -268,6 +284,13 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role):
+        if role not in CHAT_ROLES:
+            raise ValueError(f"unknown role {role!r:.60}: a message's role is one of {', '.join(CHAT_ROLES)}")
+        return role
+
     def template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):  # text parts are joined as OpenAI's models read them
@@ -296,8 +319,12 @@ class NamedToolChoice(OpenAIBody):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatPrompt(OpenAIBody):
+    """What the chat template renders into a prompt: /v1/chat/completions' and /tokenize's."""
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -309,13 +336,24 @@ class ChatCompletionRequest(SamplingRequest):
                              "tokens per request")
         return messages
 
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_are_unique(cls, tools):
+        # a call names its function: two tools of one name would leave it unclear which was called
+        names = set()
+        for tool in tools or ():
+            if tool.function.name in names:
+                raise ValueError(f"the function name {tool.function.name!r} is given to two tools: each tool "
+                                 "needs a name of its own")
+            names.add(tool.function.name)
+        return tools
+
+
+class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     max_tokens: int | None = Field(None, ge=1)              # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
     # None: "auto" with tools, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None    # None: true
@@ -342,7 +380,9 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice")
     @classmethod
     def _choice_needs_tools(cls, tool_choice, info: ValidationInfo):
-        tools = info.data.get("tools")
+        if "tools" not in info.data:
+            return tool_choice  # the tools were refused, saying why
+        tools = info.data["tools"]
         if tool_choice not in (None, "none") and not tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in \
@@ -368,3 +408,43 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(OpenAIBody):
+    """POST /tokenize (vLLM's) with a prompt: its token ids as /v1/completions would run it."""
+    model: str | None = None
+    prompt: str
+    return_token_strs: bool = False
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt]
+
+
+class TokenizeChatRequest(ChatPrompt):
+    """POST /tokenize (vLLM's) with messages: the prompt's token ids as /v1/chat/completions would run it."""
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+def tokenize_request_kind(data: dict) -> type[OpenAIBody]:
+    """Which of vLLM's two shapes a /tokenize body has: a chat's if it has messages, else a prompt's."""
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(OpenAIBody):
+    """POST /detokenize (vLLM's): the text of token ids."""
+    model: str | None = None
+    # token ids: checked by _token_ids, at C speed (a pydantic list[int] took seconds on a long list)
+    tokens: Any
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_ids(cls, tokens, info: ValidationInfo):
+        limit = max_request_len(info)
+        if type(tokens) is list and limit is not None and len(tokens) > limit:  # refused before its ids are read
+            raise ValueError(f"has {len(tokens)} token ids, more than the server's limit of {limit} tokens per "
+                             "request")
+        if not _is_token_ids(tokens):
+            raise ValueError("must be a list of token ids (integers >= 0)")
+        return tokens
