@@ -85,3 +85,17 @@ def thinking_model(tied_model, tmp_path_factory) -> str:
     tokenizer.add_tokens(["<think>", "</think>"])  # ids 257, 258: inside the model's 320-row vocabulary
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def nan_logits_model(tied_model, tmp_path_factory) -> str:
+    """The tied model with a NaN final norm: every logit it makes is NaN (a corrupt checkpoint's symptom)."""
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path_factory.mktemp("nan_logits") / "model")
+    shutil.copytree(tied_model, path)
+    weights_file = next(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".safetensors"))
+    weights = load_file(weights_file)
+    norm = next(name for name in weights if name.endswith("model.norm.weight"))
+    weights[norm] = torch.full_like(weights[norm], float("nan"))
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return path

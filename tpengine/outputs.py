@@ -4,6 +4,13 @@ import dataclasses
 
 import msgspec
 
+# The finish_reason of a completion for which no token could be sampled (never a user's doing): the model's logits
+# were not finite, or the sampling constraints left no token (a grammar that only a stop token could end, which
+# min_tokens rules out, ends with "stop" instead)
+NO_TOKEN = "error"
+NO_TOKEN_MESSAGE = ("no token could be sampled: the model's logits were not finite (NaN or Inf), or the request's "
+                    "constraints left no token")
+
 
 class CompletionOutput:
     """One completion so far. A streamed one is built every step, so the engine hands it its
@@ -21,7 +28,7 @@ class CompletionOutput:
         self.index = index                          # which of the request's n completions
         self.text = text                            # None when the model folder has no tokenizer
         self._token_ids = token_ids
-        self.finish_reason = finish_reason          # "stop", "length", "abort"; None while running
+        self.finish_reason = finish_reason          # "stop", "length", "abort", "error" (NO_TOKEN); None while running
         self.stop_reason = stop_reason              # the stop string or stop token id that ended it; None for EOS/length
         self._logprobs = logprobs                   # per token: token id -> log-probability, if asked
         self.cumulative_logprob = cumulative_logprob    # sum of the sampled tokens' log-probabilities, if asked

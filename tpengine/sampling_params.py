@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tpengine.errors import InvalidRequestError
+from tpengine.structured.limits import MAX_SCHEMA_DEPTH, check_grammar_size, check_json_schema
 
 MIN_TEMPERATURE = 1e-2   # below it logits / T overflow float32 on real models' logit ranges (vLLM's floor too)
 MAX_LOGPROBS = 20
@@ -128,14 +129,23 @@ class StructuredOutputsParams:
                           f"{', '.join(given) or 'none'}")
         if self.json is not None:
             schema = self.json
-            if isinstance(schema, str):
-                try:
+            try:
+                if isinstance(schema, str):
+                    check_grammar_size(len(schema), "json schema")
                     schema = jsonlib.loads(schema)
-                except ValueError as e:
-                    raise invalid(f"json is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise invalid(f"json must be a JSON schema (an object), got {type(schema).__name__}")
-            object.__setattr__(self, "json", jsonlib.dumps(schema, ensure_ascii=False))
+                elif isinstance(schema, dict):
+                    check_json_schema(schema)  # its depth before dumps recurses into it
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+                text = jsonlib.dumps(schema, ensure_ascii=False)
+                check_grammar_size(len(text), "json schema")
+                check_json_schema(schema)
+            except RecursionError:
+                raise invalid(f"the json schema nests more than the limit of {MAX_SCHEMA_DEPTH} levels") from None
+            except ValueError as e:
+                raise invalid(str(e) if "json schema" in str(e) or "json must" in str(e)
+                              else f"json is not valid JSON: {e}") from None
+            object.__setattr__(self, "json", text)
         if self.json_object is not None and self.json_object is not True:
             raise invalid(f"json_object must be true, got {self.json_object!r:.60}")
         for name in ("regex", "grammar"):
@@ -147,6 +157,13 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice):
                 raise invalid(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
             object.__setattr__(self, "choice", tuple(self.choice))
+        for name, what in (("regex", "regex"), ("grammar", "grammar"), ("choice", "choice")):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check_grammar_size(len(value) if isinstance(value, str) else sum(map(len, value)), what)
+                except ValueError as e:
+                    raise invalid(str(e)) from None
         if not isinstance(self.disable_any_whitespace, bool):
             raise invalid(f"disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r:.60}")
 
@@ -184,6 +201,9 @@ class SamplingParams:
     # a streamed request's outputs: everything so far, only what is new, or only the last
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None   # a grammar every completion follows
+    # a chat reply: with a reasoning parser, its first token may be <think>, opening thinking that its grammar waits
+    # out (tpengine/thinking.py); a raw prompt's completion is answer from its first token
+    may_open_thinking: bool = False
 
     def __post_init__(self):
         def set_(name, value):
@@ -231,7 +251,7 @@ class SamplingParams:
                                                  f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _invalid("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r:.60}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "may_open_thinking"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(name, f"{name} must be True or False, got {getattr(self, name)!r:.60}")
         for name, value in (("n", n), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
@@ -254,6 +274,45 @@ class SamplingParams:
     def has_filter(self) -> bool:
         """top-k, top-p or min-p cuts the distribution."""
         return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """LLM.beam_search's settings: vLLM's fields, and transformers' beam search (num_beams=beam_width,
+    do_sample=False) as their meaning, early_stopping included (which vLLM's lacks)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False                # EOS is then a token like any other: every beam runs to max_tokens
+    temperature: float = 0.0                # 0 only: the search is deterministic
+    length_penalty: float = 1.0             # a finished beam scores cum_logprob / num_output_tokens ** length_penalty
+    include_stop_str_in_output: bool = False    # a beam's text keeps its final EOS token's text
+    # transformers': False stops once the best running beam, scored at its present length, cannot beat the
+    # worst of beam_width finished ones; True once beam_width have finished; "never" only when none can
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        beam_width = _integer("beam_width", self.beam_width)
+        if not 1 <= beam_width <= MAX_LOGPROBS:
+            raise _invalid("beam_width", f"beam_width must be in [1, {MAX_LOGPROBS}] (each beam's candidates are its "
+                                         f"logprobs, at most {MAX_LOGPROBS}), got {beam_width}")
+        max_tokens = _integer("max_tokens", self.max_tokens)
+        if max_tokens < 1:
+            raise _invalid("max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens}")
+        if _real("temperature", self.temperature) != 0.0:
+            raise _invalid("temperature", "beam search is deterministic here (transformers' do_sample=False): "
+                                          f"temperature must be 0, got {self.temperature!r}")
+        length_penalty = _real("length_penalty", self.length_penalty)
+        if not math.isfinite(length_penalty):
+            raise _invalid("length_penalty", f"length_penalty must be finite, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise _invalid(name, f"{name} must be True or False, got {getattr(self, name)!r:.60}")
+        if self.early_stopping not in (True, False, "never") or type(self.early_stopping) not in (bool, str):
+            raise _invalid("early_stopping", f"early_stopping must be True, False or 'never', got "
+                                             f"{self.early_stopping!r:.60}")
+        for name, value in (("beam_width", beam_width), ("max_tokens", max_tokens), ("temperature", 0.0),
+                            ("length_penalty", length_penalty)):
+            object.__setattr__(self, name, value)
 
 
 class SamplingRecord:

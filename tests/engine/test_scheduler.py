@@ -8,6 +8,7 @@ from tpengine.distributed.messages import int_list
 from tpengine.engine.scheduler import MAX_WAIT_STEPS, Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
+from tpengine.outputs import NO_TOKEN
 from tpengine.runner.block_tables import BlockTables
 from tpengine.sampling_params import SamplingParams
 
@@ -567,11 +568,11 @@ def test_prefix_cache_counters_and_kv_usage_are_read_from_the_scheduler():
     assert scheduler.kv_cache_usage == 3 / 16  # the second request's own blocks, shared ones included
 
 
-def test_a_row_the_sampler_could_not_sample_ends_that_sequence_only_as_abort():
+def test_a_row_the_sampler_could_not_sample_ends_that_sequence_only_with_no_token():
     scheduler = make_scheduler()
     bad, good = add(scheduler, 5), add(scheduler, 6, first_token=50, max_tokens=3)  # one batch: no shared prefix
     finished = post(scheduler, scheduler.schedule(), [-1, TOKEN])
-    assert finished == [bad] and bad.finish_reason == "abort" and bad.completion_token_ids == []
+    assert finished == [bad] and bad.finish_reason == NO_TOKEN and bad.completion_token_ids == []
     run_to_completion(scheduler)
     assert good.finish_reason == "length" and scheduler.block_manager.num_free_blocks == 64
 

@@ -1,7 +1,7 @@
 """Structured outputs, tool calls and reasoning through the real server and the openai client: every output
 matches its schema, regex or choice, streamed or not; "required" and named tool calls validate against the
-tools' schemas; "auto" answers in hermes format parse into tool_calls; a reasoning model's thinking comes
-apart as reasoning_content."""
+tools' schemas; "auto" answers in hermes format parse into tool_calls; calls stream as they are written, and one cut
+by max_tokens comes back as the call it began (a reasoning model's constraints: test_reasoning_constraints.py)."""
 import json
 import re
 
@@ -143,6 +143,40 @@ def test_auto_reads_the_calls_the_model_wrote_in_hermes_format(tool_client, stre
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
+def test_required_and_hermes_calls_stream_as_they_are_written_and_agree_with_whole_replies(tool_client):
+    for extra in (dict(tool_choice="required", seed=1),
+                  dict(seed=2, extra_body={"structured_outputs": {"regex": r"Checking\. " + HERMES_CALL}})):
+        kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=1.0, **extra)
+        whole = tool_client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(tool_client.chat.completions.create(stream=True, **kwargs))
+        argument_deltas = [call.function.arguments for chunk in chunks
+                           for call in chunk.choices[0].delta.tool_calls or () if call.function.arguments]
+        assert len(argument_deltas) > 3  # not one delta with the whole call at the end
+        content, calls, finish = streamed_calls(chunks)
+        assert content == (whole.message.content or "") and finish == whole.finish_reason == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                                for c in whole.message.tool_calls]
+    assert whole.message.content == "Checking."  # the whitespace before a call is not content, streamed or not
+
+
+def test_a_tool_call_cut_by_max_tokens_comes_back_as_the_call_it_began(tool_client):
+    # "required" and a named function alike: finish_reason "length", the call with the arguments written so far
+    # (one byte a token: '[{"name":"get_weather","parameters":' is 36)
+    for seed, (tool_choice, max_tokens) in enumerate([("required", 40), (
+            {"type": "function", "function": {"name": "get_weather"}}, 4)]):
+        kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS[:1], tool_choice=tool_choice, max_tokens=max_tokens,
+                      temperature=1.0, seed=seed)
+        whole = tool_client.chat.completions.create(**kwargs).choices[0]
+        assert whole.finish_reason == "length" and whole.message.content is None
+        [call] = whole.message.tool_calls
+        assert call.function.name == "get_weather" and len(call.function.arguments) == 4
+        with pytest.raises(ValueError):
+            json.loads(call.function.arguments)
+        content, calls, finish = streamed_calls(tool_client.chat.completions.create(stream=True, **kwargs))
+        assert (content, finish) == ("", "length")
+        assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+
+
 def test_tool_results_and_earlier_calls_in_the_history_go_through_the_template(tool_client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -171,38 +205,3 @@ def test_bad_tools_and_grammars_get_400_naming_the_field(tool_server, body, para
                                          {"model": "tiny", "messages": MESSAGES, **body})
     assert status == 400, answer
     assert answer["error"]["param"] == param and message in answer["error"]["message"], answer
-
-
-@pytest.fixture(scope="module")
-def reasoning_server(thinking_model):
-    # a later flag overrides the suite's value
-    yield from running_server(thinking_model, "--max-model-len", "256", "--num-kvcache-blocks", "64",
-                              "--reasoning-parser", "deepseek_r1")
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_the_thinking_comes_apart_and_the_grammar_constrains_only_the_answer(reasoning_server, thinking_model,
-                                                                          stream):
-    from transformers import AutoTokenizer
-    think_end = AutoTokenizer.from_pretrained(thinking_model).convert_tokens_to_ids("</think>")
-    with openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0) as client:
-        # free thinking, ended by the bias on </think> after a few tokens' worth of chance; then the answer
-        kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=60, seed=5, temperature=1.0,
-                      logit_bias={str(think_end): 100}, extra_body={"structured_outputs": {"choice": ["sun", "rain"]}})
-        if stream:
-            reasoning = content = ""
-            for chunk in client.chat.completions.create(stream=True, **kwargs):
-                delta = chunk.choices[0].delta if chunk.choices else None
-                reasoning += getattr(delta, "reasoning_content", None) or "" if delta else ""
-                content += delta.content or "" if delta else ""
-        else:
-            message = client.chat.completions.create(**kwargs).choices[0].message
-            reasoning, content = message.reasoning_content, message.content
-        assert reasoning == "" and content in ("sun", "rain")
-        # without the bias the thinking runs free to max_tokens: all of it is reasoning, none is answer
-        message = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, seed=6,
-                                                 logit_bias={str(think_end): -100}).choices[0].message
-        assert message.reasoning_content and not message.content
-    with openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0) as client:
-        with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
-            client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=4)

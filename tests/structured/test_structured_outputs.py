@@ -157,19 +157,27 @@ def test_json_strings_of_bounded_length_never_hold_raw_control_characters():
 def test_with_a_reasoning_parser_the_grammar_constrains_the_answer_after_the_thinking(thinking_model, tied_model):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(thinking_model)
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    think_start, think_end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     spec = StructuredOutputsParams(regex=r"[a-c]{3}\.")
     with LLM(thinking_model, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=256,
              reasoning_parser="qwen3") as llm:
-        # the thinking is free: here a bias makes </think> its first token; the answer after it is constrained
-        thought = llm.generate(["q"], SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=spec,
-                                                     logit_bias={think_end: 100.0}), use_tqdm=False)[0]
+        # a prompt that opened the thinking: it is free (here a bias makes </think> its first token), the answer after
+        # it constrained
+        thought = llm.generate(["q<think>"], SamplingParams(temperature=1.0, seed=3, max_tokens=32,
+                                                            structured_outputs=spec, logit_bias={think_end: 100.0}),
+                               use_tqdm=False)[0]
         assert thought.token_ids[0] == think_end and re.fullmatch(r"</think>[a-c]{3}\.", thought.text)
-        # a prompt that closed the thinking already (a template with thinking off): constrained from the start
-        closed = tokenizer.encode("q<think></think>")
-        answer = llm.generate([closed], SamplingParams(temperature=1.0, seed=4, max_tokens=32,
-                                                       structured_outputs=spec), use_tqdm=False)[0]
-        assert re.fullmatch(r"[a-c]{3}\.", answer.text) and answer.finish_reason == "stop"
+        # a prompt that did not open it, or closed it (a template with thinking off): constrained from the first token
+        for prompt in ("q", "q<think></think>"):
+            answer = llm.generate([prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=32,
+                                                           structured_outputs=spec, logit_bias={think_end: 100.0}),
+                                  use_tqdm=False)[0]
+            assert re.fullmatch(r"[a-c]{3}\.", answer.text) and answer.finish_reason == "stop"
+        # a chat reply's first token may open its thinking instead (the mask allows <think> beside the grammar's)
+        opened = llm.generate(["q"], SamplingParams(temperature=1.0, seed=5, max_tokens=8, structured_outputs=spec,
+                                                    logit_bias={think_start: 100.0}, may_open_thinking=True),
+                              use_tqdm=False)[0]
+        assert opened.token_ids[0] == think_start and opened.finish_reason == "length"
     with pytest.raises(ValueError, match="</think>"):  # the plain byte tokenizer has no such token
         LLM(tied_model, reasoning_parser="qwen3")
 

@@ -23,12 +23,13 @@ from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 max_model_len_of, max_positions_of, sliding_window_of)
-from tpengine.outputs import RequestOutput, merge_deltas
+from tpengine.outputs import NO_TOKEN, RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
+from tpengine.structured.limits import check_min_tokens_reachable
+from tpengine.thinking import THINK_END, THINK_START, thinking_open_after
 
 logger = logging.getLogger("tpengine")
 
-REASONING_END = "</think>"  # the token that closes a reasoning model's thinking (Qwen3, DeepSeek-R1)
 # With only requests whose grammars compile, a step waits this long for one before it returns (and the
 # caller, a server's engine thread, takes new commands).
 AWAIT_GRAMMAR_S = 0.05
@@ -68,7 +69,8 @@ class LLMEngine:
         eos_token_ids = load_eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
         # before any worker starts: it may raise
-        self.reasoning_end_token = None if config.reasoning_parser is None else self._reasoning_end_token()
+        # (<think>, </think>): where structured outputs start in a reasoning model's completions (tpengine/thinking.py)
+        self.reasoning_tokens = None if config.reasoning_parser is None else self._reasoning_tokens()
         if config.world_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -167,13 +169,20 @@ class LLMEngine:
             return None
         return max(sliding_window_of(config) for config in configs)
 
-    def _reasoning_end_token(self) -> int:
-        """The token that ends a reasoning model's thinking (structured outputs constrain what follows)."""
-        token_id = None if self.tokenizer is None else self.tokenizer.get_vocab().get(REASONING_END)
-        if token_id is None:
+    def _reasoning_tokens(self) -> tuple[int, int]:
+        """The tokens that open and end a reasoning model's thinking (structured outputs constrain the answer)."""
+        vocab = {} if self.tokenizer is None else self.tokenizer.get_vocab()
+        missing = [tag for tag in (THINK_START, THINK_END) if tag not in vocab]
+        if missing:
             raise ValueError(f"reasoning_parser={self.config.reasoning_parser!r} needs a tokenizer with the "
-                             f"{REASONING_END} token; this model folder's has none")
-        return token_id
+                             f"{THINK_START} and {THINK_END} tokens; this model folder's has no {' or '.join(missing)}")
+        return vocab[THINK_START], vocab[THINK_END]
+
+    def _may_think(self, params: SamplingParams, prompt_token_ids: list[int]) -> bool:
+        """Whether a completion may think before its answer (tpengine/thinking.py's rule)."""
+        if self.reasoning_tokens is None:
+            return False
+        return params.may_open_thinking or thinking_open_after(prompt_token_ids, *self.reasoning_tokens)
 
     @property
     def grammar_compiler(self):
@@ -194,8 +203,11 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool) -> Request:
-        """Validate one request and build it; nothing is queued (so a bad one leaves no trace)."""
+    def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool,
+                      wait_for_grammar: bool = True) -> Request:
+        """Validate one request and build it; nothing is queued (so a bad one leaves no trace). wait_for_grammar:
+        a grammar is compiled before this returns (a rejected or too slow one is this request's ValueError); else
+        the request waits unscheduled for it."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -235,9 +247,16 @@ class LLMEngine:
                                  request_id=request_id))
         request = Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
         if params.structured_outputs is not None:
-            # checked now (a grammar the library rejects is this request's ValueError), compiled off this thread
-            self.grammar_compiler.check(params.structured_outputs)
-            request.grammar = self.grammar_compiler.compile(params.structured_outputs)
+            spec = params.structured_outputs
+            if params.min_tokens and not self._may_think(params, token_ids):  # thinking tokens would count too
+                try:
+                    check_min_tokens_reachable(spec.kind, getattr(spec, spec.kind), params.min_tokens)
+                except ValueError as e:
+                    raise InvalidRequestError(str(e), "min_tokens") from None
+            compiler = self.grammar_compiler
+            request.grammar = compiler.compile(params.structured_outputs)  # on the compiler's threads
+            if wait_for_grammar:
+                compiler.wait(request.grammar, params.structured_outputs)
         return request
 
     def _queue(self, request: Request) -> None:
@@ -259,7 +278,8 @@ class LLMEngine:
         compiled = request.grammar.result()
         for seq in request.seqs:
             self.scheduler.add(seq)
-            seq.sampling.grammar = SequenceGrammar(compiled, self.reasoning_end_token, request.prompt_token_ids)
+            seq.sampling.grammar = SequenceGrammar(compiled, self.reasoning_tokens, request.prompt_token_ids,
+                                                   request.params.may_open_thinking)
 
     def _admit_awaiting(self, wait_s: float) -> None:
         """Queue the requests whose grammars are compiled, waiting up to wait_s for one when nothing else runs."""
@@ -270,18 +290,21 @@ class LLMEngine:
         for request in self._awaiting_grammar:
             if not request.grammar.done():
                 still.append(request)
-            elif request.grammar.exception() is not None:  # passed the check, failed to compile: it ends
+            elif request.grammar.exception() is not None:  # not waited for, and failed to compile: it ends
                 logger.error("request %d: its grammar failed to compile: %s", request.request_id,
                              request.grammar.exception())
-                self._report_later(request, self._finish_unqueued(request))
+                self._report_later(request, self._finish_unqueued(request, NO_TOKEN))
             else:
                 self._admit_compiled(request)
         self._awaiting_grammar = still
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = True) -> int:
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = True,
+                    wait_for_grammar: bool = True) -> int:
         """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input.
-        step() reports it every step it gets a token (stream=True), or once, when it finishes."""
-        request = self._make_request(prompt, sampling_params, stream)
+        step() reports it every step it gets a token (stream=True), or once, when it finishes.
+        wait_for_grammar=False (a server that compiled it already): a grammar still compiling does not hold up
+        the caller; the request waits unscheduled for it, and ends with finish_reason "error" if it fails."""
+        request = self._make_request(prompt, sampling_params, stream, wait_for_grammar)
         self._queue(request)
         return request.request_id
 
@@ -317,11 +340,11 @@ class LLMEngine:
         self._forget(request)
         return request, request.report()
 
-    def _finish_unqueued(self, request: Request):
+    def _finish_unqueued(self, request: Request, reason: str = "abort"):
         """End a request none of whose completions was queued (its grammar never compiled, or it was
         aborted meanwhile)."""
         for seq in request.seqs:
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
             request.on_finish(seq)
         self._forget(request)
         return request.report()
@@ -430,7 +453,7 @@ class LLMEngine:
         seqs, finished = scheduler.postprocess(plan, sampled.token_ids, sampled.draft_token_ids)
         scheduler.observe_step(plan, scheduler.num_output_tokens - num_output_tokens, time.perf_counter() - started)
         if self._num_constrained_requests:
-            self._advance_grammars(seqs)
+            finished = finished + self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
         reports: list[tuple[Request, object]] = []
         if self._num_per_step_requests:
@@ -450,7 +473,7 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             request = requests[seq.request_id]
             if seq.finish_reason is not None:  # finished in this step
-                if request.per_step and not request.plain_stream and seq.finish_reason != "abort":
+                if request.per_step and not request.plain_stream and seq.finish_reason not in ("abort", NO_TOKEN):
                     found = request.on_token(seq, logprobs[i])
                     if found is not None:  # a token up to its last (max_tokens, a stop token) completed a stop string
                         self.scheduler.truncate(seq, found[1])
@@ -467,18 +490,25 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop", found[0])  # frees its blocks now
                     self._process_finished(seq, touched)
 
-    def _advance_grammars(self, seqs: list[Sequence]) -> None:
-        """Each constrained completion's matcher takes its sampled token; one whose grammar is complete ends
-        (its stop token, or with ignore_eos its grammar, says so)."""
+    def _advance_grammars(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Each constrained completion's matcher takes its sampled token. Returns those their grammar ended: one that
+        is complete ends on its stop token, or with ignore_eos on its grammar's end (the scheduler would run on)."""
+        ended = []
         for seq in seqs:
             grammar = seq.sampling.grammar
             if grammar is None or seq.finish_reason == "abort":
+                continue
+            if seq.finish_reason == NO_TOKEN:  # nothing sampled: a complete grammar allowed only what min_tokens bans
+                if grammar.active and grammar.matcher.is_completed():
+                    seq.finish_reason = "stop"
                 continue
             accepted = grammar.accept(seq.last_token)
             assert accepted, "a sampled token the grammar's mask had ruled out"
             if seq.finish_reason is None and grammar.active and grammar.matcher.is_terminated():
                 self.scheduler.finish(seq, "stop", seq.last_token if seq.last_token in
                                       seq.sampling_params.stop_token_ids else None)
+                ended.append(seq)
+        return ended
 
     def _process_finished(self, seq: Sequence, touched: dict[int, Request]) -> None:
         request = self._requests[seq.request_id]

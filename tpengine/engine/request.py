@@ -130,9 +130,10 @@ class Request:
         text.finish()
 
     def _text_end(self, seq: Sequence) -> int:
-        # A stop token ends the text before it (vLLM), unless the stop is asked for in the output.
+        # A stop token ends the text before it (vLLM), unless the stop is asked for in the output; a grammar may
+        # end a completion on a token of its text (engine: _advance_grammars)
         if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and \
-                not self.params.include_stop_str_in_output:
+                not self.params.include_stop_str_in_output and seq.last_token in seq.eos_and_stop_token_ids:
             return seq.num_tokens - 1
         return seq.num_tokens
 

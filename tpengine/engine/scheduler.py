@@ -31,6 +31,7 @@ from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
+from tpengine.outputs import NO_TOKEN
 from tpengine.paging import blocks_for
 from tpengine.sampling_params import SamplingRecord
 
@@ -606,8 +607,8 @@ class Scheduler:
                     hash_blocks(seq)
                 seq.num_cached_tokens = num_cached_tokens
                 seq.num_scheduled_tokens = 0
-            if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
-                self.finish(seq, "abort")
+            if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits, or no token allowed)
+                self.finish(seq, NO_TOKEN)
                 finished.append(seq)
                 continue
             # Sequence.append_token, inlined: this line runs for every running sequence every step
@@ -661,7 +662,7 @@ class Scheduler:
             new_tokens = samples[:num_accepted + 1]
             for i, token_id in enumerate(new_tokens):
                 if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
-                    new_tokens, reason = new_tokens[:i], "abort"
+                    new_tokens, reason = new_tokens[:i], NO_TOKEN
                     break
                 # the decode rows' finish tests (postprocess), per token
                 if (token_id in seq.eos_and_stop_token_ids

@@ -231,7 +231,7 @@ class AsyncEngine:
         request_ids = []
         try:
             for prompt in prompts:
-                request_ids.append(self.engine.add_request(prompt, params, stream=stream))
+                request_ids.append(self.engine.add_request(prompt, params, stream=stream, wait_for_grammar=False))
         except ValueError as e:
             for request_id in request_ids:  # its final output reaches the loop, which knows no such request
                 self.engine.abort(request_id, build=False)

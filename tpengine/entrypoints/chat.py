@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages (and tools) through the chat template, whole responses or server-sent
 events; a reasoning model's thinking split off (--reasoning-parser), tool calls forced by a grammar or read
 from what the model wrote (tool_calls.py)."""
-import json
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,30 +10,21 @@ from starlette.responses import StreamingResponse
 
 from tpengine.entrypoints.async_engine import Submission
 from tpengine.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice
-from tpengine.entrypoints.reasoning import ReasoningSplitter, split_reasoning
+from tpengine.entrypoints.reasoning import ReasoningSplitter
 from tpengine.entrypoints.serving import (ApiError, ChoiceDelta, OpenAIServing, cancel_on_disconnect, clamp_logprob,
                                           final_outputs, new_response_fields, sse_stream, token_id_fields, usage)
-from tpengine.entrypoints.tool_calls import (PARSERS, StreamedCalls, ToolCall, new_call_id, parameters_schema,
-                                             parse_required, required_schema)
+from tpengine.entrypoints.tool_calls import (AUTO_READERS, CallsReader, NamedCall, RequiredCalls, parameters_schema,
+                                             required_schema)
 from tpengine.outputs import CompletionOutput
 from tpengine.sampling_params import StructuredOutputsParams
+from tpengine.thinking import thinking_open_after
 
 ROLE = "assistant"
 
 
 def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The messages as a chat template reads them: an assistant's tool calls with their arguments as objects
-    (OpenAI sends them as JSON text; templates write them out as JSON)."""
-    messages = [m.template_dict() for m in request.messages]
-    for message in messages:
-        for call in message.get("tool_calls") or ():
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except ValueError:
-                    pass  # not JSON: the template gets the text
-    return messages
+    """The messages as dicts, text parts joined (render_chat_text reads tool-call arguments as objects)."""
+    return [m.template_dict() for m in request.messages]
 
 
 class ToolMode:
@@ -59,69 +50,53 @@ class ToolMode:
                                            disable_any_whitespace=True)
         return None
 
-    def calls(self, answer: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole answer."""
+    def reader(self) -> CallsReader:
+        """A reader of one answer's content and calls."""
         if self.kind == "named":
-            return None, [ToolCall(self.function, answer)]
+            return NamedCall(self.function)
         if self.kind == "required":
-            calls = parse_required(answer)
-            return (answer, []) if calls is None else (None, calls)
+            return RequiredCalls()
         if self.kind == "auto":
-            content, calls = PARSERS[self.parser](answer, self.names)
-            return content, calls if self.parallel else calls[:1]
-        return answer, []
+            return AUTO_READERS[self.parser](self.names, self.parallel)
+        return CallsReader()
 
 
-class StreamedChoice:
-    """One choice's stream: its text split into reasoning and answer, the answer into content and calls."""
+class ChoiceReader:
+    """One choice's text read as it is written: the thinking apart (--reasoning-parser), the answer into content and
+    tool calls. A whole completion is read as one final piece of text, so streamed and whole choices agree."""
 
-    def __init__(self, mode: ToolMode, reasoning_parser: str | None):
-        self.mode = mode
-        self.reasoning = None if reasoning_parser is None else ReasoningSplitter(reasoning_parser)
-        self.auto = StreamedCalls(mode.parser, mode.names) if mode.kind == "auto" else None
-        self.answer = ""                  # required: held whole until the end
-        self.named_id: str | None = None  # named: the call's id once its first chunk went out
-        self.num_calls = 0
+    def __init__(self, mode: ToolMode, thinking_open: bool | None):
+        """thinking_open: whether the prompt left the thinking open; None without a reasoning parser."""
+        self.reasoning = None if thinking_open is None else ReasoningSplitter(thinking_open)
+        self.answer = mode.reader()
 
     def delta(self, text: str, finished: bool) -> dict:
-        """The chunk's delta for the completion's new text (and its end)."""
-        reasoning, answer = (("", text) if self.reasoning is None else self.reasoning.feed(text, final=finished))
+        """The message delta for the completion's new text (and its end)."""
+        reasoning, answer = ("", text) if self.reasoning is None else self.reasoning.feed(text, final=finished)
+        content, calls = self.answer.feed(answer, final=finished)
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        content, calls = "", []
-        kind = self.mode.kind
-        if kind == "named":
-            if answer or (finished and self.named_id is None):
-                call = {"index": 0, "function": {"arguments": answer}}
-                if self.named_id is None:
-                    self.named_id = new_call_id()
-                    call.update(id=self.named_id, type="function", function={"name": self.mode.function,
-                                                                             "arguments": answer})
-                delta["tool_calls"] = [call]
-        elif kind == "required":
-            self.answer += answer
-            if finished:
-                content, calls = self.mode.calls(self.answer)
-                content = content or ""
-        elif kind == "auto":
-            content = self.auto.feed(answer)
-            if finished:
-                rest, calls = self.auto.finish()
-                content += rest
-                calls = calls if self.mode.parallel else calls[:1]
-        else:
-            content = answer
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [{"index": self.num_calls + i, **call.body()} for i, call in enumerate(calls)]
-            self.num_calls += len(calls)
+            delta["tool_calls"] = calls
         return delta
 
-    @property
-    def called(self) -> bool:
-        return self.named_id is not None or self.num_calls > 0
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        # a call cut short keeps "length": the client learns its arguments are not whole
+        return "tool_calls" if finish_reason == "stop" and self.answer.calls else finish_reason
+
+    def message(self, text: str) -> dict:
+        """The message of a whole completion's text."""
+        delta = self.delta(text, finished=True)
+        content, calls = self.answer.content, self.answer.calls
+        message: dict[str, Any] = {"role": ROLE, "content": content if content or not calls else None}
+        if self.reasoning is not None and self.reasoning.thinking:
+            message["reasoning_content"] = delta.get("reasoning_content", "")
+        if calls:
+            message["tool_calls"] = [call.body() for call in calls]
+        return message
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -152,16 +127,25 @@ class OpenAIServingChat(OpenAIServing):
             if spec is not None:
                 raise ApiError(400, f"tool_choice {mode.kind!r} makes the answer a tool call: it cannot also "
                                     "follow response_format or structured_outputs", param="tool_choice")
-            spec = await self.checked_grammar(mode.grammar(request), "tools", request)
+            try:
+                tool_spec = mode.grammar(request)
+            except ValueError as e:  # the tools' parameters over a structured-outputs limit
+                raise self.invalid(e, request) from None
+            spec = await self.checked_grammar(tool_spec, "tools", request)
         prompt = await self._render_prompt(request)
         max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt], request)
-        params = self.sampling_params(request, max_tokens, request.num_logprobs, spec)
+        # a chat reply: a reasoning model may open its thinking with its first token (tpengine/thinking.py)
+        params = dataclasses.replace(self.sampling_params(request, max_tokens, request.num_logprobs, spec),
+                                     may_open_thinking=True)
+        thinking_open = (None if self.reasoning_parser is None
+                         else thinking_open_after(prompt, *self.engine.engine.reasoning_tokens))
         submission = await self.submit([prompt], params, request)
         if request.stream:
             fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}
-            return StreamingResponse(self._stream(request, mode, submission, fields), media_type="text/event-stream")
+            return StreamingResponse(self._stream(request, mode, thinking_open, submission, fields),
+                                     media_type="text/event-stream")
         fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
-        return await cancel_on_disconnect(raw_request, self._complete(request, mode, submission, fields))
+        return await cancel_on_disconnect(raw_request, self._complete(request, mode, thinking_open, submission, fields))
 
     async def render(self, request: ChatCompletionRequest) -> dict:
         """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating
@@ -190,50 +174,35 @@ class OpenAIServingChat(OpenAIServing):
     def _choice_logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput):
         return self._logprobs(completion, request.top_logprobs or 0) if request.logprobs else None
 
-    def _message(self, mode: ToolMode, completion: CompletionOutput) -> tuple[dict, str | None]:
-        """The choice's message and finish reason: thinking apart, tool calls read from the answer."""
-        text = completion.text or ""
-        reasoning = None
-        if self.reasoning_parser is not None:
-            reasoning, text = split_reasoning(self.reasoning_parser, text)
-        content, calls = mode.calls(text)
-        message: dict[str, Any] = {"role": ROLE, "content": content if content or not calls else None}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        finish_reason = completion.finish_reason
-        if calls:
-            message["tool_calls"] = [call.body() for call in calls]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return message, finish_reason
-
-    async def _complete(self, request: ChatCompletionRequest, mode: ToolMode, submission: Submission,
-                        fields: dict) -> dict:
+    async def _complete(self, request: ChatCompletionRequest, mode: ToolMode, thinking_open: bool | None,
+                        submission: Submission, fields: dict) -> dict:
         outputs = await final_outputs(submission)
         output = outputs[0]
         choices = []
         for c in output.outputs:
-            message, finish_reason = self._message(mode, c)
+            reader = ChoiceReader(mode, thinking_open)
+            message = reader.message(c.text or "")
             choices.append({"index": c.index, "message": message, "logprobs": self._choice_logprobs(request, c),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                            "finish_reason": reader.finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
                             **(token_id_fields(output, c, True) if request.return_token_ids else {})})
         return {**fields, "choices": choices, "usage": usage([output])}
 
-    def _stream(self, request: ChatCompletionRequest, mode: ToolMode, submission: Submission,
-                fields: dict) -> AsyncIterator[bytes]:
-        streams: dict[int, StreamedChoice] = {}
+    def _stream(self, request: ChatCompletionRequest, mode: ToolMode, thinking_open: bool | None,
+                submission: Submission, fields: dict) -> AsyncIterator[bytes]:
+        readers: dict[int, ChoiceReader] = {}
 
         def choice_of(delta: ChoiceDelta) -> dict | None:
             completion = delta.completion
-            stream = streams.setdefault(delta.index, StreamedChoice(mode, self.reasoning_parser))
+            if delta.index not in readers:
+                readers[delta.index] = ChoiceReader(mode, thinking_open)
+            reader = readers[delta.index]
             finished = completion.finish_reason is not None
-            message_delta = stream.delta(completion.text or "", finished)
+            message_delta = reader.delta(completion.text or "", finished)
             if not (message_delta or finished or completion.token_ids):
-                return None  # nothing to say yet (text held back: a character, a tag, a call in the making)
-            finish_reason = completion.finish_reason
-            if finish_reason == "stop" and stream.called:
-                finish_reason = "tool_calls"
+                return None  # nothing to say yet (text held back: a character, a tag, a call's name in the making)
             choice = {"index": delta.index, "delta": message_delta, "logprobs": self._choice_logprobs(request, completion),
-                      "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
+                      "finish_reason": reader.finish_reason(completion.finish_reason),
+                      "stop_reason": completion.stop_reason}
             if request.return_token_ids:
                 choice.update(token_id_fields(delta.output, completion, delta.is_first))
             return choice

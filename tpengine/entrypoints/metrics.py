@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tpengine.outputs import RequestOutput
+from tpengine.outputs import NO_TOKEN, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -46,7 +46,7 @@ class Metrics:
         request_success = Counter("tpengine:request_success", "Finished completions by finish reason.",
                                   ["model_name", "finished_reason"], registry=self.registry)
         self.request_success = {reason: request_success.labels(model_name, reason)
-                                for reason in ("stop", "length", "abort")}
+                                for reason in ("stop", "length", "abort", NO_TOKEN)}
         self.time_to_first_token = make(Histogram, "time_to_first_token_seconds",
                                         "Arrival to first generated token (streamed requests).", buckets=TTFT_BUCKETS)
         self.inter_token_latency = make(Histogram, "inter_token_latency_seconds",

@@ -14,7 +14,7 @@ from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError, Subm
 from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.errors import InvalidRequestError
-from tpengine.outputs import CompletionOutput, RequestOutput
+from tpengine.outputs import NO_TOKEN, NO_TOKEN_MESSAGE, CompletionOutput, RequestOutput
 from tpengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -36,6 +36,11 @@ class ApiError(Exception):
 
 def engine_down(error: BaseException) -> ApiError:
     return ApiError(503, str(error), "service_unavailable", code="engine_unavailable")
+
+
+def no_token_sampled() -> ApiError:
+    """A completion ended without a token to sample (finish_reason NO_TOKEN): the server's fault, said as such."""
+    return ApiError(500, NO_TOKEN_MESSAGE, "internal_server_error", code="no_token_sampled")
 
 
 def sse(payload: dict) -> bytes:
@@ -91,12 +96,18 @@ class OpenAIServing:
 
     async def checked_grammar(self, spec: StructuredOutputsParams | None, param: str | None,
                               request: SamplingRequest) -> StructuredOutputsParams | None:
-        """spec, once the grammar library accepts it (checked on the renderer's thread); a 400 naming param
-        (the field that asked for it) if not."""
+        """spec, once its grammar is compiled (on the compiler's threads: neither the event loop, the renderer nor
+        other compiles wait for it); a 400 naming param (the field that asked for it) if it is rejected or does not
+        compile in time."""
         if spec is None:
             return None
         try:
-            await self.renderer.run(self.engine.engine.grammar_compiler.check, spec, param)
+            compiler = self.engine.engine.grammar_compiler
+            compiling = asyncio.wrap_future(compiler.compile(spec, param))
+            # shielded: a timeout here leaves the compile to finish (and be cached) for whoever shares it
+            await asyncio.wait_for(asyncio.shield(compiling), compiler.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise self.invalid(compiler.too_slow(spec, param), request) from None
         except ValueError as e:
             raise self.invalid(e, request) from None
         return spec
@@ -167,6 +178,8 @@ async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
         raise engine_down(e) from None
     finally:
         submission.abort()
+    if any(c.finish_reason == NO_TOKEN for output in latest.values() for c in output.outputs):
+        raise no_token_sampled()
     return latest
 
 
@@ -202,6 +215,8 @@ async def choice_deltas(submission: Submission, n: int, counts: StreamUsage) -> 
         for prompt_index, output in sorted(outputs.items()):
             counts.add(prompt_index, output)
             for completion in output.outputs:
+                if completion.finish_reason == NO_TOKEN:
+                    raise no_token_sampled()
                 index = prompt_index * n + completion.index
                 is_first = index not in started
                 started.add(index)
@@ -224,6 +239,8 @@ async def sse_stream(submission: Submission, n: int, fields: dict, include_usage
             yield sse({**fields, "choices": [], "usage": counts.field()})
     except EngineDeadError as e:
         yield sse(engine_down(e).body())
+    except ApiError as e:
+        yield sse(e.body())
     finally:
         submission.abort()  # a no-op once finished; else the client went away
     yield SSE_DONE

@@ -3,29 +3,41 @@ import torch
 import xgrammar as xgr
 
 from tpengine.kernels.cpu import token_bitmask
+from tpengine.thinking import thinking_open_after
 
 
 class SequenceGrammar:
     """One completion's grammar matcher: it masks the completion's next token and takes each one sampled.
 
-    With a reasoning model the grammar constrains the answer only: it starts after the token that ends the
-    reasoning (`</think>`), as vLLM applies it; a prompt that already closed its reasoning (a chat template
-    that turns thinking off writes an empty one) starts it at once.
+    With a reasoning model the grammar constrains the answer only, where tpengine/thinking.py's rule puts it: not
+    while thinking the prompt left open runs, nor, in a chat reply (may_open_thinking), after a first token
+    <think>, until </think>. Such a reply's first token is masked to the grammar's tokens and <think>.
     """
 
-    __slots__ = ("matcher", "reasoning_end_token", "active")
+    __slots__ = ("matcher", "think_end", "opening_token", "active")
 
-    def __init__(self, compiled_grammar, reasoning_end_token: int | None = None,
-                 prompt_token_ids: list[int] = ()):
+    def __init__(self, compiled_grammar, reasoning_tokens: tuple[int, int] | None = None,
+                 prompt_token_ids: list[int] = (), may_open_thinking: bool = False):
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
-        self.reasoning_end_token = reasoning_end_token
-        self.active = reasoning_end_token is None or reasoning_end_token in prompt_token_ids
+        self.think_end = None
+        self.opening_token = None  # <think>, which the first token may be instead of the grammar's
+        self.active = True
+        if reasoning_tokens is not None:
+            think_start, self.think_end = reasoning_tokens
+            self.active = not thinking_open_after(prompt_token_ids, think_start, self.think_end)
+            if self.active and may_open_thinking:
+                self.opening_token = think_start
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the mask should have)."""
         if not self.active:
-            self.active = token_id == self.reasoning_end_token
+            self.active = token_id == self.think_end
             return True
+        if self.opening_token is not None:  # the first token: it may open the thinking
+            opened, self.opening_token = token_id == self.opening_token, None
+            if opened:
+                self.active = False
+                return True
         return self.matcher.accept_token(token_id)
 
 
@@ -43,6 +55,10 @@ def fill_bitmask(num_rows: int, vocab_size: int, rows: list[int], grammars: list
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher()
         _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+    for row, grammar in zip(rows, grammars):
+        if grammar.opening_token is not None:  # a chat reply's first token may open its thinking instead
+            word, bit = divmod(grammar.opening_token, 32)
+            bitmask.numpy().view("uint32")[row, word] |= 1 << bit
     return bitmask
 
 
