@@ -196,7 +196,6 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     completions = OpenAIServingCompletion(engine, renderer, tokenizer, model_name, max_request_len)
     chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len, tool_parser=tool_parser,
                              enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -209,7 +208,17 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     app = FastAPI(title="tpengine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                        draining=draining)
+    _add_error_handlers(app)
+    _add_status_routes(app, engine, draining, metrics, completions,
+                       {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tpengine",
+                        "root": model_path, "max_model_len": max_model_len})
+    _add_generation_routes(app, completions, chat, max_request_len)
+    _add_tokenizer_routes(app, engine, renderer, completions, chat, max_model_len, max_request_len)
+    return app
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; an unexpected one a 500 whose traceback stays in the log."""
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
         return error_response(error)
@@ -224,9 +233,13 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):
-        logger.exception("internal error answering %s", request.url.path)  # the traceback stays in the log
+        logger.exception("internal error answering %s", request.url.path)
         return error_response(ApiError(500, "internal server error", "internal_error"))
 
+
+def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, metrics: Metrics,
+                       completions: OpenAIServingCompletion, model_card: dict) -> None:
+    """/health, /v1/models, /version and /metrics."""
     @app.get("/health")
     async def health():
         # a router sends no new request to a server that is draining or whose engine is dead
@@ -236,9 +249,6 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
         if engine.is_healthy:
             return Response(status_code=200)
         return error_response(ApiError(503, f"the engine is not running: {engine.error}", "service_unavailable"))
-
-    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "tpengine",
-                  "root": model_path, "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models():
@@ -253,6 +263,14 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     async def version():
         return {"version": tpengine_version()}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, chat: OpenAIServingChat,
+                           max_request_len: int) -> None:
+    """/v1/completions and /v1/chat/completions, and vLLM's render endpoints of both."""
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request):
         request = parse_request(CompletionRequest, await raw_request.body(), max_request_len)
@@ -272,7 +290,12 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     async def render_chat_completion(raw_request: Request):
         return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
 
-    # vLLM's tokenizer endpoints: the token ids /v1/completions or /v1/chat/completions would run, and the text of ids
+
+def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, renderer: PromptRenderer,
+                          completions: OpenAIServingCompletion, chat: OpenAIServingChat, max_model_len: int,
+                          max_request_len: int) -> None:
+    """vLLM's tokenizer endpoints: the token ids /v1/completions or /v1/chat/completions would run, and the text of
+    ids."""
     @app.post("/tokenize")
     async def tokenize(raw_request: Request):
         request = parse_request(tokenize_request_kind, await raw_request.body(), max_request_len)
@@ -295,9 +318,3 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
             raise ApiError(400, f"token id {max(request.tokens)} is outside the vocabulary [0, {vocab_size})",
                            param="tokens")
         return {"prompt": await renderer.run(renderer.tokenizer.decode, request.tokens)}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
-
-    return app
