@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import hf_greedy
-from tpengine.cli import build_parser, main
+from tpengine.cli import _engine_kwargs, build_parser, flag_reference, main
+from tpengine.config import SETTING_GROUPS, EngineConfig, engine_fields
 
 
 def _json_lines(text):
@@ -36,7 +37,7 @@ def test_launch_scripts_take_every_flag_of_their_command(command, capsys):
     assert flags(build_parser(under_torchrun=True)) == flags(build_parser())
     # under torchrun --tp defaults to the world size over --pp
     args = build_parser(under_torchrun=True).parse_args([command, "--pp", "2"])
-    assert args.tp is None and args.pp == 2 and args.pp_layer_partition is None
+    assert args.tensor_parallel_size is None and args.pipeline_parallel_size == 2 and args.pp_layer_partition is None
     assert build_parser().parse_args([command, "--pp-layer-partition", "3,1"]).pp_layer_partition == [3, 1]
     # a count that starts with '-' is a value, for the engine to refuse by name, not a flag
     assert build_parser().parse_args([command, "--pp-layer-partition", "-1,5"]).pp_layer_partition == [-1, 5]
@@ -195,3 +196,77 @@ def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
     monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
     assert main(["serve", "--model", "unused", "--kv-cache-dtype", "fp8"]) == 0
     assert seen["kv_cache_dtype"] == "fp8"
+
+
+# Every EngineConfig field, none at its default, and the flags users type for them: a new field is added to both.
+EVERY_SETTING = dict(
+    model="/m", dtype="bfloat16", max_model_len=128, seed=5, reasoning_parser="qwen3", device="cpu",
+    attention_backend="torch", enforce_eager=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+    pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
+    num_kvcache_blocks=7, kvcache_memory_gb=1.5, gpu_memory_utilization=0.5, enable_prefix_caching=False,
+    max_num_seqs=3, max_num_batched_tokens=64, scheduling_policy="prefill_first", quantization="int4",
+    quantization_group_size=32, quantize_lm_head=False,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+EVERY_FLAG = [
+    "--model", "/m", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--reasoning-parser", "qwen3",
+    "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--tp", "2", "--pp", "2",
+    "--pp-layer-partition", "3,1", "--max-steps-in-flight", "1", "--step-timeout-s", "10", "--block-size", "32",
+    "--kv-cache-dtype", "fp8", "--num-kvcache-blocks", "7", "--kvcache-memory-gb", "1.5", "--gpu-memory-utilization",
+    "0.5", "--no-enable-prefix-caching", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+    "--scheduling-policy", "prefill_first", "--quantization", "int4", "--quantization-group-size", "32",
+    "--no-quantize-lm-head", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']
+
+
+def test_every_setting_is_listed_here_away_from_its_default():
+    assert list(EVERY_SETTING) == list(engine_fields())
+    assert [name for name, field in engine_fields().items() if EVERY_SETTING[name] == field.default] == []
+
+
+@pytest.mark.parametrize("under_torchrun", [False, True])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_engine_setting_is_a_flag_of_both_commands_and_in_their_help(command, under_torchrun, capsys):
+    with pytest.raises(SystemExit):
+        build_parser(under_torchrun=under_torchrun).parse_args([command, "--help"])
+    help_text = capsys.readouterr().out
+    missing = [field.flag for field in engine_fields().values() if not re.search(rf"{field.flag}\b", help_text)]
+    assert missing == []
+    for group in SETTING_GROUPS:
+        assert f"engine {group} settings:" in help_text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_flags_give_the_config_the_keyword_arguments_give(command):
+    args = build_parser().parse_args([command, *EVERY_FLAG])
+    assert EngineConfig(model=args.model, **_engine_kwargs(args)) == EngineConfig(**EVERY_SETTING)
+    # and no flag at all gives the engine's defaults (serve's --max-num-seqs aside, off the CPU here)
+    args = build_parser().parse_args([command, "--model", "/m", "--device", "cuda"])
+    assert EngineConfig(model=args.model, **_engine_kwargs(args)) == EngineConfig(model="/m", device="cuda")
+
+
+def test_serve_passes_the_settings_it_could_not_reach_before_to_the_engine(monkeypatch):
+    import tpengine.entrypoints.server as server
+    seen = {}
+    monkeypatch.setattr(server, "run_server", lambda **kwargs: seen.update(kwargs["engine_kwargs"]) or 0)
+    assert main(["serve", "--model", "unused", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
+                 "--kvcache-memory-gb", "0.25", "--max-steps-in-flight", "1", "--step-timeout-s", "30"]) == 0
+    assert {name: seen[name] for name in ("gpu_memory_utilization", "enable_prefix_caching", "kvcache_memory_gb",
+                                          "max_steps_in_flight", "step_timeout_s")} == dict(
+        gpu_memory_utilization=0.5, enable_prefix_caching=False, kvcache_memory_gb=0.25, max_steps_in_flight=1,
+        step_timeout_s=30.0)
+
+
+def test_serve_without_prefix_caching_computes_a_repeated_prompt_again(tied_model):
+    from tests.entrypoints.conftest import Server
+    server = Server("--model", tied_model, "--block-size", "16", "--no-enable-prefix-caching")
+    try:
+        body = {"model": Server.model_name, "prompt": "the same prompt, long enough for two blocks", "max_tokens": 1}
+        usages = [server.request("POST", "/v1/completions", body)[1]["usage"] for _ in range(2)]
+        assert [usage["prompt_tokens_details"]["cached_tokens"] for usage in usages] == [0, 0]
+        assert server.stop() == 0
+    finally:
+        server.kill_leftovers()
+
+
+def test_the_checked_in_flag_reference_is_current():
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "cli.md")) as f:
+        assert f.read() == flag_reference(), "run: python scripts/write_cli_reference.py"

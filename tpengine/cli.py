@@ -1,26 +1,28 @@
 """`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`; launch/*.py run the
 first two under torchrun (main_under_torchrun)."""
 import argparse
+import html
 import json
 import logging
 import os
 import re
 import sys
 
-from tpengine.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, ONLINE_QUANTIZATIONS, REASONING_PARSERS,
-                             SCHEDULING_POLICIES)
+import msgspec
+
+from tpengine.config import SETTING_GROUPS, EngineField, engine_fields
 from tpengine.entrypoints.data_parallel import ROUTER_POLICIES
 from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
-MAX_NUM_SEQS = 512
 # `serve` on the CPU decodes at most this many requests at once (vLLM's CPU serving default): every
 # running request shares each step, so under a burst fewer at once means a lower time per output token
 # for each, for a later first token for the ones that wait (docs/benchmarks.md, "Per-token latency under load").
 SERVE_CPU_MAX_NUM_SEQS = 128
+DEFAULT_MODEL_HELP = "the embedded tiny random Qwen3, written on first use; its text is meaningless"
 
 
 # Flags whose value may start with '-' (layer counts such as -1,5, which the engine then refuses by name).
-_DASHED_VALUE_FLAGS = ("--pp-layer-partition",)
+_DASHED_VALUE_FLAGS = tuple(field.flag for field in engine_fields().values() if field.value_type == list[int])
 
 
 def _join_dashed_values(argv: list[str]) -> list[str]:
@@ -53,7 +55,17 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     """Every command's flags; under torchrun --tp defaults to the world size over --pp."""
     parser = _Parser(prog="tpengine", description="Tensor-parallel LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands, under_torchrun)
+    _add_serve(commands, under_torchrun)
+    tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
+                               description="Write the embedded tiny random-weight Qwen3 checkpoint and its "
+                                           "byte-level tokenizer to PATH.")
+    tiny.add_argument("path", help="output folder")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    return parser
 
+
+def _add_generate(commands, under_torchrun: bool) -> None:
     gen = commands.add_parser(
         "generate", help="generate text for prompts",
         description="Generate a completion for each prompt. Prompts come from the command line, "
@@ -66,10 +78,10 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's "
                                                                "probability (default 0)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed; completion i of --n uses "
-                                                            "seed + i (default: none: the engine seed's stream)")
-    gen.add_argument("--engine-seed", type=int, default=0, help="seeds what unseeded sampled requests draw: the "
-                                                                "same command gives the same text (default 0)")
+    # not `seed`: that is the engine's (--engine-seed)
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, metavar="SEED",
+                     help="per-request sampling seed; completion i of --n uses seed + i (default: none: the engine "
+                          "seed's stream)")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt; they share the prompt's KV (default 1)")
     gen.add_argument("--stop", action="append", default=None, metavar="STR",
                      help="stop when the output contains STR (repeatable); the text ends before it")
@@ -89,9 +101,11 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
                         help="print one JSON object per prompt: text, token ids, finish and stop reasons, and "
                              "'outputs' with every completion (and its logprobs)")
     output.add_argument("--stream", action="store_true", help="print text as it is generated, prompt by prompt")
-    _add_engine_args(gen, under_torchrun)
+    _add_engine_flags(gen, _flag_defaults("generate", under_torchrun))
     gen.add_argument("--quiet", action="store_true", help="no progress bar or log lines on standard error")
 
+
+def _add_serve(commands, under_torchrun: bool) -> None:
     serve = commands.add_parser(
         "serve", help="serve the OpenAI API over HTTP",
         description="Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions (streamed as "
@@ -116,9 +130,6 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                        help="how the model writes tool calls, for tool_choice auto: hermes (Qwen2.5, Qwen3: "
                             "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
-    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
-                       help="a reasoning model's <think>...</think>: returned as reasoning_content, and structured "
-                            "outputs constrain only the answer after it (qwen3, deepseek_r1)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="replicas of the engine, each its own --tp x --pp ranks on its own CPU cores (an equal "
@@ -127,75 +138,56 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     serve.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                        help="with --data-parallel-size: cache_aware sends a request to the replica that most likely "
                             "caches its prompt's prefix, round_robin to each in turn (default cache_aware)")
-    _add_engine_args(serve, under_torchrun)
+    _add_engine_flags(serve, _flag_defaults("serve", under_torchrun))
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
 
-    tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
-                               description="Write the embedded tiny random-weight Qwen3 checkpoint and its "
-                                           "byte-level tokenizer to PATH.")
-    tiny.add_argument("path", help="output folder")
-    tiny.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    return parser
+
+def _flag_defaults(command: str, under_torchrun: bool) -> dict[str, tuple[object, str]]:
+    """The engine flags whose default on this command is not the EngineConfig field's: (default, what it means)."""
+    defaults = {"model": (None, DEFAULT_MODEL_HELP)}
+    if under_torchrun:
+        defaults["tensor_parallel_size"] = (None, "torchrun's world size / --pp")
+    if command == "serve":
+        defaults["max_num_seqs"] = (None, f"{engine_fields()['max_num_seqs'].default}; {SERVE_CPU_MAX_NUM_SEQS} on "
+                                          "the CPU")
+    return defaults
 
 
-def _add_engine_args(parser: argparse.ArgumentParser, under_torchrun: bool) -> None:
-    """The flags that build the engine, the same for generate and serve."""
-    parser.add_argument("--model", help="local Hugging Face checkpoint folder of a supported family: Qwen3, "
-                                        "Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss "
-                                        "(default: the embedded tiny random Qwen3, written on first use; its text is "
-                                        "meaningless)")
-    if not under_torchrun:
-        parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ranks per pipeline stage "
-                                                              "(default 1)")
+def _add_engine_flags(parser: argparse.ArgumentParser, defaults: dict[str, tuple[object, str]]) -> None:
+    """Every EngineConfig field as a flag, its value under the field's name, in a group per SETTING_GROUPS key;
+    defaults: _flag_defaults."""
+    groups = {name: parser.add_argument_group(_group_title(name), description)
+              for name, description in SETTING_GROUPS.items()}
+    for field in engine_fields().values():
+        default, default_help = defaults.get(field.name, (field.default, field.setting.default_help))
+        if field.value_type is bool:
+            default_text = " on" if default else " off"
+        elif default_help is not None:
+            default_text = f": {default_help}"
+        else:
+            default_text = f" {default:g}" if isinstance(default, float) else f" {default}"
+        groups[field.setting.group].add_argument(
+            field.flag, dest=field.name, default=default, **_flag_parsing(field),
+            help=f"{field.setting.help} (default{default_text})".replace("%", "%%"))
+
+
+def _group_title(group: str) -> str:
+    return f"engine {group} settings"
+
+
+def _flag_parsing(field: EngineField) -> dict:
+    """argparse's action, or type and choices or metavar, for a field's type and Setting."""
+    if field.value_type is bool:  # --enforce-eager and --no-enforce-eager, as vLLM spells its switches
+        return {"action": argparse.BooleanOptionalAction}
+    if field.value_type == list[int]:
+        parse = _layer_counts
+    elif isinstance(field.value_type, type) and issubclass(field.value_type, msgspec.Struct):
+        parse = _json_object  # speculative_config: vLLM's JSON object
     else:
-        parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size: ranks per pipeline stage "
-                                                                 "(default: torchrun's world size / --pp)")
-    parser.add_argument("--pp", type=int, default=1,
-                        help="pipeline-parallel size: stages, each a slice of the layers on its own --tp ranks; "
-                             "tp x pp ranks in all (default 1)")
-    parser.add_argument("--pp-layer-partition", type=_layer_counts, default=None,
-                        help="layers per pipeline stage, first stage first, e.g. 14,14 (default: as even as can "
-                             "be, later stages taking one more)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default auto)")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half "
-                             "dtype the CPU has no instructions for runs as float32 (bfloat16 keeping its linear "
-                             "weights in bfloat16 on AVX2 CPUs)")
-    parser.add_argument("--block-size", type=int, default=256, help="KV-cache block size in tokens (default 256)")
-    parser.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV-cache blocks (default: by memory)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV-cache element type; auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-layer "
-                             "K and V scales (the checkpoint's, else 1.0), twice the tokens of a 16-bit cache in the "
-                             "same memory; attention through triton on CUDA (compute capability 8.9+), torch on the "
-                             "CPU (default auto)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output (default 4096)")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help=f"most sequences running at once (default {MAX_NUM_SEQS}; "
-                             f"{SERVE_CPU_MAX_NUM_SEQS} for serve on the CPU)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="most tokens through one forward, decodes and prompt chunks together "
-                             "(default 2048 on the CPU, 16384 on CUDA)")
-    parser.add_argument("--scheduling-policy", default="mixed", choices=SCHEDULING_POLICIES,
-                        help="mixed: every running request gets a token each step, prompt chunks fill the rest; "
-                             "prefill_first: nano-vllm's, decodes wait while a prompt prefills (default mixed)")
-    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ "
-                             "kernel built on first use), else torch, on the CPU (default auto)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="decode eagerly: no CUDA graphs, no replayed CPU decode steps")
-    parser.add_argument("--quantization", default=None, choices=ONLINE_QUANTIZATIONS,
-                        help="quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
-                             "groups (--quantization-group-size), symmetric; fp8 (e4m3 per output channel, inputs "
-                             "per token) on CUDA sm_89+ only; a quantized checkpoint (GPTQ, AWQ, compressed-tensors, "
-                             "fp8) needs no flag (default: none)")
-    parser.add_argument("--quantization-group-size", type=int, default=128,
-                        help="input features per int4 scale (default 128)")
-    parser.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
-                        help="with --quantization: keep the LM head and embedding in floats")
-    parser.add_argument("--speculative-config", type=_json_object, default=None,
-                        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
-                             '4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}, or a draft model with the '
-                             'model\'s vocabulary: {"model": "PATH", "num_speculative_tokens": 4} (default: none)')
+        parse = field.value_type
+    if field.setting.choices is not None:
+        return {"type": parse, "choices": field.setting.choices}
+    return {"type": parse, "metavar": field.flag.removeprefix("--").replace("-", "_").upper()}
 
 
 def _json_object(text: str) -> dict:
@@ -215,17 +207,13 @@ def _layer_counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be comma-separated layer counts, got {text!r}") from None
 
 
-def _engine_kwargs(args) -> dict:
-    return dict(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                pp_layer_partition=args.pp_layer_partition, dtype=args.dtype, device=args.device,
-                kvcache_block_size=args.block_size, num_kvcache_blocks=args.num_kvcache_blocks,
-                kv_cache_dtype=args.kv_cache_dtype,
-                max_model_len=args.max_model_len,
-                max_num_seqs=MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
-                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
-                quantize_lm_head=args.quantize_lm_head, speculative_config=args.speculative_config)
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig keyword arguments the engine flags in args give, but model (the caller's to default)."""
+    kwargs = {name: getattr(args, name) for name in engine_fields() if name != "model"}
+    if kwargs["max_num_seqs"] is None:  # serve's default: fewer on the CPU
+        kwargs["max_num_seqs"] = SERVE_CPU_MAX_NUM_SEQS if _on_cpu(args.device) else \
+            engine_fields()["max_num_seqs"].default
+    return kwargs
 
 
 def _read_lines(stream) -> list[str]:
@@ -322,12 +310,12 @@ def _generate(args) -> int:
     prompts = _read_prompts(args)
     params = SamplingParams(
         n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+        seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
         stop_token_ids=args.stop_token_id, include_stop_str_in_output=args.include_stop_str,
         ignore_eos=args.ignore_eos, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     model = args.model or _default_model()
-    with LLM(model, **_engine_kwargs(args), seed=args.engine_seed) as llm:
+    with LLM(model, **_engine_kwargs(args)) as llm:
         if args.stream:
             _stream(llm, prompts, params)
             return 0
@@ -350,10 +338,6 @@ def _serve(args) -> int:
     if data_parallel_size > 1:
         return _serve_data_parallel(args)
     engine_kwargs = _engine_kwargs(args)
-    engine_kwargs["reasoning_parser"] = args.reasoning_parser
-    if args.max_num_seqs is None and _on_cpu(args.device):
-        engine_kwargs["max_num_seqs"] = SERVE_CPU_MAX_NUM_SEQS
-
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
     return run_server(model=args.model or _default_model(),
                       model_name=args.served_model_name or args.model or "tpengine-tiny",
@@ -371,9 +355,9 @@ def _serve_data_parallel(args) -> int:
     args.served_model_name = args.served_model_name or args.model or "tpengine-tiny"
     args.model = args.model or _default_model()
     server = DataParallelServer(replica_argv=_replica_argv(args), num_replicas=args.data_parallel_size,
-                                ranks_per_replica=args.tp * args.pp, on_cpu=_on_cpu(args.device), host=args.host,
-                                port=args.port, router_policy=args.router_policy, quiet=args.quiet,
-                                api_key=args.api_key)
+                                ranks_per_replica=args.tensor_parallel_size * args.pipeline_parallel_size,
+                                on_cpu=_on_cpu(args.device), host=args.host, port=args.port,
+                                router_policy=args.router_policy, quiet=args.quiet, api_key=args.api_key)
     return server.run()
 
 
@@ -384,8 +368,7 @@ _NOT_FOR_REPLICAS = {"command", "host", "port", "api_key", "data_parallel_size",
 def _replica_argv(args: argparse.Namespace) -> list[str]:
     """The `tpengine serve` flags that give a replica the engine and API settings args holds (the parsed
     values, so an abbreviated or repeated flag reads as argparse read it)."""
-    serve_parser = next(action for action in build_parser()._actions
-                        if isinstance(action, argparse._SubParsersAction)).choices["serve"]
+    serve_parser = _command_parsers(build_parser())["serve"]
     argv = []
     for action in serve_parser._actions:
         if action.dest in _NOT_FOR_REPLICAS or not action.option_strings:
@@ -393,7 +376,9 @@ def _replica_argv(args: argparse.Namespace) -> list[str]:
         value, flag = getattr(args, action.dest), action.option_strings[-1]
         if value == action.default:
             continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
         elif isinstance(action, argparse._AppendAction):
             for item in value:
@@ -405,6 +390,55 @@ def _replica_argv(args: argparse.Namespace) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction)).choices
+
+
+def flag_reference() -> str:
+    """docs/cli.md: every flag of generate and serve as --help words it, the engine's once, group by group."""
+    parsers = _command_parsers(build_parser())
+    engine_help = {action.dest: action.help for action in parsers["generate"]._actions}
+    lines = ["# Command-line flags", "",
+             "Generated from the settings' declarations (EngineConfig in tpengine/config.py) and tpengine/cli.py by "
+             "`python scripts/write_cli_reference.py`; `tpengine COMMAND --help` says the same.", ""]
+    for command in ("generate", "serve"):
+        parser = parsers[command]
+        own = [action for action in parser._actions if action.dest not in engine_fields() and action.dest != "help"]
+        lines += [f"## tpengine {command}", "", parser.description, "", "| flag | |", "|---|---|",
+                  *(f"| `{_invocation(action)}` | {_markdown(action.help)} |" for action in own), ""]
+        differing = [action for action in parser._actions
+                     if action.dest in engine_fields() and action.help != engine_help[action.dest]]
+        lines += ["And every [engine flag](#engine-flags)" + (", but:" if differing else "."), ""]
+        lines += [f"- `{action.option_strings[0]}`: {_markdown(action.help)}" for action in differing]
+        lines += [""] if differing else []
+    lines += ["## Engine flags", "",
+              "`generate` and `serve` both take them; each sets the EngineConfig field, the keyword argument of "
+              "`LLM(model, ...)`, named beside it.", ""]
+    groups = {_group_title(name): name for name in SETTING_GROUPS}
+    for group in parsers["generate"]._action_groups:
+        if group.title in groups:
+            lines += [f"### {groups[group.title]}: {group.description}", "",
+                      "| flag | `LLM()` argument | |", "|---|---|---|",
+                      *(f"| `{_invocation(action)}` | `{action.dest}` | {_markdown(action.help)} |"
+                        for action in group._group_actions), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _invocation(action: argparse.Action) -> str:
+    """How a flag is written: '--tp TP', '--device {auto,cpu,cuda}', '--enforce-eager, --no-enforce-eager'."""
+    value = "{" + ",".join(action.choices) + "}" if action.choices else action.metavar or action.dest.upper()
+    if not action.option_strings:
+        return f"[{value} ...]" if action.nargs == "*" else value
+    if action.nargs == 0:
+        return ", ".join(action.option_strings)
+    return f"{action.option_strings[0]} {value}"
+
+
+def _markdown(text: str) -> str:
+    """text as a table cell shows it: <think> is not a tag, | not a column."""
+    return html.escape(text.replace("%%", "%"), quote=False).replace("|", "\\|")
 
 
 def _on_cpu(device: str) -> bool:
@@ -444,11 +478,12 @@ def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
             torchrun_worker_main()
             return 0
         world_size = dist.get_world_size()
-        if args.tp is None:
-            args.tp = world_size // args.pp if args.pp >= 1 and world_size % args.pp == 0 else world_size
-        if args.tp * args.pp != world_size:
-            print(f"tpengine: error: --tp {args.tp} x --pp {args.pp} must be torchrun's world size, {world_size} "
-                  "ranks", file=sys.stderr)
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        if tp is None:
+            tp = args.tensor_parallel_size = world_size // pp if pp >= 1 and world_size % pp == 0 else world_size
+        if tp * pp != world_size:
+            print(f"tpengine: error: --tp {tp} x --pp {pp} must be torchrun's world size, {world_size} ranks",
+                  file=sys.stderr)
             return 2
         return run(args)
     finally:

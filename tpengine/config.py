@@ -1,11 +1,20 @@
-"""Engine settings: validated once on rank 0, then sent to every worker as a msgspec struct.
+"""Engine settings, each declared once: its type, default, group, help and flag (cli.py makes every one a flag of
+`generate` and `serve`, and docs/cli.md lists them); resolved once on rank 0, then sent to every worker as a
+msgspec struct.
 
 A record: it imports nothing of the engine, the runner or the models, and neither torch nor transformers.
 """
+import functools
+import types
+from collections.abc import Mapping
+from typing import Annotated, Any, Union, get_args, get_origin
+
 import msgspec
 
-from tpengine.hf_config import HFConfig, head_dim_of, load_hf_config, tensor_parallel_sizes
+from tpengine.hf_config import (HFConfig, head_dim_of, load_hf_config, long_rope_threshold_of, max_model_len_of,
+                                max_positions_of, tensor_parallel_sizes)
 
+DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # "auto": the model's dtype; "fp8" / "fp8_e4m3" (vLLM's names): e4m3 with per-layer K and V scales, twice the tokens
@@ -118,103 +127,256 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
                              f"the limit of {MAX_SPECULATIVE_TOKENS} tokens proposed per step")
 
 
+# How settings are grouped in EngineConfig, validated, shown by --help and logged, as vLLM's EngineArgs groups them
+SETTING_GROUPS = {
+    "model": "the checkpoint and what it runs as",
+    "device": "where and how the forward runs",
+    "parallel": "tensor- and pipeline-parallel ranks",
+    "cache": "the KV cache",
+    "scheduler": "what each step runs",
+    "quantization": "quantizing a float checkpoint as it loads",
+    "speculative": "speculative decoding",
+}
+
+
+class Setting(msgspec.Struct, frozen=True):
+    """What the command line and docs/cli.md say of an EngineConfig field: `generate` and `serve` both take it."""
+    group: str                              # a SETTING_GROUPS key
+    help: str
+    flag: str | None = None                 # None: --the-field-name (a bool also takes --no-the-field-name)
+    choices: tuple[str, ...] | None = None  # the values validate accepts (and None, where that is the default)
+    default_help: str | None = None         # what a None default means
+
+
+class EngineField(msgspec.Struct, frozen=True):
+    name: str
+    type: Any       # the annotation, Setting aside: int, float | None, list[int] | None, ...
+    default: Any    # msgspec.NODEFAULT where the field has none
+    setting: Setting
+
+    @property
+    def flag(self) -> str:
+        return self.setting.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def value_type(self) -> Any:
+        """The type a value given takes: the annotation without its None."""
+        if get_origin(self.type) in (Union, types.UnionType):
+            [value_type] = [arg for arg in get_args(self.type) if arg is not type(None)]
+            return value_type
+        return self.type
+
+
+@functools.cache
+def engine_fields() -> Mapping[str, EngineField]:
+    """Every EngineConfig field with its Setting, by name, in declaration order (group by group)."""
+    fields = {}
+    for field in msgspec.structs.fields(EngineConfig):
+        value_type, setting = get_args(field.type)
+        assert isinstance(setting, Setting), f"EngineConfig.{field.name} is declared without its Setting"
+        fields[field.name] = EngineField(field.name, value_type, field.default, setting)
+    return types.MappingProxyType(fields)
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
-    model: str
-    tensor_parallel_size: int = 1
+    """Every setting of the engine, declared once with its Setting (group, help, flag). LLM(model, **kwargs) and the
+    command line build it; resolve() checks it against the model and fills in what the model decides."""
+    # --- model -------------------------------------------------------------------------------------------------
+    model: Annotated[str, Setting(
+        "model", "local Hugging Face checkpoint folder of a supported family: Qwen3, Qwen3-MoE, Qwen2/2.5, "
+                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss")]
+    dtype: Annotated[str, Setting(
+        "model", "weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half dtype the CPU "
+                 "has no instructions for runs as float32 (bfloat16 keeping its linear weights in bfloat16 on AVX2 "
+                 "CPUs)", choices=DTYPES)] = "auto"
+    # resolve() bounds it by the positions the model (and a draft model) encodes: every request's limit
+    max_model_len: Annotated[int, Setting(
+        "model", "longest prompt + output; at most what the model's positions reach")] = 4096
+    # unseeded sampled requests draw from a generator seeded by it; None: random
+    seed: Annotated[int | None, Setting(
+        "model", "seeds what unseeded sampled requests draw: the same command gives the same text",
+        flag="--engine-seed")] = 0
+    # a reasoning model's parser: structured outputs constrain what follows its thinking (the server also
+    # splits the thinking off as reasoning_content)
+    reasoning_parser: Annotated[str | None, Setting(
+        "model", "a reasoning model's <think>...</think>: structured outputs constrain only the answer after it, "
+                 "and serve returns the thinking as reasoning_content", choices=REASONING_PARSERS,
+        default_help="none")] = None
+    # --- device ------------------------------------------------------------------------------------------------
+    device: Annotated[str, Setting(
+        "device", "where the model runs; auto = CUDA where there is a GPU, else the CPU", choices=DEVICES)] = "auto"
+    attention_backend: Annotated[str, Setting(
+        "device", "attention implementation; auto = flash_attn, else triton on CUDA, and cpu (a C++ kernel built on "
+                  "first use), else torch, on the CPU", choices=ATTENTION_BACKENDS)] = "auto"
+    enforce_eager: Annotated[bool, Setting(
+        "device", "decode eagerly: no CUDA graphs, no replayed CPU decode steps")] = False
+    # --- parallel ----------------------------------------------------------------------------------------------
+    tensor_parallel_size: Annotated[int, Setting(
+        "parallel", "tensor-parallel size: ranks per pipeline stage", flag="--tp")] = 1
     # pipeline stages, each a contiguous slice of the layers on its own tensor-parallel group: tp x pp ranks
-    pipeline_parallel_size: int = 1
-    # layers per stage, first stage first (None: as even as can be, the later stages taking one more)
-    pp_layer_partition: list[int] | None = None
-    # steps in flight at once, each from its own scheduler (None: pipeline_parallel_size, so every stage has
-    # one; 1: the stages take turns, the pipeline only splits the memory)
-    max_steps_in_flight: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    kvcache_block_size: int = 256
-    kv_cache_dtype: str = "auto"               # KV_CACHE_DTYPES; fp8: the triton or torch attention backend
-    num_kvcache_blocks: int | None = None
-    kvcache_memory_gb: float | None = None     # CPU: KV-cache budget per rank (default: what the limits need, at most 4)
-    gpu_memory_utilization: float = 0.9        # CUDA: fraction of the GPU the engine may fill
-    max_num_seqs: int = 512
-    # most tokens through one forward (decode tokens and prompt chunks together); None: the device's
-    # default, 2048 on the CPU (its activations stay in cache), 16384 on CUDA
-    max_num_batched_tokens: int | None = None
-    # "mixed": every running request gets its next token each step, prompt chunks fill the rest of the
-    # budget; "prefill_first": nano-vllm's, a prefill step whenever a prompt waits
-    scheduling_policy: str = "mixed"
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    attention_backend: str = "auto"
-    seed: int | None = 0                        # unseeded sampled requests draw from a generator seeded by it; None: random
-    # a worker that takes longer than this over one step is taken for stuck (stopped, a wedged kernel
-    # or host): every rank is stopped and the step fails with WorkerFailedError naming it
-    step_timeout_s: float = 300.0
-    # a reasoning model's parser ("qwen3", "deepseek_r1"): structured outputs constrain what follows its
-    # thinking (the server also splits the thinking off as reasoning_content)
-    reasoning_parser: str | None = None
-    # quantize a float checkpoint's linears as they load: "int8" (per output channel) or "int4" (groups of
-    # quantization_group_size input features), symmetric; the LM head and embedding too unless
-    # quantize_lm_head is False. "fp8": e4m3 per output channel with inputs quantized per token, the linears
-    # only (LM head and embedding stay float), CUDA sm_89+ only. A quantized checkpoint needs none of this:
-    # its own config says how.
-    quantization: str | None = None
-    quantization_group_size: int = 128
-    quantize_lm_head: bool = True
-    # speculative decoding: vLLM's dict (validate makes it a SpeculativeConfig), or None for none
-    speculative_config: SpeculativeConfig | None = None
+    pipeline_parallel_size: Annotated[int, Setting(
+        "parallel", "pipeline-parallel size: stages, each a slice of the layers on its own --tp ranks; tp x pp ranks "
+                    "in all", flag="--pp")] = 1
+    pp_layer_partition: Annotated[list[int] | None, Setting(
+        "parallel", "layers per pipeline stage, first stage first, e.g. 14,14",
+        default_help="as even as can be, later stages taking one more")] = None
+    # each step in flight has its own scheduler; resolve() makes None pipeline_parallel_size
+    max_steps_in_flight: Annotated[int | None, Setting(
+        "parallel", "pipeline steps in flight at once, each from its own scheduler; 1: the stages take turns, the "
+                    "pipeline only splits the memory", default_help="--pp, one per stage")] = None
+    # a wedged kernel or host would otherwise hang the engine: every rank is stopped and the step fails
+    # with WorkerFailedError naming the worker
+    step_timeout_s: Annotated[float, Setting(
+        "parallel", "seconds a worker may take over one step before it is taken for stuck and every rank is "
+                    "stopped")] = 300.0
+    # --- cache -------------------------------------------------------------------------------------------------
+    kvcache_block_size: Annotated[int, Setting(
+        "cache", "KV-cache block size in tokens, a power of two >= 16", flag="--block-size")] = 256
+    kv_cache_dtype: Annotated[str, Setting(
+        "cache", "KV-cache element type; auto = the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-layer K and V "
+                 "scales (the checkpoint's, else 1.0), twice the tokens of a 16-bit cache in the same memory; "
+                 "attention through triton on CUDA (compute capability 8.9+), torch on the CPU",
+        choices=KV_CACHE_DTYPES)] = "auto"
+    num_kvcache_blocks: Annotated[int | None, Setting(
+        "cache", "KV-cache blocks", default_help="by memory")] = None
+    kvcache_memory_gb: Annotated[float | None, Setting(
+        "cache", "CPU: KV-cache GiB per rank", default_help="what the limits can use, at most 4")] = None
+    gpu_memory_utilization: Annotated[float, Setting(
+        "cache", "CUDA: the fraction of each GPU the engine may fill (weights, activations, KV cache)")] = 0.9
+    enable_prefix_caching: Annotated[bool, Setting(
+        "cache", "reuse the KV-cache blocks of prompt prefixes computed before")] = True
+    # --- scheduler ---------------------------------------------------------------------------------------------
+    max_num_seqs: Annotated[int, Setting("scheduler", "most sequences running at once")] = 512
+    # decode tokens and prompt chunks together; on the CPU a smaller step's activations stay in cache
+    max_num_batched_tokens: Annotated[int | None, Setting(
+        "scheduler", "most tokens through one forward, decodes and prompt chunks together",
+        default_help="2048 on the CPU, 16384 on CUDA")] = None
+    scheduling_policy: Annotated[str, Setting(
+        "scheduler", "mixed: every running request gets a token each step, prompt chunks fill the rest; "
+                     "prefill_first: nano-vllm's, decodes wait while a prompt prefills",
+        choices=SCHEDULING_POLICIES)] = "mixed"
+    # --- quantization ------------------------------------------------------------------------------------------
+    # A quantized checkpoint needs none of these: its own config says how.
+    quantization: Annotated[str | None, Setting(
+        "quantization", "quantize a float checkpoint's weights as they load: int8 per output channel, int4 in "
+                        "groups (--quantization-group-size), symmetric; fp8 (e4m3 per output channel, inputs per "
+                        "token) on CUDA sm_89+ only; a quantized checkpoint (GPTQ, AWQ, compressed-tensors, fp8) "
+                        "needs no flag", choices=ONLINE_QUANTIZATIONS, default_help="none")] = None
+    quantization_group_size: Annotated[int, Setting(
+        "quantization", "input features per int4 scale")] = 128
+    quantize_lm_head: Annotated[bool, Setting(
+        "quantization", "with --quantization int8 or int4: quantize the LM head and embedding too; "
+                        "--no-quantize-lm-head keeps them in floats")] = True
+    # --- speculative -------------------------------------------------------------------------------------------
+    # vLLM's dict; validate makes it a SpeculativeConfig
+    speculative_config: Annotated[SpeculativeConfig | None, Setting(
+        "speculative", 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_min": 1, "prompt_lookup_max": 3}, or a draft model with the model\'s '
+                       'vocabulary: {"model": "PATH", "num_speculative_tokens": 4}', default_help="none")] = None
+
+    def resolve(self, hf_config: HFConfig) -> "EngineConfig":
+        """A copy, validated against the model, with what the model decides filled in: max_model_len bounded by
+        the positions the model and a draft model encode, max_steps_in_flight, speculative_config as a
+        SpeculativeConfig. The config every rank runs."""
+        config = msgspec.structs.replace(self)
+        config.validate(hf_config)
+        max_model_len = max_model_len_of(hf_config, config.max_model_len)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
+            max_model_len = max_model_len_of(load_hf_config(spec.model), max_model_len)
+        return msgspec.structs.replace(config, max_model_len=max_model_len,
+                                       max_steps_in_flight=config.max_steps_in_flight or config.pipeline_parallel_size)
 
     def validate(self, hf_config: HFConfig) -> None:
-        """Raise ValueError for settings that can never work, before any process starts."""
-        def positive(name):
+        """Raise ValueError for settings that can never work, before any process starts: each group's checks."""
+        self._check_choices()
+        self._validate_model()
+        self._validate_parallel(hf_config)
+        self._validate_cache()
+        self._validate_scheduler()
+        self._validate_quantization(hf_config)
+        self._validate_speculative(hf_config)
+
+    def describe(self) -> list[str]:
+        """One line per group, 'group: name=value ...': what the engine logs as it starts."""
+        values = {group: [] for group in SETTING_GROUPS}
+        for field in engine_fields().values():
+            values[field.setting.group].append(f"{field.name}={getattr(self, field.name)!r}")
+        return [f"{group}: {' '.join(settings)}" for group, settings in values.items()]
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the engine: each pipeline stage's tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def pipeline_layers(self) -> list[tuple[int, int]]:
+        """Each pipeline stage's layers of the model, [start, end)."""
+        num_layers = load_hf_config(self.model).num_hidden_layers
+        return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_model_len"):
-            positive(name)
-        if self.max_num_batched_tokens is not None:
-            positive("max_num_batched_tokens")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None, "
-                             f"got {self.reasoning_parser!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
-            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        block_size = self.kvcache_block_size
-        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")
+
+    def _check_choices(self) -> None:
+        """Every field declared with choices holds one of them (or None, where that is its default)."""
+        for field in engine_fields().values():
+            choices, value = field.setting.choices, getattr(self, field.name)
+            if choices is None or value in choices or (value is None and field.default is None):
+                continue
+            or_none = " or None" if field.default is None else ""
+            raise ValueError(f"{field.name} must be one of {choices}{or_none}, got {value!r}")
+
+    def _validate_model(self) -> None:
+        self._check_positive("max_model_len")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.num_kvcache_blocks is not None:
-            positive("num_kvcache_blocks")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _validate_parallel(self, hf_config: HFConfig) -> None:
+        self._check_positive("tensor_parallel_size", "pipeline_parallel_size")
         if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) \
                 or not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be a number of seconds > 0, got {self.step_timeout_s!r}")
+        self._check_tensor_parallel(hf_config, "the model")
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is not None:
+            layer_partition(hf_config.num_hidden_layers, pp, self.pp_layer_partition)  # raises what is wrong
+        elif pp > hf_config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} "
+                             "layers: every stage needs at least one")
+        if self.max_steps_in_flight is not None:
+            value = self.max_steps_in_flight
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= pp:
+                raise ValueError(f"max_steps_in_flight must be an integer from 1 to pipeline_parallel_size={pp}, "
+                                 f"got {value!r}")
+
+    def _validate_cache(self) -> None:
+        block_size = self.kvcache_block_size
+        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {block_size!r}")
+        if self.num_kvcache_blocks is not None:
+            self._check_positive("num_kvcache_blocks")
         if self.kvcache_memory_gb is not None and not self.kvcache_memory_gb > 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _validate_scheduler(self) -> None:
+        self._check_positive("max_num_seqs")
+        if self.max_num_batched_tokens is not None:
+            self._check_positive("max_num_batched_tokens")
+
+    def _validate_quantization(self, hf_config: HFConfig) -> None:
         if self.quantization is not None:
-            if self.quantization not in ONLINE_QUANTIZATIONS:
-                raise ValueError(f"quantization must be one of {ONLINE_QUANTIZATIONS} or None, "
-                                 f"got {self.quantization!r}")
             if hf_config.quantization_config:
                 raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint, but "
                                  f"{self.model!r} is already quantized (its config.json has a quantization_config)")
             if hf_config.model_type == "gpt_oss":  # its experts load whole per projection, float only
                 raise ValueError(f"quantization={self.quantization!r} is not supported for gpt-oss: its experts, most "
                                  "of its weights, would stay float")
-            positive("quantization_group_size")
+            self._check_positive("quantization_group_size")
             if self.quantization == "fp8" and self.device == "cpu":
                 raise ValueError(FP8_NEEDS_A_GPU.format(where="the CPU"))
         # settings of online quantization that would do nothing are refused, not ignored
@@ -224,11 +386,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.quantization in (None, "fp8") and not self.quantize_lm_head:
             raise ValueError("quantize_lm_head=False applies to quantization='int8' or 'int4' only, not "
                              f"quantization={self.quantization!r}")
-        self._check_tensor_parallel(hf_config, "the model")
-        self._check_pipeline(hf_config)
         if self.quantization == "int4":
             self._check_groups(hf_config)
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+
+    def _validate_speculative(self, hf_config: HFConfig) -> None:
+        if self.speculative_config is None:
+            return
+        if not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config.method == "draft_model":
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "
+                                 "pipeline_parallel_size=1, or method='ngram'")
             self._check_draft(hf_config)
 
     def _check_tensor_parallel(self, hf_config: HFConfig, whose: str) -> None:
@@ -242,34 +411,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if size % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide {whose}'s {name}={size}")
 
-    @property
-    def world_size(self) -> int:
-        """Every rank of the engine: each pipeline stage's tensor-parallel group."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    def pipeline_layers(self) -> list[tuple[int, int]]:
-        """Each pipeline stage's layers of the model, [start, end)."""
-        num_layers = load_hf_config(self.model).num_hidden_layers
-        return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
-
-    def _check_pipeline(self, hf_config: HFConfig) -> None:
-        pp = self.pipeline_parallel_size
-        if self.pp_layer_partition is not None:
-            layer_partition(hf_config.num_hidden_layers, pp, self.pp_layer_partition)  # raises what is wrong
-        elif pp > hf_config.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size={pp} is more than the model's {hf_config.num_hidden_layers} "
-                             "layers: every stage needs at least one")
-        if self.max_steps_in_flight is not None:
-            value = self.max_steps_in_flight
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= pp:
-                raise ValueError(f"max_steps_in_flight must be an integer from 1 to pipeline_parallel_size={pp}, "
-                                 f"got {value!r}")
-        if pp > 1 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "
-                             "pipeline_parallel_size=1, or method='ngram'")
-
     def _check_draft(self, hf_config: HFConfig) -> None:
-        """The draft model is sharded over the engine's ranks and reads the target's token ids."""
+        """The draft model is sharded over the engine's ranks, reads the target's token ids and, with LongRoPE,
+        takes the same factors for a row."""
         path = self.speculative_config.model
         draft = load_hf_config(path)  # ValueError naming the file or field at fault
         if draft.vocab_size != hf_config.vocab_size:
@@ -278,6 +422,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._check_tensor_parallel(draft, f"the draft model {path!r}")
         if self.quantization == "int4" and not draft.quantization_config:  # a float draft is quantized as the model
             self._check_groups(draft, f"the draft model {path!r}")
+        threshold = long_rope_threshold_of(hf_config)
+        if long_rope_threshold_of(draft) != threshold or (
+                threshold is not None and max_positions_of(draft) != max_positions_of(hf_config)):
+            # one choice of LongRoPE factors per row, and one offset for the long set's rows, serve both models
+            raise ValueError(f"the draft model {path!r} must use LongRoPE with the same "
+                             "original_max_position_embeddings and max_position_embeddings as the model, or "
+                             "neither may use it")
 
     def _check_groups(self, hf_config: HFConfig, whose: str = "the model") -> None:
         """Every linear's input features, and every row-parallel rank's share of them, in whole int4 groups."""

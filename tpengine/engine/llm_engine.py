@@ -8,6 +8,7 @@ import time
 from functools import partial
 from itertools import count
 
+import msgspec
 from tqdm.auto import tqdm
 
 from tpengine.config import EngineConfig
@@ -22,7 +23,7 @@ from tpengine.engine.step_plan import StepPlan
 from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
-                                max_model_len_of, max_positions_of, sliding_window_of)
+                                sliding_window_of)
 from tpengine.outputs import NO_TOKEN, RequestOutput, merge_deltas
 from tpengine.sampling_params import SamplingParams
 from tpengine.structured.limits import check_min_tokens_reachable
@@ -48,20 +49,8 @@ class LLMEngine:
         model = os.fspath(model)
         config = EngineConfig(model=model, **kwargs)
         hf_config = load_hf_config(model)
-        config.validate(hf_config)
-        # the model's positions bound every request: set once here, read by the ledger and every rank
-        config.max_model_len = max_model_len_of(hf_config, config.max_model_len)
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
-            draft_hf_config = load_hf_config(spec.model)
-            config.max_model_len = max_model_len_of(draft_hf_config, config.max_model_len)
-            threshold = long_rope_threshold_of(hf_config)
-            if long_rope_threshold_of(draft_hf_config) != threshold or (
-                    threshold is not None and max_positions_of(draft_hf_config) != max_positions_of(hf_config)):
-                # one choice of LongRoPE factors per row, and one offset for the long set's rows, serve both models
-                raise ValueError(f"the draft model {spec.model!r} must use LongRoPE with the same "
-                                 "original_max_position_embeddings and max_position_embeddings as the model, or "
-                                 "neither may use it")
+        # what the model decides (max_model_len, ...) is resolved once here: the ledger and every rank read it
+        config = config.resolve(hf_config)
         self.config = config
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
@@ -78,12 +67,19 @@ class LLMEngine:
             from tpengine.runner.executor import Executor
             self.executor = Executor(config)
         try:
-            # a pipeline keeps one step in flight per stage, each from its own scheduler (engine/virtual_engines.py)
-            pp = config.pipeline_parallel_size
-            make_scheduler = Scheduler if pp == 1 else partial(VirtualEngines, config.max_steps_in_flight or pp)
+            # what the ranks measured fills in the rest: the config logged is the one that runs
+            config = self.config = msgspec.structs.replace(
+                config, num_kvcache_blocks=self.executor.num_kvcache_blocks,
+                max_num_batched_tokens=self.executor.max_num_batched_tokens)
+            for line in config.describe():
+                logger.info("config %s", line)
+            spec = config.speculative_config
+            # a pipeline keeps steps in flight, each from its own scheduler (engine/virtual_engines.py)
+            make_scheduler = Scheduler if config.pipeline_parallel_size == 1 else \
+                partial(VirtualEngines, config.max_steps_in_flight)
             self.scheduler = make_scheduler(
-                num_kvcache_blocks=self.executor.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
-                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=self.executor.max_num_batched_tokens,
+                num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
                 enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
                 proposer=None if spec is None else make_proposer(spec),
