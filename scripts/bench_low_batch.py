@@ -1,6 +1,6 @@
 """Low-batch decode on the CPU: decode tok/s at small batches against the weight-read floor, in one run.
 
-The model is the shape of the llama.cpp comparison in docs/benchmarks.md (history: docs/benchmark-history.md): a random-weight Qwen3 with
+The model is the shape of the llama.cpp comparison in docs/benchmarks.md (history: docs/archive/benchmark-history.md): a random-weight Qwen3 with
 vocab 8192, hidden 512, intermediate 1024, 6 layers, 8 heads / 4 KV heads of 64, untied LM head
 (~18M params; float32 by default), written with transformers by bench.py's write_model, or --model.
 
@@ -197,6 +197,7 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     from tpengine.layers.layernorm import RMSNorm
     from tpengine.layers.linear import LinearBase
     from tpengine.layers.rotary_embedding import RotaryEmbedding
+    from tpengine.runner.decode_path import EagerDecode
 
     executor, runner = llm.executor, llm.executor.runner
     model = runner.model
@@ -221,12 +222,12 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     timer.wrap(Scheduler, "schedule", "scheduler: schedule")
     timer.wrap(Scheduler, "postprocess", "scheduler: postprocess")
     # the timers wrap the model's Python: the breakdown decodes eagerly, not through the CPU's replayed steps
-    replays, runner.cpu_replays = runner.cpu_replays, None
+    decode_path, runner.decode_path = runner.decode_path, EagerDecode(runner.model)
     try:
         total_ms, seconds = decode_step_ms_with(llm, rng, args, timer)
     finally:
         timer.restore()
-        runner.cpu_replays = replays
+        runner.decode_path = decode_path
     ms = {label: s * 1e3 / args.steps for label, s in seconds.items()}
     forward_parts = ["linears (q/k/v, o, gate/up, down)", "embedding", "RMSNorm (+ residual add)",
                      "q/k norm + rotary", "SiLU and mul", "KV store", "decode attention"]
