@@ -26,7 +26,7 @@ import torch
 from bench import load_average  # scripts/ is this script's folder, so it is on sys.path
 from quick import QUICK_MODEL, parse_with_quick
 
-# llama.cpp's anchor model in docs/benchmark-history.md: a random Qwen3 with an untied 8192-token head
+# llama.cpp's anchor model in docs/archive/benchmark-history.md: a random Qwen3 with an untied 8192-token head
 ANCHOR_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096,
                     tie_word_embeddings=False, initializer_range=0.02)

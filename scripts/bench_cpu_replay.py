@@ -24,12 +24,13 @@ from bench import machine_line, write_model
 from bench_low_batch import LOW_BATCH_MODEL
 from quick import QUICK_MODEL, parse_with_quick
 from tpengine import LLM, SamplingParams
+from tpengine.runner.decode_path import EagerDecode, ReplayedDecode
 
 WAYS = ("eager", "Python replay", "C++ replay")
 
 
 def set_way(runner, replays, programs: dict, way: str) -> None:
-    runner.cpu_replays = None if way == "eager" else replays
+    runner.decode_path = EagerDecode(runner.model) if way == "eager" else ReplayedDecode(runner.model, replays)
     for rows, replay in replays.replays.items():
         if replay is not None:
             replay.program = programs[rows] if way == "C++ replay" else None
@@ -42,7 +43,7 @@ def measure(llm, batch: int, args) -> dict[str, float]:
     for _ in range(args.warmup):
         llm.step()
     runner = llm.executor.runner
-    replays = runner.cpu_replays
+    replays = runner.decode_path.replays
     if replays is None or replays.replays.get(batch) is None:
         raise SystemExit(f"decode steps of {batch} rows are not replayed here (the engine logs why)")
     programs = {rows: replay.program for rows, replay in replays.replays.items() if replay is not None}

@@ -125,16 +125,17 @@ class DecodeRecorder:
             return inputs
         runner.inputs.prepare = recorded_prepare
 
-        if runner.cuda_graphs is not None:
-            graphs_run = runner.cuda_graphs.run
+        replays = runner.decode_path.replays  # CUDA graphs on a GPU, recorded forwards on the CPU (or None)
+        if replays is not None and runner.device.type == "cuda":
+            graphs_run = replays.run
 
             def timed_replay(*args):
                 self.replays += 1
                 return self._timed(graphs_run, *args)
-            runner.cuda_graphs.run = timed_replay
-        if runner.cpu_replays is not None:  # the CPU's replayed decode steps: the forward without the model's Python
-            cpu_replays_run = runner.cpu_replays.run
-            runner.cpu_replays.run = lambda *args: self._timed(cpu_replays_run, *args)
+            replays.run = timed_replay
+        elif replays is not None:  # the CPU's replayed decode steps: the forward without the model's Python
+            cpu_replays_run = replays.run
+            replays.run = lambda *args: self._timed(cpu_replays_run, *args)
         forward = runner.model.forward
 
         def timed_forward(input_ids, positions, meta):
@@ -211,7 +212,8 @@ def run(args) -> list[str]:
             runner = recorder.runner
             weights = num_params(runner.hf_config) * runner.dtype.itemsize  # what one forward reads
             kv_all_layers = kv_bytes * len(runner.attention_layers)
-            backend, graphs = runner.backend_name, runner.cuda_graphs is not None
+            backend = runner.backend_name
+            graphs = runner.device.type == "cuda" and runner.decode_path.replays is not None
         finally:
             llm.shutdown()
     copy = copy_rate(clock, device, args.copy_mib)

@@ -73,3 +73,66 @@ def test_layers_and_models_reach_the_cpu_kernels_only_through_the_platforms():
         if kernels:
             offenders[str(path.relative_to(package))] = kernels
     assert offenders == {}
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tpengine"
+
+
+def module_files(package: Path) -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own name: its __init__.py)."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports, imports inside functions included (deferring
+    an import hides a circle, it does not break it). `from a import b` names a.b where that is a module, else a;
+    the package imports absolutely, so relative imports are not followed."""
+    modules = module_files(package)
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                                else node.module for alias in node.names)
+        graph[name] = {module for module in imported if module in modules and module != name}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules start imports, and those they import, and so on (start itself only around a circle)."""
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph[todo.pop()]:
+            if module not in seen:
+                seen.add(module)
+                todo.append(module)
+    return seen
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each group of modules that import one another, directly or around a circle, sorted."""
+    reach = {name: reachable(graph, name) for name in graph}
+    groups = {tuple(sorted(other for other in reach[name] if name in reach[other]))
+              for name in graph if name in reach[name]}
+    return sorted(list(group) for group in groups)
+
+
+def test_no_modules_of_the_package_import_one_another_in_a_circle():
+    assert import_circles(import_graph(PACKAGE)) == []
+
+
+def test_a_circle_closed_by_an_import_inside_a_function_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import build\nfrom pkg import c\n")
+    (package / "b.py").write_text("def build():\n    from pkg import a\n    return a\n")
+    (package / "c.py").write_text("import json\n")
+    assert import_circles(import_graph(package)) == [["pkg.a", "pkg.b"]]

@@ -48,6 +48,6 @@ def test_engine_tokens_with_cuda_graphs_equal_eager_ones(tiny_model):
     for eager in (True, False):
         with LLM(tiny_model, dtype="bfloat16", attention_backend="flash_attn", kvcache_block_size=BLOCK_SIZE,
                  enforce_eager=eager) as llm:
-            assert (llm.executor.runner.cuda_graphs is None) == eager
+            assert (llm.executor.runner.decode_path.replays is None) == eager
             tokens[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[False] == tokens[True]

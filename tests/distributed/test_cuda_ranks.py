@@ -45,7 +45,7 @@ def test_tp2_on_one_gpu_matches_transformers_with_chunked_prefill_and_prefix_hit
     prompts = random_prompts(2, [1, 16, 40, 100], TP_MODEL["vocab_size"])
     expected = hf_greedy(tiny_model, prompts, GREEDY.max_tokens)
     with LLM(tiny_model, **ENGINE) as llm:
-        assert llm.executor.runner.cuda_graphs is None  # gloo collectives cannot be captured
+        assert llm.executor.runner.decode_path.replays is None  # gloo collectives cannot be captured
         first = llm.generate(prompts, GREEDY, use_tqdm=False)
         second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in first] == expected

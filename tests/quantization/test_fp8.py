@@ -15,11 +15,10 @@ from tpengine.config import EngineConfig
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.hf_config import load_hf_config, quantization_config_of
 from tpengine.layers.linear import packed_quantized
-from tpengine.models.loader import OnlineQuantization, load_model
+from tpengine.models.loader import OnlineQuantization, load_model, online_quantization
 from tpengine.models.registry import model_class
 from tpengine.quantization.config import QuantizationConfig
 from tpengine.quantization.fp8 import E4M3_MAX, Fp8Weight, cat_fp8_rows, quantize_fp8_activation, quantize_fp8_weight
-from tpengine.runner.model_runner import online_quantization
 
 
 

@@ -20,8 +20,8 @@ def count_replayed_rows(runner) -> list[int]:
     """The rows of every decode step from now on that a replay ran (not the recording step of its bucket); each
     replay calls its ops from C++ where that is built."""
     rows = []
-    replays = runner.cpu_replays
-    if replays is None:
+    replays = runner.decode_path.replays
+    if not isinstance(replays, DecodeCpuReplays):
         return rows
     run = replays.run
 
@@ -67,7 +67,7 @@ def test_replayed_decode_keeps_tokens_through_preemption(tiny_model):
 def test_engines_that_must_run_eagerly_hold_no_replays(tiny_model):
     for kwargs in (dict(enforce_eager=True), dict(attention_backend="torch")):  # the torch decode reads host lists
         with LLM(tiny_model, kvcache_block_size=16, **kwargs) as llm:
-            assert llm.executor.runner.cpu_replays is None
+            assert llm.executor.runner.decode_path.replays is None
 
 
 class ReadsAValue(nn.Module):

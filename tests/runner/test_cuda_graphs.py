@@ -11,6 +11,7 @@ import torch
 from tests.conftest import TP_MODEL, hf_greedy, random_prompts
 from tpengine import LLM, SamplingParams
 from tpengine.runner.cuda_graphs import DecodeCudaGraphs, graph_batch_sizes
+from tpengine.runner.decode_path import ReplayedDecode
 
 VOCAB = TP_MODEL["vocab_size"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -27,7 +28,7 @@ def test_buckets_are_powers_of_two_to_8_then_steps_of_16_covering_max_num_seqs()
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
 def test_cpu_never_captures_graphs(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16) as llm:
-        assert llm.executor.runner.cuda_graphs is None
+        assert not isinstance(llm.executor.runner.decode_path.replays, DecodeCudaGraphs)
         assert llm.executor.runner.activation_peak_bytes == 0
 
 
@@ -56,8 +57,8 @@ def test_static_buffers_padding_and_slicing_keep_greedy_tokens(tiny_model):
     with LLM(tiny_model, kvcache_block_size=16, max_num_seqs=8, attention_backend="torch") as llm:
         runner = llm.executor.runner
         graphs = ReplayEagerly(runner.model, runner.hf_config.hidden_size, runner.dtype, runner.device, 8,
-                               runner._max_num_blocks_per_seq(), runner.block_size)
-        runner.cuda_graphs = graphs
+                               runner.max_num_blocks_per_seq, runner.block_size)
+        runner.decode_path = ReplayedDecode(runner.model, graphs)
         batch_sizes = count_replays(graphs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert batch_sizes == [4, 4, 3, 3, 2, 2, 1, 1]
@@ -81,8 +82,8 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens(tiny_model):
              speculative_config=spec) as llm:
         runner = llm.executor.runner
         graphs = ReplayEagerly(runner.model, runner.hf_config.hidden_size, runner.dtype, runner.device, 2,
-                               runner._max_num_blocks_per_seq(), runner.block_size, num_speculative_tokens=3)
-        runner.cuda_graphs = graphs
+                               runner.max_num_blocks_per_seq, runner.block_size, num_speculative_tokens=3)
+        runner.decode_path = ReplayedDecode(runner.model, graphs)
         batch_sizes = count_replays(graphs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.spec_decode_stats["num_drafts"] > 0
@@ -91,7 +92,8 @@ def test_verify_steps_replay_graphs_and_keep_greedy_tokens(tiny_model):
 
 
 def graph_replays(runner) -> list[int]:
-    return [] if runner.cuda_graphs is None else count_replays(runner.cuda_graphs)
+    graphs = runner.decode_path.replays
+    return count_replays(graphs) if isinstance(graphs, DecodeCudaGraphs) else []
 
 
 def greedy_tokens(path, prompts, max_tokens, count_replays_of=graph_replays, **engine_kwargs):
@@ -168,6 +170,7 @@ def test_greedy_with_cuda_graphs_at_tp_2_matches_transformers(tiny_model):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(tiny_model, dtype="float32", tensor_parallel_size=2, kvcache_block_size=16,
              attention_backend="triton") as llm:
-        assert llm.executor.runner.cuda_graphs is not None  # graphs are on at tp=2, not silently eager
+        # graphs are on at tp=2, not silently eager
+        assert isinstance(llm.executor.runner.decode_path.replays, DecodeCudaGraphs)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(tiny_model, prompts, 8)

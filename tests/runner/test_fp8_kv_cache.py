@@ -45,8 +45,8 @@ def test_fp8_cache_holds_four_times_the_float32_blocks_in_the_same_memory(tiny_m
         with LLM(tiny_model, kvcache_block_size=16, kvcache_memory_gb=memory, kv_cache_dtype=kv_cache_dtype) as llm:
             runner = llm.executor.runner
             blocks[kv_cache_dtype] = runner.num_kvcache_blocks
-            assert runner.kv_cache.dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
-            assert runner.kv_cache.shape[2] == runner.num_kvcache_blocks
+            assert runner.kv_cache.tensors[0].dtype == (FP8 if kv_cache_dtype == "fp8" else torch.float32)
+            assert runner.kv_cache.tensors[0].shape[2] == runner.num_kvcache_blocks
     assert blocks == {"auto": 10, "fp8": 40}  # 1 byte an element: 2x a 16-bit cache, 4x a float32 one
 
 

@@ -11,8 +11,12 @@ with the same scales.
 A checkpoint that cannot fill the model (a file cut short, a tensor missing or of the wrong shape), a scale
 that is NaN or Inf, or a linear stored float where the checkpoint's quantization_config quantizes it, is a
 ValueError naming the file or tensor, raised alike on every rank.
+
+load_and_prepack is what a rank does with its freshly built shard: load it (quantizing as the checkpoint or the
+engine says), then prepack each layer's weights for the platform.
 """
 import json
+import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -22,9 +26,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tpengine.config import FP8_NEEDS_A_GPU, EngineConfig
+from tpengine.hf_config import quantization_config_of
 from tpengine.layers.attention import kv_scale_target
-from tpengine.layers.linear import FUSED, check_weight_shape
-from tpengine.quantization.config import check_finite_scales
+from tpengine.layers.linear import FUSED, check_weight_shape, keep_weights_in
+from tpengine.quantization.weights import check_finite_scales
+
+logger = logging.getLogger("tpengine")
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,20 @@ class OnlineQuantization:
             return quantize_fp8_weight(weight)
         from tpengine.quantization.online import quantize_weight
         return quantize_weight(weight.float(), self.bits, self.group_size, self.activation)
+
+
+def online_quantization(config: EngineConfig, platform, device: torch.device) -> OnlineQuantization | None:
+    """How a float checkpoint's linears are quantized as they load, if the engine is told to."""
+    if config.quantization is None:
+        return None
+    if config.quantization == "fp8":
+        if not platform.runs_fp8_linears(device):
+            raise ValueError(FP8_NEEDS_A_GPU.format(where=f"this {device.type} device"))
+        return OnlineQuantization(8, None, "fp8", lm_head=False, fp8=True)  # inputs: e4m3 per token
+    activation = platform.ONLINE_QUANTIZATION_ACTIVATION
+    bits = 8 if config.quantization == "int8" else 4
+    return OnlineQuantization(bits, None if bits == 8 else config.quantization_group_size, activation,
+                              lm_head=config.quantize_lm_head)
 
 
 def _is_moe_router(target: str) -> bool:
@@ -202,3 +224,26 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
             missing.append(name if lacking == [()] else f"{name} (its parts {lacking[:4]})")
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {missing[:5]}")
+
+
+def load_and_prepack(model: nn.Module, path: str, hf_config, config: EngineConfig, platform, device: torch.device,
+                     weight_dtype: torch.dtype | None, log: bool = False) -> None:
+    """A rank's model shard (the model, or a draft model) filled from its checkpoint, quantized as the engine is
+    told (a float checkpoint) or as its config says, and prepacked for platform (platforms/); weight_dtype: the
+    linears' weights kept in it (None: the model's dtype); log: say how it was quantized."""
+    quantization = quantization_config_of(hf_config)
+    online = None if quantization is not None else online_quantization(config, platform, device)
+    keep_fp8 = platform.runs_fp8_linears(device)
+    if weight_dtype is not None:
+        keep_weights_in(model, weight_dtype)
+    load_model(model, path, quantization, online, keep_fp8)
+    if log and quantization is not None:
+        fp8 = ("FP8 W8A8 linears" if keep_fp8 else "FP8 weights converted to float at load: no FP8 matmul here")
+        logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(),
+                    f" ({fp8})" if "e4m3" in quantization.describe() else "")
+    elif log and online is not None:
+        logger.info("%s: weights quantized at load: %s, inputs %s", path, config.quantization, online.activation)
+    for module in model.modules():  # the linears' weights in the form their platform multiplies fastest
+        if hasattr(module, "prepack"):
+            module.prepack(weight_dtype)
+    platform.release_freed_memory()

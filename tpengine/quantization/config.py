@@ -19,7 +19,7 @@ names alone. read_linear takes one whole, unsharded linear and returns its Quant
 (compressed-tensors float-quantized, or the "fp8" method of DeepSeek-V3's and Qwen's FP8 releases) is read as
 its float32 [out, in] weight, its input_scale unused (the CPU converts FP8 at load), or with keep_fp8 as an
 Fp8Weight with its scales and input_scale (a platform with FP8 matmuls). Every scale read must be finite:
-check_finite_scales names the tensor that is not.
+check_finite_scales (weights.py) names the tensor that is not.
 """
 import math
 import re
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tpengine.quantization.fp8 import Fp8Weight
-from tpengine.quantization.weights import Activation, QuantizedWeight
+from tpengine.quantization.weights import Activation, QuantizedWeight, check_finite_scales
 
 SUPPORTED_METHODS = "compressed-tensors, fp8, gptq, awq and mxfp4"
 
@@ -205,15 +205,6 @@ def _matches(module_name: str, pattern: str) -> bool:
 def _has_part(module_name: str, part: str) -> bool:
     # whole dotted parts, so that "mlp.gate" (an MoE router) does not also name mlp.gate_proj
     return f".{part}." in f".{module_name}."
-
-
-def check_finite_scales(name: str, scales: torch.Tensor) -> None:
-    """A ValueError naming the checkpoint tensor when any of its scales is NaN or Inf (uint8 scales are e8m0
-    exponents, MXFP4's, whose 0xFF is NaN): a model loaded with one would answer every request with nothing."""
-    non_finite = scales == 0xFF if scales.dtype == torch.uint8 else ~torch.isfinite(scales)
-    count = int(non_finite.sum())
-    if count:
-        raise ValueError(f"{name} has {count} non-finite values (NaN or Inf): the checkpoint is corrupt")
 
 
 # --- configs -----------------------------------------------------------------------------------------------

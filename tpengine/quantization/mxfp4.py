@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpengine.quantization.config import check_finite_scales
+from tpengine.quantization.weights import check_finite_scales
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP_SIZE = 32  # values per scale

@@ -138,3 +138,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = x.abs().amax(dim=-1, keepdim=True) / 127
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     return torch.round(x / scales).clamp_(-127, 127).to(torch.int8), scales
+
+
+def check_finite_scales(name: str, scales: torch.Tensor) -> None:
+    """A ValueError naming the checkpoint tensor when any of its scales is NaN or Inf (uint8 scales are e8m0
+    exponents, MXFP4's, whose 0xFF is NaN): a model loaded with one would answer every request with nothing."""
+    non_finite = scales == 0xFF if scales.dtype == torch.uint8 else ~torch.isfinite(scales)
+    count = int(non_finite.sum())
+    if count:
+        raise ValueError(f"{name} has {count} non-finite values (NaN or Inf): the checkpoint is corrupt")

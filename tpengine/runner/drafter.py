@@ -20,8 +20,8 @@ import msgspec
 import torch
 
 from tpengine.distributed.messages import PrefillChunk, StepMessage, int_column
-from tpengine.runner.inputs import InputBuilder
-from tpengine.runner.model_runner import attention_layers_of
+from tpengine.runner.inputs import ForwardInputs, InputBuilder
+from tpengine.runner.kv_cache import attention_layers_of
 from tpengine.runner.sampler import greedy_on_every_rank
 
 
@@ -29,8 +29,19 @@ class Drafter:
     def __init__(self, model: torch.nn.Module, group):
         self.model = model
         self.group = group
-        self.attention_layers = attention_layers_of(model)
-        self.kv_cache = torch.tensor([])  # the model runner allocates it with the model's: the same blocks
+        self.attention_layers = attention_layers_of(model)  # their cache: the model's blocks (runner/kv_cache.py)
+
+    def prepare(self, step: StepMessage, inputs: InputBuilder) -> tuple[StepMessage, ForwardInputs, list[int]]:
+        """A step's forward inputs with its verify rows' drafts proposed, and those drafts, row after row; the draft
+        model's K/V brought up to the step's before the model's forward (mirror, or mirror_prompts)."""
+        inputs.block_tables.update(step)  # the proposals' forwards read the step's tables
+        step, draft_token_ids = self.propose(step, inputs)
+        forward = inputs.build(step)
+        if draft_token_ids:  # a step that drafts: the draft model's K/V follows the model's for every row
+            self.mirror(forward.input_ids, forward.positions, forward.meta)
+        elif step.prefill and step.draft_prompts:  # another: its prompt chunks only
+            self.mirror_prompts(step, inputs)
+        return step, forward, draft_token_ids
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Run a drafting step's forward for its K/V alone (no logits): the draft model's cache keeps up with the

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.distributed.messages import StepMessage
+from tpengine.distributed.messages import PrefillChunk, StepMessage
 from tpengine.paging import blocks_for
 from tpengine.platforms import platform_for
 from tpengine.runner.block_tables import BlockTables
@@ -55,79 +55,61 @@ class InputBuilder:
         """The inputs of a step whose block-table changes are applied already (prepare, or a draft model's
         decode rows within a step: runner/drafter.py). Decode rows are built as whole columns (numpy), from
         the message's packed columns and the tables' rows; prompt chunks token by token."""
-        block_tables = self.block_tables
-        tables = block_tables.tables
-        block_size = self.block_size
-        num_rows = step.num_rows
-        num_padding = self.row_bucket(num_rows) - num_rows
-        seq_ids = np.frombuffer(step.decode_seq_ids, dtype=np.int64)
-        input_ids = np.frombuffer(step.decode_tokens, dtype=np.int64)
-        context_lens = np.frombuffer(step.decode_context_lens, dtype=np.int64)
-        chunks = step.prefill
-        num_verify_rows = 0
-        if any(chunk.num_draft_tokens for chunk in chunks):
-            # A verify row runs as decode queries, one per token, each over its context so far (the K/V of
-            # the tokens before it is stored first, as a decode row's own): the decode kernel serves them,
-            # and a step of decode and verify rows alone stays a decode step.
-            verify = [chunk for chunk in chunks if chunk.num_draft_tokens]
-            chunks = [chunk for chunk in chunks if not chunk.num_draft_tokens]
-            verify_seq_ids, verify_tokens, verify_lens = [], [], []
-            for chunk in verify:
-                num_verify_rows += len(chunk.token_ids)
-                verify_seq_ids += [chunk.seq_id] * len(chunk.token_ids)
-                verify_tokens += chunk.token_ids
-                start = chunk.num_cached_tokens
-                verify_lens += range(start + 1, start + len(chunk.token_ids) + 1)
-            seq_ids = np.concatenate([seq_ids, np.array(verify_seq_ids, dtype=np.int64)])
-            input_ids = np.concatenate([input_ids, np.array(verify_tokens, dtype=np.int64)])
-            context_lens = np.concatenate([context_lens, np.array(verify_lens, dtype=np.int64)])
-        num_decode_rows = len(seq_ids) - num_verify_rows
-        # padding rows: token 0 at position 0, nothing to attend to, no cache slot, row 0's (empty) table
-        rows = np.concatenate([block_tables.row_indices(seq_ids.tolist()), np.zeros(num_padding, dtype=np.int64)])
-        decode = None
-        num_decode = len(rows)  # padding rows included
-        positions = np.zeros(num_decode, dtype=np.int64)
-        slot_mapping = np.full(num_decode, -1, dtype=np.int64)
-        if num_decode:
-            table = block_tables.padded(rows)
-            real = len(seq_ids)
-            last = context_lens - 1  # each row's own position
-            block_ids = table[np.arange(real), last // block_size].astype(np.int64)
-            slot_mapping[:real] = block_ids * block_size + last % block_size
-            threshold = self.long_rope_threshold
-            if threshold is not None:
-                # the ledger keeps a short sequence's decode and verify rows within the window (engine/scheduler.py),
-                # and a long one's past it: a row's set follows from its context
-                last = np.where(last >= threshold, last + self.max_positions, last)
-            positions[:real] = last
-            lens = np.zeros(num_decode, dtype=np.int32)
-            lens[:real] = context_lens
-            decode = AttentionMetadata(
-                is_prefill=False, slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table, np.int32),
-                context_lens=self._tensor(lens, np.int32), max_seqlen_k=int(lens.max()))
+        num_padding = self.row_bucket(step.num_rows) - step.num_rows
+        seq_ids, input_ids, context_lens, chunks, num_verify_rows = _decode_columns(step)
+        positions, slot_mapping, decode = self._decode_rows(seq_ids, context_lens, num_padding)
         input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
+        num_decode_rows = len(seq_ids) - num_verify_rows
         if not chunks:  # sampled in row order: the decode rows, then the verify rows
             return ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
                                  num_decode_rows + num_verify_rows)
+        return self._prefill_inputs(chunks, input_ids, positions, slot_mapping, decode, num_decode_rows,
+                                    num_verify_rows)
+
+    def _decode_rows(self, seq_ids: np.ndarray, context_lens: np.ndarray,
+                     num_padding: int) -> tuple[np.ndarray, np.ndarray, AttentionMetadata | None]:
+        """The decode (and verify) rows' positions and cache slots, then num_padding padding rows', and their
+        decode metadata (None: no rows)."""
+        block_tables, block_size = self.block_tables, self.block_size
+        # padding rows: token 0 at position 0, nothing to attend to, no cache slot, row 0's (empty) table
+        rows = np.concatenate([block_tables.row_indices(seq_ids.tolist()), np.zeros(num_padding, dtype=np.int64)])
+        num_decode = len(rows)  # padding rows included
+        positions = np.zeros(num_decode, dtype=np.int64)
+        slot_mapping = np.full(num_decode, -1, dtype=np.int64)
+        if not num_decode:
+            return positions, slot_mapping, None
+        table = block_tables.padded(rows)
+        real = len(seq_ids)
+        last = context_lens - 1  # each row's own position
+        block_ids = table[np.arange(real), last // block_size].astype(np.int64)
+        slot_mapping[:real] = block_ids * block_size + last % block_size
+        threshold = self.long_rope_threshold
+        if threshold is not None:
+            # the ledger keeps a short sequence's decode and verify rows within the window (engine/scheduler.py),
+            # and a long one's past it: a row's set follows from its context
+            last = np.where(last >= threshold, last + self.max_positions, last)
+        positions[:real] = last
+        lens = np.zeros(num_decode, dtype=np.int32)
+        lens[:real] = context_lens
+        decode = AttentionMetadata(
+            is_prefill=False, slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table, np.int32),
+            context_lens=self._tensor(lens, np.int32), max_seqlen_k=int(lens.max()))
+        return positions, slot_mapping, decode
+
+    def _prefill_inputs(self, chunks: list[PrefillChunk], input_ids: np.ndarray, positions: np.ndarray,
+                        slot_mapping: np.ndarray, decode: AttentionMetadata | None, num_decode_rows: int,
+                        num_verify_rows: int) -> ForwardInputs:
+        """A step with prompt chunks: their rows after the decode (verify, padding) rows, one prefill metadata over
+        every row, and the rows sampled: the decode rows, each sampled chunk's last row, then the verify rows."""
+        num_decode = len(positions)  # padding rows included
         input_ids, positions, slot_mapping = input_ids.tolist(), positions.tolist(), slot_mapping.tolist()
-        seqlens_q, seqlens_k = [], []
-        for chunk in chunks:
-            table = tables[chunk.seq_id]
-            start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
-            input_ids.extend(chunk.token_ids)
-            offset = self.max_positions if chunk.long_rope else 0
-            positions.extend(range(start + offset, end + offset))
-            seqlens_q.append(end - start)
-            seqlens_k.append(end)
-            for i in range(start // block_size, blocks_for(end, block_size)):
-                base = table[i] * block_size
-                slot_mapping.extend(range(base + max(start - i * block_size, 0),
-                                          base + min(end - i * block_size, block_size)))
+        seqlens_q, seqlens_k = self._add_chunk_rows(chunks, input_ids, positions, slot_mapping)
         cu_q = [0]
         cu_k = [0]
         for len_q, len_k in zip(seqlens_q, seqlens_k):
             cu_q.append(cu_q[-1] + len_q)
             cu_k.append(cu_k[-1] + len_k)
+        block_tables = self.block_tables
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._tensor(slot_mapping),  # every row's, the decode rows' too: one store
@@ -145,3 +127,47 @@ class InputBuilder:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
         return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
                              num_logits)
+
+    def _add_chunk_rows(self, chunks: list[PrefillChunk], input_ids: list[int], positions: list[int],
+                        slot_mapping: list[int]) -> tuple[list[int], list[int]]:
+        """Append each chunk's tokens, positions and cache slots to the lists; its query and key lengths."""
+        tables, block_size = self.block_tables.tables, self.block_size
+        seqlens_q, seqlens_k = [], []
+        for chunk in chunks:
+            table = tables[chunk.seq_id]
+            start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
+            input_ids.extend(chunk.token_ids)
+            offset = self.max_positions if chunk.long_rope else 0
+            positions.extend(range(start + offset, end + offset))
+            seqlens_q.append(end - start)
+            seqlens_k.append(end)
+            for i in range(start // block_size, blocks_for(end, block_size)):
+                base = table[i] * block_size
+                slot_mapping.extend(range(base + max(start - i * block_size, 0),
+                                          base + min(end - i * block_size, block_size)))
+        return seqlens_q, seqlens_k
+
+
+def _decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[PrefillChunk], int]:
+    """The decode rows' sequence ids, tokens and context lengths, each verify row's appended as decode queries; the
+    prompt chunks that are left; and how many verify rows there are."""
+    seq_ids = np.frombuffer(step.decode_seq_ids, dtype=np.int64)
+    input_ids = np.frombuffer(step.decode_tokens, dtype=np.int64)
+    context_lens = np.frombuffer(step.decode_context_lens, dtype=np.int64)
+    chunks = step.prefill
+    if not any(chunk.num_draft_tokens for chunk in chunks):
+        return seq_ids, input_ids, context_lens, chunks, 0
+    # A verify row runs as decode queries, one per token, each over its context so far (the K/V of
+    # the tokens before it is stored first, as a decode row's own): the decode kernel serves them,
+    # and a step of decode and verify rows alone stays a decode step.
+    verify = [chunk for chunk in chunks if chunk.num_draft_tokens]
+    chunks = [chunk for chunk in chunks if not chunk.num_draft_tokens]
+    verify_seq_ids, verify_tokens, verify_lens = [], [], []
+    for chunk in verify:
+        verify_seq_ids += [chunk.seq_id] * len(chunk.token_ids)
+        verify_tokens += chunk.token_ids
+        start = chunk.num_cached_tokens
+        verify_lens += range(start + 1, start + len(chunk.token_ids) + 1)
+    return (np.concatenate([seq_ids, np.array(verify_seq_ids, dtype=np.int64)]),
+            np.concatenate([input_ids, np.array(verify_tokens, dtype=np.int64)]),
+            np.concatenate([context_lens, np.array(verify_lens, dtype=np.int64)]), chunks, len(verify_tokens))
