@@ -531,11 +531,15 @@ class LLMEngine:
             raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
                              f"got {type(sampling_params).__name__}")
         requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            try:
-                requests.append(self._make_request(prompt, params, stream=False))
-            except ValueError as e:
-                raise InvalidRequestError(f"prompt {i}: {e}", getattr(e, "param", None)) from None
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+                # grammars compile side by side on the compiler's threads, each waited for below
+                requests.append(self._make_request(prompt, params, stream=False, wait_for_grammar=False))
+            for i, request in enumerate(requests):
+                if request.grammar is not None:
+                    self.grammar_compiler.wait(request.grammar, request.params.structured_outputs)
+        except ValueError as e:
+            raise InvalidRequestError(f"prompt {i}: {e}", getattr(e, "param", None)) from None
         for request in requests:
             self._queue(request)
         own = {request.request_id for request in requests}
