@@ -133,18 +133,17 @@ class StructuredOutputsParams:
                 if isinstance(schema, str):
                     check_grammar_size(len(schema), "json schema")
                     schema = jsonlib.loads(schema)
-                elif isinstance(schema, dict):
-                    check_json_schema(schema)  # its depth before dumps recurses into it
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError(f"json must be a JSON schema (an object), got {type(schema).__name__}")
+                check_json_schema(schema)  # its depth before dumps recurses into it
                 text = jsonlib.dumps(schema, ensure_ascii=False)
                 check_grammar_size(len(text), "json schema")
-                check_json_schema(schema)
-            except RecursionError:
+            except jsonlib.JSONDecodeError as e:
+                raise invalid(f"json is not valid JSON: {e}") from None
+            except RecursionError:  # json.loads of text nested past Python's recursion limit
                 raise invalid(f"the json schema nests more than the limit of {MAX_SCHEMA_DEPTH} levels") from None
             except ValueError as e:
-                raise invalid(str(e) if "json schema" in str(e) or "json must" in str(e)
-                              else f"json is not valid JSON: {e}") from None
+                raise invalid(str(e)) from None
             object.__setattr__(self, "json", text)
         if self.json_object is not None and self.json_object is not True:
             raise invalid(f"json_object must be true, got {self.json_object!r:.60}")

@@ -6,14 +6,8 @@ import json
 import pytest
 
 from tests.entrypoints.conftest import running_server
+from tests.structured.test_grammar_hardening import nested_schema
 from tpengine.structured.limits import MAX_SCHEMA_DEPTH
-
-
-def nested_schema(depth: int) -> dict:
-    schema = {"type": "integer"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
 
 
 @pytest.mark.parametrize("constraint", [{"choice": ["a", "b"]}, {"regex": "[0-9]{2}"},
