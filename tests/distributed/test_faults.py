@@ -87,9 +87,16 @@ llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=100000 //
 """
 
 
+def _like_a_terminal_job():
+    """Ctrl-C's default action in the child: a job started in the background by a shell without job control
+    (as CI may run the suite) inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_rank0(tiny_model):
     process = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, tiny_model], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=_like_a_terminal_job)
     segment, *worker_pids = process.stdout.readline().split()
     assert segment.startswith("tpengine_"), process.stderr.read()[-3000:]
     time.sleep(0.5)  # let it decode
@@ -205,7 +212,7 @@ def test_ctrl_c_in_the_cli_exits_130_without_a_traceback(tiny_model):
     command = [sys.executable, "-m", "tpengine.cli", "generate", "--model", tiny_model, "--tp", "2", "--quiet",
                "--ignore-eos", "--max-tokens", "1000", "--block-size", "16", *["a prompt"] * 32]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_like_a_terminal_job)
     try:
         deadline = time.monotonic() + 120
         while not _worker_pids_of(process.pid):  # the engine is up: its workers run
