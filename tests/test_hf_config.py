@@ -11,8 +11,8 @@ from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Gemma3TextConf
 
 from tests.models.gpt_oss import GPT_OSS_MODEL
 from tests.models.moe import MOE_MODEL
-from tpengine.hf_config import (ARCHITECTURES, FAMILY_DEFAULTS, HFConfig, load_eos_token_ids, load_hf_config,
-                                parse_hf_config)
+from tpengine.families import ARCHITECTURES, FAMILIES
+from tpengine.hf_config import HFConfig, load_eos_token_ids, load_hf_config, parse_hf_config
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2)
@@ -203,7 +203,7 @@ def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
                    Gemma3Config.model_type, Phi3Config.model_type, GptOssConfig.model_type}
-    assert set(FAMILY_DEFAULTS) == model_types and len(ARCHITECTURES) == len(model_types)
+    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types)
 
 
 @pytest.mark.parametrize("settings, message", [

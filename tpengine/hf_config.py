@@ -1,96 +1,20 @@
 """A checkpoint's config.json, read with json as transformers reads it, and what the shared decoder makes of it.
 
-A key missing from config.json takes the default of its family's transformers config class, so every field
-of HFConfig holds what AutoConfig gives (tests/test_hf_config.py compares them field by field). Nothing here
-imports torch or transformers: rank 0 checks a checkpoint before any worker starts.
+A key missing from config.json takes the default of its family's transformers config class (each family is
+described in tpengine/families.py), so every field of HFConfig holds what AutoConfig gives
+(tests/test_hf_config.py compares them field by field). Nothing here imports torch or transformers: rank 0
+checks a checkpoint before any worker starts.
 """
 import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
-# architectures[0] values the shared decoder implements; models/registry.py maps each to its class
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                 "Phi3ForCausalLM", "GptOssForCausalLM")
-SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
-GEMMA_FAMILIES = ("gemma2", "gemma3_text", "gemma3")  # their MLP reads hidden_activation, not hidden_act
-GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU with the tanh approximation, torch's own
+from tpengine.families import ARCHITECTURES, FAMILIES, Family
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
-
-# model_type -> the defaults of its transformers config class (transformers/models/<type>/configuration_<type>.py)
-# for every key read here. A key the class does not declare is absent from a loaded config unless config.json
-# has it: it then takes HFConfig's default below, the value our code gives an absent one.
-FAMILY_DEFAULTS = {
-    "qwen3": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
-        max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None),
-    "qwen2": dict(
-        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
-        layer_types=None, bos_token_id=None, eos_token_id=None),
-    "llama": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        head_dim=None),
-    "mistral": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, sliding_window=4096),
-    "qwen3_moe": dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
-        num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
-        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
-        norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None),
-    "gemma2": dict(
-        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
-        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
-        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0, use_bidirectional_attention=None),
-    "gemma3_text": dict(
-        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
-        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
-        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=None,
-        attn_logit_softcapping=None, use_bidirectional_attention=False),
-    # Gemma3ForConditionalGeneration: the text model's settings are its text_config's (a gemma3_text config);
-    # these few are the outer config's own
-    "gemma3": dict(tie_word_embeddings=True),
-    "phi3": dict(
-        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, sliding_window=None,
-        original_max_position_embeddings=4096),
-    "gpt_oss": dict(
-        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, num_experts=128,
-        num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, bos_token_id=None, eos_token_id=None),
-}
-# transformers' attribute_map: the config.json key a field may be written under (and which wins)
-KEY_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "gpt_oss": {"num_experts": "num_local_experts"}}
-# model_type -> how its layer_types are derived when config.json has none: every n-th layer attends fully, the
-# others slide; n is the setting named, or the number given (Gemma 2 and gpt-oss alternate, sliding first)
-SLIDING_PATTERNS = {"gemma2": 2, "gemma3_text": "sliding_window_pattern", "gpt_oss": 2}
-DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma3TextConfig's
-# Gemma 3's rope_theta defaults, per layer type (Gemma3TextConfig.default_theta), and the transformers 4 key
-# that gave each
-GEMMA3_ROPE_THETAS = {"full_attention": ("rope_theta", 1_000_000.0),
-                      "sliding_attention": ("rope_local_base_freq", 10_000.0)}
-# model_type -> (its config class's default_theta, the rope_parameters it sets when config.json has none)
-FAMILY_ROPE = {
-    "gpt_oss": (150000.0, dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                               original_max_position_embeddings=4096)),
-}
 
 
 @dataclass(frozen=True)
@@ -203,56 +127,55 @@ def _checked(source: str, name: str, value, kind: str):
     return value
 
 
-def _rope_parameters(raw: dict, values: dict, source: str) -> dict:
+def _rope_parameters(raw: dict, values: dict, family: Family, source: str) -> dict:
     """rope_parameters as transformers 5 standardizes them: transformers 4's rope_scaling wins when set, its
     top-level rope_theta and partial_rotary_factor fill in, llama3, yarn and longrope get the pre-training window
-    (one set per layer type where config.json has them so); a family's own defaults (FAMILY_ROPE) where
-    config.json says nothing."""
-    default_theta, default_params = FAMILY_ROPE.get(values["model_type"], (DEFAULT_ROPE_THETA, None))
+    (one set per layer type where config.json has them so); the family's own defaults where config.json says
+    nothing."""
+    if family.layer_type_thetas is not None:
+        return _layer_type_rope_parameters(raw, values, family, source)
     given = raw.get("rope_scaling") or raw.get("rope_parameters")
     if given is not None and not isinstance(given, dict):
         raise _invalid(source, f"rope_parameters must be an object, got {given!r:.80}")
-    params = dict(given or default_params or {})
+    params = dict(given or family.rope_parameters or {})
     if any(isinstance(value, dict) for value in params.values()):  # per layer type, as Gemma 3's
-        return {layer_type: _standardized(dict(value), raw, values, raw.get("rope_theta"))
+        return {layer_type: _standardized(dict(value), values, family, raw.get("rope_theta"))
                 for layer_type, value in params.items()}
-    return _standardized(params, raw, values, raw.get("rope_theta", default_theta))
+    return _standardized(params, values, family, raw.get("rope_theta", family.rope_theta))
 
 
-def _standardized(params: dict, raw: dict, values: dict, rope_theta) -> dict:
-    """One set of rope parameters as transformers' standardize_rope_params completes it. Phi3Config converts its
-    own way: a partial_rotary_factor always (1.0 by default), its top-level original_max_position_embeddings
-    overriding the one in rope_parameters, and rope types su and yarn read as longrope."""
-    phi3 = values["model_type"] == "phi3"
+def _standardized(params: dict, values: dict, family: Family, rope_theta) -> dict:
+    """One set of rope parameters as transformers' standardize_rope_params completes it. A LongRoPE family's
+    config class (Phi3Config) converts its own way: its top-level original_max_position_embeddings overrides
+    the one in rope_parameters, and rope types su and yarn read as longrope."""
     params.setdefault("rope_theta", rope_theta)
-    if phi3:
-        params.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    elif raw.get("partial_rotary_factor") is not None:
-        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    partial = values.get("partial_rotary_factor")
+    if partial is not None or family.partial_rotary:  # such a family's config class holds it, even a null
+        params.setdefault("partial_rotary_factor", partial)
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in ("llama3", "yarn", "longrope"):
-        if phi3:
+        if family.longrope:
             params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
         else:
             params.setdefault("original_max_position_embeddings", values["max_position_embeddings"])
-    if phi3 and params["rope_type"] in ("su", "yarn"):
+    if family.longrope and params["rope_type"] in ("su", "yarn"):
         params["rope_type"] = "longrope"
     return params
 
 
-def _gemma3_rope_parameters(raw: dict, values: dict, source: str) -> dict:
-    """Gemma 3's rope parameters per layer type, as Gemma3TextConfig completes them: transformers 4's
-    rope_scaling applies to the full-attention layers, its rope_theta and rope_local_base_freq give the
-    full and sliding layers' thetas."""
+def _layer_type_rope_parameters(raw: dict, values: dict, family: Family, source: str) -> dict:
+    """Rope parameters per layer type, as Gemma3TextConfig completes them: transformers 4's rope_scaling
+    applies to the full-attention layers, its rope_theta and rope_local_base_freq give the full and sliding
+    layers' thetas."""
     given = raw.get("rope_parameters")
     if given is not None and not (isinstance(given, dict) and all(isinstance(v, dict) for v in given.values())):
         raise _invalid(source, f"rope_parameters must be an object of one object per layer type, got {given!r:.80}")
     params = {layer_type: dict(value) for layer_type, value in (given or {}).items()}
     if _checked(source, "rope_scaling", raw.get("rope_scaling"), "object or null") is not None:
         params.setdefault("full_attention", {"rope_type": "default"}).update(raw["rope_scaling"])
-    for layer_type, (key, theta) in GEMMA3_ROPE_THETAS.items():
+    for layer_type, (key, theta) in family.layer_type_thetas.items():
         params.setdefault(layer_type, {"rope_type": "default"}).setdefault("rope_theta", raw.get(key, theta))
-    return {layer_type: _standardized(value, raw, values, None) for layer_type, value in params.items()}
+    return {layer_type: _standardized(value, values, family, None) for layer_type, value in params.items()}
 
 
 def parse_hf_config(raw: dict, source: str) -> HFConfig:
@@ -260,14 +183,15 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
     if not isinstance(raw, dict):
         raise _invalid(source, f"it must be a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")
-    if model_type not in FAMILY_DEFAULTS:
+    if model_type not in FAMILIES:
         problem = "it has no model_type" if model_type is None else f"model_type {model_type!r:.80} is not supported"
-        raise _invalid(source, f"{problem}; supported: {', '.join(FAMILY_DEFAULTS)}")
-    if model_type == "gemma3":
-        return _gemma3_text_part(raw, source)
-    defaults = FAMILY_DEFAULTS[model_type]
+        raise _invalid(source, f"{problem}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    if family.text_model_type is not None:
+        return _text_part(raw, family, source)
+    defaults = family.defaults
     values = {**defaults, **raw}
-    for name, key in KEY_ALIASES.get(model_type, {}).items():
+    for name, key in family.key_aliases.items():
         if key in raw:
             values[name] = raw[key]
     values["dtype"] = raw["dtype"] if raw.get("dtype") is not None else raw.get("torch_dtype")
@@ -276,7 +200,7 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         if name in values:
             _checked(source, name, values[name], kind)
     heads, hidden_size = values["num_attention_heads"], values["hidden_size"]
-    if model_type == "llama" and hidden_size % heads:  # transformers' LlamaConfig refuses it, whatever head_dim says
+    if family.requires_whole_heads and hidden_size % heads:  # LlamaConfig refuses it, whatever head_dim says
         raise _invalid(source, f"hidden_size={hidden_size} must be a multiple of num_attention_heads={heads}")
     # what each family's config class derives in its __post_init__
     if values["num_key_value_heads"] is None:
@@ -289,9 +213,9 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = ["sliding_attention" if values.get("sliding_window") is not None
                                  and i >= values["max_window_layers"] else "full_attention"
                                  for i in range(values["num_hidden_layers"])]
-    pattern = SLIDING_PATTERNS.get(model_type)
+    pattern = family.sliding_pattern
     if pattern is not None and values["layer_types"] is None:
-        every = values.get(pattern, DEFAULT_SLIDING_WINDOW_PATTERN) if isinstance(pattern, str) else pattern
+        every = values[pattern] if isinstance(pattern, str) else pattern
         values["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
                                  for i in range(values["num_hidden_layers"])]
     if values.get("layer_types") is not None:
@@ -301,18 +225,17 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
-    rope_parameters = _gemma3_rope_parameters if model_type == "gemma3_text" else _rope_parameters
-    values["rope_parameters"] = rope_parameters(raw, values, source)
+    values["rope_parameters"] = _rope_parameters(raw, values, family, source)
     return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
 
 
-def _gemma3_text_part(raw: dict, source: str) -> HFConfig:
-    """A Gemma3ForConditionalGeneration config: its text_config (a gemma3_text config) serves the text model;
-    the architecture, dtype, tied head and quantization are the outer config's, and its token ids where it
-    has them (Gemma 3's list [1, 106] as EOS: end of text and end of turn)."""
+def _text_part(raw: dict, family: Family, source: str) -> HFConfig:
+    """A multimodal config (Gemma3ForConditionalGeneration): its text_config (of family.text_model_type) serves
+    the text model; the architecture, dtype, tied head and quantization are the outer config's, and its token
+    ids where it has them (Gemma 3's list [1, 106] as EOS: end of text and end of turn)."""
     text = _checked(source, "text_config", raw.get("text_config"), "object or null") or {}
-    config = parse_hf_config({**text, "model_type": "gemma3_text"}, f"{source} (text_config)")
-    outer = {**FAMILY_DEFAULTS["gemma3"], **raw}
+    config = parse_hf_config({**text, "model_type": family.text_model_type}, f"{source} (text_config)")
+    outer = {**family.defaults, **raw}
     dtype = outer.get("dtype") if outer.get("dtype") is not None else outer.get("torch_dtype")
     own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
            "dtype": dtype if dtype is not None else config.dtype,
@@ -320,7 +243,7 @@ def _gemma3_text_part(raw: dict, source: str) -> HFConfig:
            **{name: outer[name] for name in ("bos_token_id", "eos_token_id") if name in outer}}
     for name, value in own.items():
         _checked(source, name, value, FIELD_KINDS[name])
-    return replace(config, model_type="gemma3", **own)
+    return replace(config, model_type=family.model_type, **own)
 
 
 def _read_json(path: str):
@@ -411,8 +334,10 @@ def rotary_dim_of(head_dim: int, rope: RopeParameters) -> int:
     return int(head_dim * rope.partial_rotary_factor)
 
 
-PARTIAL_ROTARY_FAMILIES = ("phi3",)  # whose transformers attention rotates only the first rotary_dim of a head
-LONGROPE_FAMILIES = ("phi3",)  # whose transformers generate switches LongRoPE's factors as models/phi3.py says
+def family_of(config: HFConfig) -> Family:
+    """The family whose rules the text model follows: a multimodal config's text_config's."""
+    family = FAMILIES[config.model_type]
+    return family if family.text_model_type is None else FAMILIES[family.text_model_type]
 
 
 def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopeParameters:
@@ -431,7 +356,7 @@ def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopePa
         raise ValueError("config has no rope_theta (neither at the top level nor in rope_parameters)")
     partial = params.get("partial_rotary_factor")
     partial = 1.0 if partial is None else partial
-    if partial != 1 and config.model_type not in PARTIAL_ROTARY_FAMILIES:
+    if partial != 1 and not family_of(config).partial_rotary:
         raise ValueError(f"partial_rotary_factor={partial} is not supported for {config.model_type}; "
                          "rotary must cover the whole head")
     head_dim = head_dim_of(config)
@@ -442,9 +367,10 @@ def rope_parameters_of(config: HFConfig, layer_idx: int | None = None) -> RopePa
     if rope_type == "default":
         return RopeParameters(**common)
     if rope_type == "longrope":
-        if config.model_type not in LONGROPE_FAMILIES:
+        if not family_of(config).longrope:
+            longrope_families = [family.model_type for family in FAMILIES.values() if family.longrope]
             raise ValueError(f"rope type 'longrope' is not supported for {config.model_type}; "
-                             f"only for {', '.join(LONGROPE_FAMILIES)}")
+                             f"only for {', '.join(longrope_families)}")
         return _longrope_parameters(config, params, common, head_dim)
     original = params.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = params.get("factor")
@@ -549,15 +475,14 @@ def quantization_config_of(config: HFConfig):
 
 def check_supported(config: HFConfig) -> None:
     """ValueError naming the first setting of this checkpoint that the shared decoder does not implement."""
-    if config.model_type in GEMMA_FAMILIES:
-        if config.hidden_activation not in GEMMA_ACTIVATIONS:
-            raise ValueError(f"hidden_activation={config.hidden_activation!r} is not supported; only "
-                             f"{', '.join(map(repr, GEMMA_ACTIVATIONS))} gated MLPs are")
-        if config.use_bidirectional_attention:
-            raise ValueError("use_bidirectional_attention=True is not supported; only causal attention is")
-    # gpt-oss's experts run their clamped SwiGLU whatever hidden_act says: transformers never reads it there
-    elif config.hidden_act not in SILU_ACTIVATIONS and config.model_type != "gpt_oss":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu' gated MLPs are")
+    family = family_of(config)
+    key = family.activation_key  # None where the model ignores it (gpt-oss's experts)
+    if key is not None and getattr(config, key) not in family.activations:
+        raise ValueError(f"{key}={getattr(config, key)!r} is not supported; only {family.activations[0]!r} gated "
+                         "MLPs are")
+    # refused where the family's config class has the setting (Gemma's); the others' attention never reads it
+    if config.use_bidirectional_attention and "use_bidirectional_attention" in family.defaults:
+        raise ValueError("use_bidirectional_attention=True is not supported; only causal attention is")
     if config.quantization_config:  # a format or layout tpengine does not read is refused by name
         quantization_config_of(config)
     unknown = sorted(set(config.layer_types or ()) - set(LAYER_TYPES))

@@ -1,0 +1,129 @@
+"""The supported model families, one description each: what transformers' config class makes of config.json's
+keys, and which model class serves the family.
+
+Adding a family is one Family here and its model file in tpengine/models/. Nothing here imports torch or
+transformers: rank 0 reads these (tpengine/hf_config.py) before any worker starts.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+SILU_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type as config.json names it."""
+    model_type: str
+    architecture: str  # config.json's architectures[0]; the model class of that name lives in model_module
+    model_module: str  # imported only when a model is built
+    # the default its transformers config class (transformers/models/<type>/configuration_<type>.py) gives each key
+    # hf_config.py reads. A key the class does not declare is absent from a loaded config unless config.json has it:
+    # it then takes HFConfig's default, the value our code gives an absent one.
+    defaults: Mapping[str, object]
+    key_aliases: Mapping[str, str] = field(default_factory=dict)  # attribute_map: field -> the key that wins
+    activation_key: str | None = "hidden_act"  # the key naming the MLP's activation; None: the model ignores it
+    activations: tuple[str, ...] = SILU_ACTIVATIONS  # those its gated MLP runs: the first, and its aliases
+    # layer_types absent from config.json: every n-th layer attends fully, the others slide; n is the number given
+    # or the setting named; None: layer_types stay absent (or the family's config class derives them otherwise)
+    sliding_pattern: int | str | None = None
+    rope_theta: float = DEFAULT_ROPE_THETA  # its config class's default_theta
+    rope_parameters: Mapping[str, object] | None = None  # what its config class sets when config.json has none
+    # rope parameters per layer type (Gemma 3): layer type -> (the transformers 4 key giving its theta, the default)
+    layer_type_thetas: Mapping[str, tuple[str, float]] | None = None
+    # its attention rotates only the first partial_rotary_factor of each head, and its config class always holds the
+    # factor in rope_parameters
+    partial_rotary: bool = False
+    # its generate switches LongRoPE's factors as models/phi3.py says; its config class reads rope types su and yarn
+    # as longrope, whose window is its top-level original_max_position_embeddings
+    longrope: bool = False
+    requires_whole_heads: bool = False  # its config class refuses a hidden_size num_attention_heads does not divide
+    # a multimodal config whose text_config, a config of this model_type, holds the text model's settings
+    text_model_type: str | None = None
+
+
+QWEN3 = Family(
+    "qwen3", "Qwen3ForCausalLM", "tpengine.models.qwen3",
+    defaults=dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+        max_window_layers=28, layer_types=None, bos_token_id=None, eos_token_id=None))
+QWEN2 = Family(
+    "qwen2", "Qwen2ForCausalLM", "tpengine.models.qwen2",
+    defaults=dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+        layer_types=None, bos_token_id=None, eos_token_id=None))
+LLAMA = Family(
+    "llama", "LlamaForCausalLM", "tpengine.models.llama", requires_whole_heads=True,
+    defaults=dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        head_dim=None))
+MISTRAL = Family(
+    "mistral", "MistralForCausalLM", "tpengine.models.mistral",
+    defaults=dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=None, hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, sliding_window=4096))
+QWEN3_MOE = Family(
+    "qwen3_moe", "Qwen3MoeForCausalLM", "tpengine.models.qwen3_moe", key_aliases={"num_experts": "num_local_experts"},
+    defaults=dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+        decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128,
+        norm_topk_prob=False, mlp_only_layers=None, bos_token_id=None, eos_token_id=None))
+# Gemma's MLPs read hidden_activation, not hidden_act: GELU with the tanh approximation, torch's own
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+GEMMA2 = Family(
+    "gemma2", "Gemma2ForCausalLM", "tpengine.models.gemma",
+    activation_key="hidden_activation", activations=GEMMA_ACTIVATIONS, sliding_pattern=2,  # sliding first
+    defaults=dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0, use_bidirectional_attention=None))
+GEMMA3_TEXT = Family(
+    "gemma3_text", "Gemma3ForCausalLM", "tpengine.models.gemma",
+    activation_key="hidden_activation", activations=GEMMA_ACTIVATIONS, sliding_pattern="sliding_window_pattern",
+    # Gemma3TextConfig.default_theta, and the transformers 4 key that gave each
+    layer_type_thetas={"full_attention": ("rope_theta", 1_000_000.0),
+                       "sliding_attention": ("rope_local_base_freq", 10_000.0)},
+    defaults=dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+        rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
+        query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=None,
+        attn_logit_softcapping=None, use_bidirectional_attention=False, sliding_window_pattern=6))
+# Gemma3ForConditionalGeneration: the text model's settings are its text_config's; these few are the outer config's own
+GEMMA3 = Family("gemma3", "Gemma3ForConditionalGeneration", "tpengine.models.gemma", text_model_type="gemma3_text",
+                defaults=dict(tie_word_embeddings=True))
+PHI3 = Family(
+    "phi3", "Phi3ForCausalLM", "tpengine.models.phi3", partial_rotary=True, longrope=True,
+    defaults=dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=None, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, sliding_window=None,
+        original_max_position_embeddings=4096, partial_rotary_factor=1.0))
+GPT_OSS = Family(
+    "gpt_oss", "GptOssForCausalLM", "tpengine.models.gpt_oss", key_aliases={"num_experts": "num_local_experts"},
+    activation_key=None,  # its experts run their clamped SwiGLU whatever hidden_act says: transformers never reads it
+    sliding_pattern=2,  # sliding first
+    rope_theta=150000.0, rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                              truncate=False, original_max_position_embeddings=4096),
+    defaults=dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, num_experts=128,
+        num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, bos_token_id=None, eos_token_id=None))
+
+# model_type -> its description, in the order errors list them
+FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
+                                                     GEMMA3, PHI3, GPT_OSS)}
+ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values())  # the architectures[0] values served
+assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
