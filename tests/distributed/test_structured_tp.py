@@ -15,8 +15,10 @@ def test_constrained_and_free_requests_side_by_side_at_tp_2(tied_model):
              max_model_len=384, max_num_seqs=16) as llm:
         sent = []  # per step: (sampled by every rank over its slice, rows with token masks)
         send = llm.executor.send_to_workers
-        llm.executor.send_to_workers = lambda step: (sent.append((bool(step.temperatures), len(step.masked_rows))),
-                                                     send(step))
+        llm.executor.send_to_workers = lambda envelope: (
+            sent.append((envelope.vocab_parallel is not None,
+                         len(envelope.vocab_parallel.masked_rows) if envelope.vocab_parallel else 0)),
+            send(envelope))
         alone = [o.token_ids for o in llm.generate(free_prompts, free, use_tqdm=False)]
         # every grammar compiled first: the batch below is admitted at once, so its sequences outgrow the cache
         llm.generate(["warm"] * len(cases), [SamplingParams(max_tokens=1, structured_outputs=spec) for spec, _ in cases],

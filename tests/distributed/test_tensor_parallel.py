@@ -124,7 +124,8 @@ def test_a_row_gets_the_same_token_whether_the_ranks_sample_their_slices_or_rank
     with LLM(tiny_model, tensor_parallel_size=2, kvcache_block_size=16) as llm:
         steps = []
         send = llm.executor.send_to_workers
-        llm.executor.send_to_workers = lambda step: steps.append(bool(step.temperatures)) or send(step)
+        llm.executor.send_to_workers = lambda envelope: steps.append(envelope.vocab_parallel is not None) or \
+            send(envelope)
         alone = [o.token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
         assert steps and all(steps)  # every step sampled on the ranks' slices
         steps.clear()

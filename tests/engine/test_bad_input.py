@@ -85,14 +85,15 @@ def test_stop_token_and_eos_end_a_request_with_reason_stop(tiny_model, llm):
     [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_at,)),
                          use_tqdm=False)
     assert out.token_ids == expected[:cut] and out.finish_reason == "stop"
-    eos_token_ids = llm.scheduler.eos_token_ids
-    llm.scheduler.eos_token_ids = frozenset([stop_at])  # as if the checkpoint's EOS were this token
+    scheduler, = llm.scheduler.schedulers
+    eos_token_ids = scheduler.eos_token_ids
+    scheduler.eos_token_ids = frozenset([stop_at])  # as if the checkpoint's EOS were this token
     try:
         [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
         [ignored] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                                  use_tqdm=False)
     finally:
-        llm.scheduler.eos_token_ids = eos_token_ids
+        scheduler.eos_token_ids = eos_token_ids
     assert out.token_ids == expected[:cut] and out.finish_reason == "stop"
     assert ignored.token_ids == expected and ignored.finish_reason == "length"
 

@@ -13,7 +13,7 @@ class StepLog:
 
     def __init__(self, llm):
         self.steps = []  # (decode rows, prefill rows, partial chunks, preemptions during scheduling)
-        scheduler = llm.scheduler
+        scheduler, = llm.scheduler.schedulers
         schedule = scheduler.schedule
 
         def logged_schedule():
@@ -126,14 +126,15 @@ def test_a_plan_keeps_its_token_counts_after_the_step_ran(tiny_model):
     # (generate's progress bar reads them after the step; it showed "prefill 0 tok/s" when they did not)
     plans = []
     with LLM(tiny_model, kvcache_block_size=16, max_num_batched_tokens=20) as llm:
-        schedule = llm.scheduler.schedule
+        scheduler, = llm.scheduler.schedulers
+        schedule = scheduler.schedule
 
         def recording_schedule():
             plan = schedule()
-            rows = llm.scheduler.scheduled
+            rows = scheduler.scheduled
             plans.append((plan, plan.num_decode, sum(seq.num_scheduled_tokens for seq in rows[plan.num_decode:])))
             return plan
-        llm.scheduler.schedule = recording_schedule
+        scheduler.schedule = recording_schedule
         llm.generate(random_prompts(31, [30, 7], VOCAB), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert sum(num_prefill for _, _, num_prefill in plans) == 37
     for plan, num_decode, num_prefill in plans:

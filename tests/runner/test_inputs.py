@@ -115,7 +115,7 @@ def test_inputs_from_the_tables_a_rank_keeps_equal_inputs_from_whole_tables(monk
     if speculative:
         assert scheduler.num_drafts > 0  # verify rows ran
     # the tables a rank keeps hold no sequence that left (the releases of the last steps wait for a next one)
-    assert set(incremental.block_tables.tables) <= set(scheduler._released)
+    assert set(incremental.block_tables.tables) <= set(scheduler.deltas.released)
 
 
 def test_a_verify_row_runs_as_decode_queries_over_its_growing_context_and_is_sampled_after_the_prompts():

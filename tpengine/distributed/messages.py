@@ -51,7 +51,7 @@ def int_list(column: bytes) -> list[int]:
     return array("q", column).tolist()
 
 
-class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
+class StepMessage(msgspec.Struct, array_like=True, gc=False):
     """One forward: its rows are the decode tokens first, then the prefill chunks (either may be empty).
 
     Every rank keeps the block table of each running sequence between steps (runner/block_tables.py),
@@ -76,14 +76,6 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
     appended_block_ids: list[int] = []
     # prefix-cache hits that end inside a block: done on every rank before the step's forward
     block_copies: list[BlockCopy] = []
-    # when set, every rank samples the rows over its own slice of the vocabulary and rank 0 gets the
-    # tokens (no gather of the logits): each row's temperature (0: greedy) and uniform draw
-    temperatures: list[float] = []
-    uniforms: list[float] = []
-    # on that path, the rows a grammar masks (structured outputs) and their token masks: xgrammar's int32
-    # bitmask words over the whole vocabulary, row after row (each rank reads its slice's bits)
-    masked_rows: list[int] = []
-    token_masks: bytes = b""
     # speculative decoding's draft model, in a step that does not draft: whether it writes its K/V for the
     # step's prompt chunks (False while steps do not draft: each sequence catches up when it next drafts)
     draft_prompts: bool = True
@@ -100,6 +92,24 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False, tag="step"):
         return self.num_decode_rows + sum(len(chunk.token_ids) for chunk in self.prefill)
 
 
+class VocabParallelSampling(msgspec.Struct, array_like=True, gc=False):
+    """Every rank samples the step's rows over its own slice of the vocabulary and rank 0 gets the tokens (no
+    gather of the logits): each row's temperature (0: greedy) and uniform draw (0.0 for greedy rows), and the rows
+    a grammar masks (structured outputs) with their token masks: xgrammar's int32 bitmask words over the whole
+    vocabulary, row after row (each rank reads its slice's bits)."""
+    temperatures: list[float]
+    uniforms: list[float]
+    masked_rows: list[int] = []
+    token_masks: bytes = b""
+
+
+class StepEnvelope(msgspec.Struct, array_like=True, gc=False, tag="step"):
+    """What the ranks get for a step: the scheduler's StepMessage as it made it, and what the executor adds
+    (the sampling path it chose for the step)."""
+    step: StepMessage
+    vocab_parallel: VocabParallelSampling | None = None
+
+
 class InitMessage(msgspec.Struct, array_like=True, tag="init"):
     config: EngineConfig
     ring_name: str | None       # the SharedMemory ring; None when steps come over a torch.distributed broadcast
@@ -114,7 +124,7 @@ class WorkerError(msgspec.Struct, array_like=True, tag="error"):
     traceback: str
 
 
-ControlMessage = StepMessage | InitMessage | ShutdownMessage
+ControlMessage = StepEnvelope | InitMessage | ShutdownMessage
 
 
 _encoder = msgspec.msgpack.Encoder()

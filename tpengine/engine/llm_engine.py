@@ -5,7 +5,6 @@ import logging
 import os
 import threading
 import time
-from functools import partial
 from itertools import count
 
 import msgspec
@@ -74,10 +73,10 @@ class LLMEngine:
             for line in config.describe():
                 logger.info("config %s", line)
             spec = config.speculative_config
-            # a pipeline keeps steps in flight, each from its own scheduler (engine/virtual_engines.py)
-            make_scheduler = Scheduler if config.pipeline_parallel_size == 1 else \
-                partial(VirtualEngines, config.max_steps_in_flight)
-            self.scheduler = make_scheduler(
+            # a pipeline keeps steps in flight, each from its own scheduler (engine/virtual_engines.py); one stage:
+            # a single scheduler, one step at a time
+            self.scheduler = VirtualEngines(
+                config.max_steps_in_flight,
                 num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
@@ -322,7 +321,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        if isinstance(self.scheduler, VirtualEngines) and self.scheduler.in_flight and not self.executor.closed:
+        if self.scheduler.in_flight and not self.executor.closed:
             self._drain_pipeline()  # a sequence in a step in flight leaves the ledger only once that step is back
             request = self._requests.get(request_id)
             if request is None:  # it finished in those steps
@@ -386,41 +385,32 @@ class LLMEngine:
         """One step; its reports (Request.report, with their requests) and its plan (None when nothing was queued)."""
         if self._awaiting_grammar:  # wait a moment for a grammar only when nothing else could run
             self._admit_awaiting(AWAIT_GRAMMAR_S if self.scheduler.is_finished() else 0.0)
-        if isinstance(self.scheduler, VirtualEngines):
-            return self._pipelined_step(self.scheduler)
-        scheduler = self.scheduler
-        started = time.perf_counter()
-        num_output_tokens = scheduler.num_output_tokens
-        plan = scheduler.schedule()
-        if not plan:
-            # only requests that fit the cache alone are added (check_fits), so with work queued something runs
-            assert scheduler.is_finished(), "queued requests but nothing schedulable"
-            return [], None
-        sampled = self.executor.execute(plan)
-        return self._finish_step(scheduler, plan, sampled, started, num_output_tokens), plan
+        return self._run_steps(self.scheduler)
 
-    def _pipelined_step(self, engines: VirtualEngines) -> tuple[list[tuple[Request, object]], StepPlan | None]:
-        """Pipeline parallelism: every virtual engine without a step in flight submits its next one (so each
-        stage has a step to run), then the oldest step's tokens are collected and accounted for."""
+    def _run_steps(self, engines: VirtualEngines) -> tuple[list[tuple[Request, object]], StepPlan | None]:
+        """Every virtual engine without a step in flight submits its next one (a pipeline: so each stage has a
+        step to run; one stage: the one step runs), then the oldest step's tokens are collected and accounted
+        for."""
         self.executor.check_open()
         try:
             for scheduler in engines.idle():
                 started, num_output_tokens = time.perf_counter(), scheduler.num_output_tokens
                 plan = scheduler.schedule()
                 if plan:
-                    plan.message.virtual_engine = engines.schedulers.index(scheduler)
                     self.executor.submit(plan)
                     engines.in_flight.append((scheduler, plan, started, num_output_tokens))
             if not engines.in_flight:
+                # only requests that fit the cache alone are added (check_fits): with work queued something runs
                 assert engines.is_finished(), "queued requests but nothing schedulable"
                 return [], None
             scheduler, plan, started, num_output_tokens = engines.in_flight[0]
             sampled = self.executor.collect(plan)
             engines.in_flight.popleft()
         except BaseException:
-            # steps the ranks may be running: no ledger can say which, so every rank stops (as a failed step does)
+            # steps in flight no ledger can account for: the executor forgets them (a worker group stops every
+            # rank, as a failed step does; rank 0 alone goes on: its scheduler undoes the step when it next runs)
             engines.in_flight.clear()
-            self.executor.shutdown(graceful=False)
+            self.executor.abandon()
             raise
         return self._finish_step(scheduler, plan, sampled, started, num_output_tokens), plan
 
@@ -428,13 +418,13 @@ class LLMEngine:
         """Account for every step in flight (before an abort changes the ledger they were scheduled from);
         their outputs go out with the next step()."""
         engines = self.scheduler
-        while isinstance(engines, VirtualEngines) and engines.in_flight:
+        while engines.in_flight:
             scheduler, plan, started, num_output_tokens = engines.in_flight[0]
             try:
                 sampled = self.executor.collect(plan)
             except BaseException:
                 engines.in_flight.clear()
-                self.executor.shutdown(graceful=False)
+                self.executor.abandon()
                 raise
             engines.in_flight.popleft()
             for request, item in self._finish_step(scheduler, plan, sampled, started, num_output_tokens):
@@ -580,7 +570,7 @@ class LLMEngine:
         if executor is None:
             return
         engines = getattr(self, "scheduler", None)
-        if isinstance(engines, VirtualEngines) and engines.in_flight and not executor.closed:
+        if engines is not None and engines.in_flight and not executor.closed:
             try:  # let the ranks finish the steps they run (their tokens go nowhere), so every send is received
                 for _, plan, _, _ in engines.in_flight:
                     executor.collect(plan)

@@ -5,15 +5,9 @@ Two policies: "mixed" (vLLM's) gives every running sequence its next token first
 the token budget with prompt chunks, so decodes never stall behind a long prompt; "prefill_first"
 (nano-vllm's) runs a prefill step whenever a prompt waits and decodes only when none does.
 
-Speculative decoding (a proposer given): a running sequence whose request allows it (engine/proposer.py)
-gets, instead of a decode row, a verify row: its last token and up to num_speculative_tokens proposed
-tokens (drafts), each with a slot, sent as one chunk whose every row is sampled (a draft model's drafts are
-made on the ranks within the step: the chunk carries their number, and they come back with the tokens). Sampling a
-row exactly as it would be sampled without speculation and keeping the drafts up to the first that differs
-from its row's token is rejection sampling for a proposal that is one token for sure: a draft x is kept
-with probability p(x), else the row's token follows p without x. So greedy and seeded requests get the very
-tokens they get without speculation, and every request the same distribution. Postprocess appends the kept
-drafts and the first differing token, and frees the blocks that hold only rejected drafts.
+Speculative decoding (a proposer given): engine/speculation.py keeps its share of the ledger; the scheduler gives
+a verify row's drafts their slots, and postprocess appends the kept drafts and the first differing token, and
+frees the blocks that hold only rejected drafts. The block-table changes each step carries: engine/table_deltas.py.
 
 LongRoPE (long_rope_threshold: the pre-training window): transformers rotates a whole sequence with one set of
 factors, the long one once it has more tokens than the window (models/phi3.py). A sequence takes its set when
@@ -27,10 +21,12 @@ from tpengine.config import SCHEDULING_POLICIES
 from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage, int_column
 from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
-from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.prefix_index import HeadIndex
+from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.sequence import Sequence, SequenceStatus
+from tpengine.engine.speculation import Speculation
 from tpengine.engine.step_plan import StepPlan
+from tpengine.engine.table_deltas import TableDeltas
 from tpengine.outputs import NO_TOKEN
 from tpengine.paging import blocks_for
 from tpengine.sampling_params import SamplingRecord
@@ -46,16 +42,30 @@ MAX_WAIT_STEPS = 16
 MIN_SHARED_TOKENS_TO_WAIT = 32
 
 
+def finish_of(seq: Sequence, token_id: int, num_tokens: int) -> tuple[str, int | str | None] | None:
+    """The one finish check, for each sampled token, as it would make seq num_tokens long: (reason, stop_reason)
+    or None. Scheduler.add folded EOS and max_model_len into the fields read here."""
+    if token_id < 0:  # the sampler found no finite distribution for its row (NaN logits, or no token allowed)
+        return NO_TOKEN, None
+    if token_id in seq.eos_and_stop_token_ids and num_tokens - seq.num_prompt_tokens >= seq.min_tokens:
+        # a stop token the user listed is the reason; EOS has none
+        return "stop", token_id if token_id in seq.sampling_params.stop_token_ids else None
+    if num_tokens >= seq.max_num_tokens:
+        return "length", None
+    return None
+
+
 class Scheduler:
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: frozenset[int],
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  draft_policy: DraftPolicy | None = None, sliding_window: int | None = None,
-                 long_rope_threshold: int | None = None, first_block_id: int = 0):
+                 long_rope_threshold: int | None = None, first_block_id: int = 0, virtual_engine: int = 0):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
+        self.virtual_engine = virtual_engine  # which of the engine's schedulers this is: its steps' pipeline tag
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -71,37 +81,29 @@ class Scheduler:
         self.num_steps = 0
         # the step in flight (scheduled, not yet postprocessed): its decode and prefill sequences, its message
         self._in_flight: tuple[list[Sequence], list[Sequence], StepMessage] | None = None
-        # block-table changes the next message carries: sequences that left since the last one, and
-        # blocks appended to running sequences in this schedule
-        self._released: list[int] = []
-        self._appended_seq_ids: list[int] = []
-        self._appended_block_ids: list[int] = []
-        self._reset_tables = False
+        self.deltas = TableDeltas()  # the block-table changes the next message carries
         # the last step's decode rows (a list schedule() made), with their sequence-id column and sampling records
         self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord]] = ([], b"", [])
-        self._resend_decode_tables = False  # after a reset, until every running sequence has its table again
-        self._truncated_seq_ids: list[int] = []    # tables cut since the last message (rejected drafts' blocks)
-        self._truncated_num_blocks: list[int] = []
-        # a step the ranks' draft model runs in: the sequences whose draft K/V is complete once it has run
-        self._draft_caught_up: list[Sequence] = []
-        self._verify_row_tokens: list[int] = []  # the last step's: tokens each verify row still running got
-        # whether the last decode step drafted: while steps do not, the ranks' draft model skips prompt chunks too
-        self._drafting = True
-        # speculative decoding: the proposer and how many drafts a verify row takes at most
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
+        self.speculation = None if proposer is None else Speculation(proposer, num_speculative_tokens, draft_policy)
         self.num_speculative_tokens = num_speculative_tokens
-        # which steps take drafts (the engine's measures step times; without one, every step does)
-        self.draft_policy = draft_policy or DraftPolicy(adaptive=False)
-        # its counters (vLLM's spec_decode_* metrics): verify rows with drafts, drafts, accepted drafts, and
-        # accepted drafts by position in their row
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.num_output_tokens = 0  # tokens appended to sequences by postprocess (verify rows append several)
 
     # --- read-only counters, for metrics ----------------------------------------------------------
+
+    def _speculation_counter(name: str):
+        return property(lambda self: getattr(self.speculation, name) if self.speculation is not None else 0,
+                        doc=f"speculative decoding's {name} (engine/speculation.py); 0 without it")
+
+    num_drafts = _speculation_counter("num_drafts")
+    num_draft_tokens = _speculation_counter("num_draft_tokens")
+    num_accepted_tokens = _speculation_counter("num_accepted_tokens")
+    del _speculation_counter
+
+    @property
+    def num_accepted_tokens_per_pos(self) -> list[int]:
+        return [] if self.speculation is None else self.speculation.num_accepted_tokens_per_pos
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -209,6 +211,7 @@ class Scheduler:
             self._last_decode = decode, decode_seq_ids, decode_sampling
         chunks, new_tables, sampling = [], [], list(decode_sampling)
         num_prefill_tokens = 0
+        add_whole_table = self.deltas.add_whole_table
         for seq in prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             sampled = end == seq.num_tokens
@@ -216,59 +219,22 @@ class Scheduler:
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
-            if not seq.on_workers:  # admitted, re-admitted after a preemption, or forked: its whole table
-                new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
-                seq.on_workers = True
+            add_whole_table(seq, new_tables)
         num_verify_tokens = 0
-        drafted_on_ranks = self.proposer is not None and self.proposer.on_ranks
-        if drafted_on_ranks and (verify or prefill):
-            # the ranks' draft model runs over every row of a step that drafts, and over the prompt chunks of a
-            # step that does not while steps draft (its share of a prefill is then needed soon): the rows whose
-            # draft K/V is complete stay so, and each verify row first writes what it lacks
-            mirrored = (*decode, *prefill) if verify else (prefill if self._drafting else ())
-            self._draft_caught_up = [seq for seq in mirrored
-                                     if seq.num_draft_cached_tokens == seq.num_cached_tokens] + verify
-        for seq in verify:  # after the prompt chunks: the rows sampled before them keep their order
-            drafts = seq.draft_token_ids
-            if drafted_on_ranks:
-                # none behind a sliding window: those blocks are given back
-                start = self._draft_context_start(seq)
-                chunks.append(PrefillChunk(seq.seq_id, [seq.last_token], seq.num_cached_tokens, True, len(drafts),
-                                           seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens]))
-            else:
-                chunks.append(PrefillChunk(seq.seq_id, [seq.last_token, *drafts], seq.num_cached_tokens, True,
-                                           len(drafts), seq.long_rope))
-            num_verify_tokens += 1 + len(drafts)
-            sampling.append(seq.sampling)
-            sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))
+        if self.speculation is not None:
+            num_verify_tokens = self.speculation.add_verify_rows(decode, verify, prefill, chunks, sampling,
+                                                                 self.block_manager.block_size)
         # a decode row's table is on the workers (sent when the sequence was prefilled), unless they dropped
         # them all (an interrupted step): then each takes its whole table when it next runs
-        if self._resend_decode_tables:
-            self._resend_tables_of(decode + verify, new_tables)
+        if self.deltas.resend_decode_tables:
+            self.deltas.resend_tables_of(decode + verify, self.running, new_tables)
         message = StepMessage(
             decode_seq_ids, int_column([seq.last_token for seq in decode]),
-            int_column([seq.num_tokens for seq in decode]), chunks, released=self._released, new_tables=new_tables,
-            appended_seq_ids=self._appended_seq_ids, appended_block_ids=self._appended_block_ids,
+            int_column([seq.num_tokens for seq in decode]), chunks, new_tables=new_tables,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
-            reset_tables=self._reset_tables, truncated_seq_ids=self._truncated_seq_ids,
-            truncated_num_blocks=self._truncated_num_blocks, draft_prompts=self._drafting)
-        self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
-        self._truncated_seq_ids, self._truncated_num_blocks = [], []
-        self._reset_tables = False
+            draft_prompts=self.speculation is None or self.speculation.drafting,
+            virtual_engine=self.virtual_engine, **self.deltas.take())
         return StepPlan(message, sampling, num_prefill_tokens, num_verify_tokens)
-
-    def _resend_tables_of(self, decode: list[Sequence], new_tables: list[BlockTable]) -> None:
-        """After the ranks dropped every table: whole tables for the decode rows that lack theirs (the blocks
-        their tokens open included, so they are not appended again)."""
-        resent = {seq.seq_id for seq in decode if not seq.on_workers}
-        for seq in decode:
-            if seq.seq_id in resent:
-                new_tables.append(BlockTable(seq.seq_id, list(seq.block_table)))
-                seq.on_workers = True
-        if resent:
-            kept = [(i, b) for i, b in zip(self._appended_seq_ids, self._appended_block_ids) if i not in resent]
-            self._appended_seq_ids, self._appended_block_ids = [i for i, _ in kept], [b for _, b in kept]
-        self._resend_decode_tables = any(not seq.on_workers for seq in self.running)
 
     def _forget_step_in_flight(self) -> None:
         """The last step never reached postprocess (interrupted, say by Ctrl-C in generate): undo it. Its
@@ -278,7 +244,8 @@ class Scheduler:
         drops every table and takes each sequence's whole table when it next runs."""
         decode, verify, prefill, _ = self._in_flight
         self._in_flight = None
-        self._draft_caught_up = []
+        if self.speculation is not None:
+            self.speculation.draft_caught_up = []
         for seq in decode + verify:
             assert seq.num_cached_tokens == seq.num_tokens - 1, "a running sequence computes its last token"
             seq.num_scheduled_tokens = 0
@@ -295,11 +262,7 @@ class Scheduler:
             self.waiting.appendleft(seq)
         if self.block_manager.block_copies:
             self.block_manager.release_copy_sources()
-        for seq in (*self.running, *self.waiting):
-            seq.on_workers = False
-        self._released, self._appended_seq_ids, self._appended_block_ids = [], [], []
-        self._truncated_seq_ids, self._truncated_num_blocks = [], []
-        self._reset_tables = self._resend_decode_tables = True
+        self.deltas.start_over((*self.running, *self.waiting))
 
     def _schedule_prefill(self, token_budget: int) -> list[Sequence]:
         block_manager = self.block_manager
@@ -325,18 +288,11 @@ class Scheduler:
             if num_running + len(scheduled) >= self.max_num_seqs or token_budget <= 0:
                 break
             if not seq.block_table and seq.parent is not None:
-                parent = seq.parent
-                if (parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens
-                        and parent.long_rope == seq.long_rope and block_manager.can_fork(parent)):
-                    if not block_manager.free_block_ids:
-                        break
-                    block_manager.fork(seq, parent)
-                    seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
-                    seq.parent = None
-                elif not parent.is_finished and parent.num_cached_tokens < parent.num_prompt_tokens:
+                forked = self._fork_from_parent(seq)
+                if forked is None:
+                    break
+                if not forked and seq.parent is not None:
                     continue  # its parent's prompt is being computed: wait for it, then fork it
-                else:
-                    seq.parent = None  # nothing left to fork: prefill as any request (prefix hits apply)
             if not seq.block_table:
                 match = block_manager.can_allocate(seq, token_budget)
                 if match is None:
@@ -365,15 +321,37 @@ class Scheduler:
                 break
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        if scheduled:  # the others of head stay, in arrival order
-            for _ in range(len(head)):
-                waiting.popleft()
-            waiting.extendleft(reversed([seq for seq in head if seq.status == SequenceStatus.WAITING
-                                         and seq is not chunked]))
-            if chunked is not None:
-                # first in the next batch: the only sequence of a batch that may be chunked is its first
-                waiting.appendleft(chunked)
+        if scheduled:
+            self._requeue_head(head, chunked)
         return scheduled
+
+    def _fork_from_parent(self, seq: Sequence) -> bool | None:
+        """Completion 1..n-1 of a request: fork its parent's prompt blocks once the parent has computed them
+        (True). False: not forked, seq.parent kept while the parent's prompt is being computed (seq waits), else
+        cleared (seq prefills as any request, prefix hits apply). None: no free block to fork into now."""
+        parent, block_manager = seq.parent, self.block_manager
+        if (parent.status == SequenceStatus.RUNNING and parent.num_cached_tokens >= parent.num_prompt_tokens
+                and parent.long_rope == seq.long_rope and block_manager.can_fork(parent)):
+            if not block_manager.free_block_ids:
+                return None
+            block_manager.fork(seq, parent)
+            seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
+            seq.parent = None
+            return True
+        if parent.is_finished or parent.num_cached_tokens >= parent.num_prompt_tokens:
+            seq.parent = None  # nothing left to fork
+        return False
+
+    def _requeue_head(self, head: list[Sequence], chunked: Sequence | None) -> None:
+        """After admissions from head: the others of it stay, in arrival order; a chunked prompt goes first (the
+        only sequence of a batch that may be chunked is its first)."""
+        waiting = self.waiting
+        for _ in range(len(head)):
+            waiting.popleft()
+        waiting.extendleft(reversed([seq for seq in head if seq.status == SequenceStatus.WAITING
+                                     and seq is not chunked]))
+        if chunked is not None:
+            waiting.appendleft(chunked)
 
     def _grow_for_chunk(self, seq: Sequence, token_budget: int) -> bool:
         """A prompt's next chunk where every layer slides: give back the blocks behind the window, then take
@@ -388,8 +366,7 @@ class Scheduler:
             return False
         for block_id in block_manager.grow(seq, end):
             if seq.on_workers:  # else its whole table goes with this step's message
-                self._appended_seq_ids.append(seq.seq_id)
-                self._appended_block_ids.append(block_id)
+                self.deltas.append(seq, block_id)
         return True
 
     def _admission_order(self, head: list[Sequence]) -> list[Sequence]:
@@ -470,10 +447,8 @@ class Scheduler:
         # draft tokens take only what the budget leaves once every row has its own token, in steps where
         # drafts pay
         spare_tokens, drafted = 0, False
-        if self.proposer is not None and num_rows:
-            self._drafting = self.draft_policy.drafts_pay(num_rows)
-            if self._drafting:
-                spare_tokens = self.max_num_batched_tokens - num_rows
+        if self.speculation is not None and num_rows:
+            spare_tokens = self.speculation.spare_tokens(num_rows, self.max_num_batched_tokens)
         for _ in range(num_rows):
             if not running:
                 break  # preemptions emptied the queue
@@ -496,42 +471,21 @@ class Scheduler:
         running.extendleft(reversed(scheduled))
         return scheduled
 
-    def _draft_context_start(self, seq: Sequence) -> int:
-        """Where the K/V the ranks' draft model lacks for seq starts (none behind a sliding window: those
-        blocks are given back); a verify row carries seq's tokens from there to its cached end."""
-        return max(seq.num_draft_cached_tokens, seq.num_released_blocks * self.block_manager.block_size)
-
     def _propose(self, seq: Sequence, spare_tokens: int, first: bool) -> int:
         """Give seq its draft tokens for this step, with their slots; returns how many tokens of the step's
         budget they take (with the draft model's K/V its sequence lacks: that runs in this step too; first: no
-        other row of the step drafts yet). Drafts never reach past the sequence's length limit, and never take a
-        free block that the next token of a running sequence not yet scheduled may need: speculation never
-        preempts."""
-        block_manager = self.block_manager
+        other row of the step drafts yet). Drafts never take a free block that the next token of a running
+        sequence not yet scheduled may need: speculation never preempts."""
+        speculation, block_manager = self.speculation, self.block_manager
         block_size = block_manager.block_size
-        catch_up = 0
-        if self.proposer.on_ranks:
-            # a sequence that did not draft for a long while has much to catch up on: within what the step's
-            # budget leaves, or it drafts in a later step; the step's first verify row takes all it lacks (at
-            # most max_model_len tokens), or a sequence left a whole budget behind would never draft again
-            catch_up = seq.num_cached_tokens - self._draft_context_start(seq)
-            spare_tokens = max(spare_tokens - catch_up, self.num_speculative_tokens) if first \
-                else spare_tokens - catch_up
-        max_drafts = min(self.num_speculative_tokens, spare_tokens, seq.max_num_tokens - seq.num_tokens - 1,
-                         self._rope_set_room(seq))
-        drafts = self.proposer.propose(seq.token_ids, max_drafts) if max_drafts > 0 else []
-        if not drafts:
-            return 0
         spare_blocks = max(block_manager.num_free_blocks - len(self.running), 0)
-        room = (len(seq.block_table) + spare_blocks) * block_size - seq.num_tokens  # slots it may have
-        drafts = drafts[:room]
+        drafts = speculation.propose(seq, spare_tokens, first, self._rope_set_room(seq), spare_blocks, block_size)
         if not drafts:
             return 0
         for block_id in block_manager.grow(seq, seq.num_tokens + len(drafts)):
-            self._appended_seq_ids.append(seq.seq_id)
-            self._appended_block_ids.append(block_id)
+            self.deltas.append(seq, block_id)
         seq.draft_token_ids = drafts
-        return catch_up + len(drafts)
+        return speculation.catch_up_of(seq, block_size) + len(drafts)
 
     def _append_block(self, seq: Sequence) -> bool:
         """Give seq the block its next token opens, preempting from the tail of running while the
@@ -542,8 +496,7 @@ class Scheduler:
                 self._preempt(seq)
                 return False
             self._preempt(self.running.pop())  # the latest to run loses the least work
-        self._appended_seq_ids.append(seq.seq_id)
-        self._appended_block_ids.append(block_manager.may_append(seq))
+        self.deltas.append(seq, block_manager.may_append(seq))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -556,9 +509,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Free seq's blocks; every rank drops its table with the next step."""
         self.block_manager.deallocate(seq)
-        if seq.on_workers:
-            seq.on_workers = False
-            self._released.append(seq.seq_id)
+        self.deltas.release(seq)
 
     def postprocess(self, plan: StepPlan, token_ids: list[int],
                     draft_token_ids: list[int] = ()) -> tuple[list[Sequence], list[Sequence]]:
@@ -571,149 +522,101 @@ class Scheduler:
         block_manager = self.block_manager
         if block_manager.block_copies:
             block_manager.release_copy_sources()  # the step ran: its copies are done
-        hash_blocks = block_manager.hash_blocks
-        block_size = block_manager.block_size
         completed = []  # prompts whose last chunk ran: their rows were sampled
         for seq in prefill:
-            num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
-            if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
-                hash_blocks(seq)
-            seq.num_cached_tokens = num_cached_tokens
-            seq.num_scheduled_tokens = 0
-            if num_cached_tokens == seq.num_tokens:
+            self._cache_scheduled(seq)
+            if seq.num_cached_tokens == seq.num_tokens:
                 completed.append(seq)
         sampled = decode + completed if completed else decode
-        assert len(token_ids) == len(plan.sampling), "tokens and sampled rows disagree"
+        assert len(sampled) + plan.num_verify_tokens == len(token_ids) == len(plan.sampling), \
+            "tokens and sampled rows disagree"
         finished = []
-        self.num_output_tokens += len(sampled)
         if verify:
-            assert len(sampled) + plan.num_verify_tokens == len(token_ids), "tokens and verify rows disagree"
             if self.proposer.on_ranks:
-                assert len(draft_token_ids) == plan.num_verify_tokens - len(verify), "drafts and verify rows disagree"
-                at = 0
-                for seq in verify:
-                    seq.draft_token_ids = draft_token_ids[at:at + len(seq.draft_token_ids)]
-                    at += len(seq.draft_token_ids)
+                self.speculation.take_drafts_made_on_ranks(verify, draft_token_ids, plan.num_verify_tokens)
             self._accept(verify, token_ids[len(sampled):], finished)
             token_ids = token_ids[:len(sampled)]
-        else:
-            assert len(sampled) == len(token_ids), "tokens and sampled rows disagree"
+        self._append_sampled(sampled, token_ids, finished)
+        for seq in prefill:
+            if seq.block_table:  # not finished: its partly written last block can serve others
+                block_manager.index_written_tail(seq)
+        if self.speculation is not None:
+            self.speculation.step_ran()
+        return (sampled + verify if verify else sampled), finished
+
+    def _cache_scheduled(self, seq: Sequence) -> None:
+        """seq's scheduled tokens have their K/V written: they count as cached, and the blocks they filled enter
+        the prefix cache (hash_blocks reads the counters before they move)."""
+        num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
+        if num_cached_tokens // self.block_manager.block_size != seq.num_cached_tokens // self.block_manager.block_size:
+            self.block_manager.hash_blocks(seq)
+        seq.num_cached_tokens = num_cached_tokens
+        seq.num_scheduled_tokens = 0
+
+    def _append_sampled(self, sampled: list[Sequence], token_ids: list[int], finished: list[Sequence]) -> None:
+        """Append one token to each sampled decode row and completed prompt; finish those it ends."""
+        # once per running sequence per step: locals bound up front, the common case calls one function
+        block_size = self.block_manager.block_size
+        hash_blocks = self.block_manager.hash_blocks
+        self.num_output_tokens += len(sampled)
         for seq, token_id in zip(sampled, token_ids):
-            if seq.num_scheduled_tokens:  # a decode row (a chunk's counters moved above): its K/V is cached
+            if seq.num_scheduled_tokens:  # a decode row (a chunk's counters moved already): its K/V is cached
+                # _cache_scheduled, inlined for one token: only a step that filled a block registers it
                 num_cached_tokens = seq.num_cached_tokens + 1
-                # Only a step that filled a block has anything to register (one decode step in
-                # block_size): skip the call otherwise. hash_blocks reads the counters before the update.
                 if num_cached_tokens % block_size == 0:
                     hash_blocks(seq)
                 seq.num_cached_tokens = num_cached_tokens
                 seq.num_scheduled_tokens = 0
-            if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits, or no token allowed)
-                self.finish(seq, NO_TOKEN)
+            finish = finish_of(seq, token_id, seq.num_tokens + 1)
+            if finish is None or finish[0] != NO_TOKEN:
+                # Sequence.append_token, inlined
+                seq.token_ids.append(token_id)
+                seq.last_token = token_id
+                seq.num_tokens += 1
+            if finish is not None:
+                self.finish(seq, *finish)
                 finished.append(seq)
-                continue
-            # Sequence.append_token, inlined: this line runs for every running sequence every step
-            seq.token_ids.append(token_id)
-            seq.last_token = token_id
-            seq.num_tokens += 1
-            # add() folded EOS and max_model_len into these two fields.
-            if token_id in seq.eos_and_stop_token_ids and seq.num_tokens - seq.num_prompt_tokens >= seq.min_tokens:
-                # a stop token the user listed is the reason; EOS has none
-                self.finish(seq, "stop", token_id if token_id in seq.sampling_params.stop_token_ids else None)
-            elif seq.num_tokens >= seq.max_num_tokens:
-                self.finish(seq, "length")
-            else:
-                continue
-            finished.append(seq)
-        for seq in prefill:
-            if seq.block_table:  # not finished: its partly written last block can serve others
-                block_manager.index_written_tail(seq)
-        if self._draft_caught_up:
-            for seq in self._draft_caught_up:
-                if seq.block_table:  # still running
-                    seq.num_draft_cached_tokens = seq.num_cached_tokens
-            self._draft_caught_up = []
-        return (sampled + verify if verify else sampled), finished
 
     def _accept(self, verify: list[Sequence], token_ids: list[int], finished: list[Sequence]) -> None:
-        """Append each verify row's tokens: its drafts up to the first that differs from its row's sampled
-        token, then that token (or the one after the last draft): stopping at the first that ends the
+        """Append each verify row's kept tokens (Speculation.accepted), stopping at the first that ends the
         sequence. Only those tokens' K/V counts as cached and enters the hash chain; blocks that hold only
         rejected drafts' slots go back."""
-        block_manager = self.block_manager
+        speculation, block_manager = self.speculation, self.block_manager
         block_size = block_manager.block_size
+        speculation.verify_row_tokens = []
         row = 0
-        self._verify_row_tokens = []
         for seq in verify:
-            drafts = seq.draft_token_ids
-            seq.draft_token_ids = []
-            samples = token_ids[row:row + len(drafts) + 1]
-            row += len(drafts) + 1
-            num_accepted = 0
-            while num_accepted < len(drafts) and samples[num_accepted] == drafts[num_accepted]:
-                num_accepted += 1
-            self.num_drafts += 1
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += num_accepted
-            for pos in range(num_accepted):
-                self.num_accepted_tokens_per_pos[pos] += 1
-            # the accepted drafts are their rows' samples; the next sample is verification's own token
-            num_tokens = seq.num_tokens
-            reason, stop_reason = None, None
-            new_tokens = samples[:num_accepted + 1]
+            width = len(seq.draft_token_ids) + 1
+            new_tokens, num_accepted = speculation.accepted(seq, token_ids[row:row + width])
+            row += width
+            finish = None
             for i, token_id in enumerate(new_tokens):
-                if token_id < 0:  # the sampler found no finite distribution for this row (NaN logits)
-                    new_tokens, reason = new_tokens[:i], NO_TOKEN
-                    break
-                # the decode rows' finish tests (postprocess), per token
-                if (token_id in seq.eos_and_stop_token_ids
-                        and num_tokens + i + 1 - seq.num_prompt_tokens >= seq.min_tokens):
-                    new_tokens, reason = new_tokens[:i + 1], "stop"
-                    stop_reason = token_id if token_id in seq.sampling_params.stop_token_ids else None
-                    break
-                if num_tokens + i + 1 >= seq.max_num_tokens:
-                    new_tokens, reason = new_tokens[:i + 1], "length"
+                finish = finish_of(seq, token_id, seq.num_tokens + i + 1)
+                if finish is not None:
+                    new_tokens = new_tokens[:i] if finish[0] == NO_TOKEN else new_tokens[:i + 1]
                     break
             seq.token_ids.extend(new_tokens)
             seq.num_tokens += len(new_tokens)
-            if reason is None:
-                self._verify_row_tokens.append(len(new_tokens))
             if new_tokens:
                 seq.last_token = new_tokens[-1]
             self.num_output_tokens += len(new_tokens)
             # cached now: the row's first token and the accepted drafts that became tokens of seq
             seq.num_scheduled_tokens = 1 + min(num_accepted, len(new_tokens))
-            num_cached_tokens = seq.num_cached_tokens + seq.num_scheduled_tokens
-            if num_cached_tokens // block_size != seq.num_cached_tokens // block_size:
-                block_manager.hash_blocks(seq)
-            seq.num_cached_tokens = num_cached_tokens
-            seq.num_scheduled_tokens = 0
-            if reason is not None:
-                self.finish(seq, reason, stop_reason)
+            self._cache_scheduled(seq)
+            if finish is not None:
+                self.finish(seq, *finish)
                 finished.append(seq)
                 continue
-            num_blocks = blocks_for(num_cached_tokens, block_size)
+            speculation.verify_row_tokens.append(len(new_tokens))
+            num_blocks = blocks_for(seq.num_cached_tokens, block_size)
             if num_blocks < len(seq.block_table):
                 block_manager.shrink(seq, num_blocks)
-                self._truncated_seq_ids.append(seq.seq_id)
-                self._truncated_num_blocks.append(num_blocks)
+                self.deltas.truncate(seq, num_blocks)
 
     def observe_step(self, plan: StepPlan, num_new_tokens: int, seconds: float) -> None:
-        """How long a step took from its plan to its tokens, for the draft policy: one of decode and verify
-        rows alone."""
-        if self.proposer is None or plan.num_prefill_tokens:
-            return
-        num_verify_rows = sum(1 for chunk in plan.message.prefill if chunk.num_draft_tokens)
-        num_rows = plan.num_decode + num_verify_rows
-        tokens_per_row = num_new_tokens / num_rows if num_rows else 0.0
-        if num_verify_rows and not self.waiting:
-            # No request waits for a row, so a row that gets ahead is not refilled and the batch ends with its
-            # slower rows: a step with drafts counts the mean tokens of the slower half of its rows still running
-            # (a decode row among them got one), or rows far ahead would hide the ones left behind.
-            tokens = sorted(self._verify_row_tokens + [1] * plan.num_decode)
-            if tokens:
-                slower = tokens[:(len(tokens) + 1) // 2]
-                tokens_per_row = min(tokens_per_row, sum(slower) / len(slower))
-        self.draft_policy.observe(num_rows, bool(num_verify_rows), tokens_per_row, seconds)
+        """How long a step took from its plan to its tokens, for the draft policy (speculative decoding)."""
+        if self.speculation is not None:
+            self.speculation.observe_step(plan, num_new_tokens, seconds, bool(self.waiting))
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop seq's tokens after its first num_tokens (a verify row's past a stop string the engine matched,

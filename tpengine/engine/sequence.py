@@ -16,61 +16,75 @@ class SequenceStatus(Enum):
 class Sequence:
     counter = count()
 
+    # by concern: who it is; its tokens; its place in the KV cache; when it ends; speculation; scheduling
     __slots__ = (
-        "seq_id", "block_size", "status", "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
-        "num_cached_tokens", "num_scheduled_tokens", "block_table", "num_released_blocks",
-        "sampling_params", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
-        "num_prompt_cached_tokens", "finish_reason", "stop_reason", "min_tokens", "index", "parent",
-        "request_id", "block_hashes", "long_rope", "arrival_step", "sampling", "on_workers", "speculates",
-        "draft_token_ids", "virtual_engine", "num_draft_cached_tokens",
+        "seq_id", "request_id", "index", "parent",
+        "token_ids", "last_token", "num_tokens", "num_prompt_tokens",
+        "block_size", "block_table", "num_cached_tokens", "num_scheduled_tokens", "num_released_blocks",
+        "num_prompt_cached_tokens", "block_hashes", "long_rope", "on_workers",
+        "sampling_params", "sampling", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
+        "min_tokens", "status", "finish_reason", "stop_reason",
+        "speculates", "draft_token_ids", "num_draft_cached_tokens",
+        "arrival_step", "virtual_engine",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
                  index: int = 0, parent: "Sequence | None" = None, request_id: int = -1):
+        # --- who it is
         self.seq_id = next(Sequence.counter)
-        self.block_size = block_size  # the engine's, per sequence (the seed's class-wide 256 was a global)
-        self.status = SequenceStatus.WAITING
-        self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
-        self.last_token = token_ids[-1]
-        self.num_tokens = len(self.token_ids)
-        self.num_prompt_tokens = len(token_ids)
-        self.num_cached_tokens = 0        # tokens whose K/V is already in the cache
-        self.num_scheduled_tokens = 0     # tokens computed in the current step
-        self.block_table: list[int] = []  # logical block i -> physical block id; -1: released (out of the window)
-        self.num_released_blocks = 0      # its first blocks given back because no later token can see them
-        self.sampling_params = sampling_params
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
-        # Finish conditions, one test each per sampled token: "stop" on any of these ids, "length"
-        # at max_num_tokens. Scheduler.add folds in EOS (unless ignore_eos) and max_model_len.
-        self.eos_and_stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
-        self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.min_tokens = sampling_params.min_tokens
+        # the engine's request it belongs to, by id: a reference back would make a cycle that only the
+        # cycle collector frees (request -> sequences -> request); the ledger never reads it
+        self.request_id = request_id
         self.index = index                  # which of its request's n completions
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
         # of computing the prompt again. Cleared once they have blocks of their own.
         self.parent = parent
-        # the engine's request it belongs to, by id: a reference back would make a cycle that only the
-        # cycle collector frees (request -> sequences -> request); the ledger never reads it
-        self.request_id = request_id
+
+        # --- its tokens
+        self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(token_ids)
+
+        # --- its place in the KV cache
+        self.block_size = block_size  # the engine's, per sequence (the seed's class-wide 256 was a global)
+        self.block_table: list[int] = []  # logical block i -> physical block id; -1: released (out of the window)
+        self.num_cached_tokens = 0        # tokens whose K/V is already in the cache
+        self.num_scheduled_tokens = 0     # tokens computed in the current step
+        self.num_released_blocks = 0      # its first blocks given back because no later token can see them
+        self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
         # LongRoPE: its K/V are computed with the long factors (the scheduler decides as it admits it; its chain
         # of block hashes starts from its own root, block_manager.chain_root)
         self.long_rope = False
-        self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
-        self.sampling: SamplingRecord | None = None  # how the sampler treats it; made by Scheduler.add
         self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
-        # a draft model's K/V on the ranks: written for this many first tokens (it runs only in steps that draft,
-        # and a verify row brings it up to date first)
-        self.num_draft_cached_tokens = 0
-        self.virtual_engine = 0             # which of a pipeline's schedulers holds it (engine/virtual_engines.py)
+
+        # --- how it is sampled and when it ends
+        self.sampling_params = sampling_params
+        self.sampling: SamplingRecord | None = None  # how the sampler treats it; made by Scheduler.add
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        # Finish conditions, one test each per sampled token (scheduler.finish_of): "stop" on any of these ids,
+        # "length" at max_num_tokens. Scheduler.add folds in EOS (unless ignore_eos) and max_model_len.
+        self.eos_and_stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.max_num_tokens = self.num_prompt_tokens + sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+        # --- speculative decoding (engine/speculation.py)
         self.speculates = False             # its tokens may be proposed ahead and verified (set by Scheduler.add)
         # the proposed tokens the step in flight verifies after its last token: they have slots, no place in
         # token_ids until accepted
         self.draft_token_ids: list[int] = []
+        # a draft model's K/V on the ranks: written for this many first tokens (it runs only in steps that draft,
+        # and a verify row brings it up to date first)
+        self.num_draft_cached_tokens = 0
+
+        # --- scheduling
+        self.arrival_step = 0               # the scheduler's step count when it was queued, for aging
+        self.virtual_engine = 0             # which of the engine's schedulers holds it (engine/virtual_engines.py)
 
     def __len__(self) -> int:
         return self.num_tokens

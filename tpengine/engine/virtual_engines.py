@@ -1,5 +1,5 @@
-"""Pipeline parallelism's ledger: one scheduler per batch that may be in flight (a virtual engine, as vLLM's
-first pipeline engine had), so a sequence is in at most one of them.
+"""The engine's ledger: one scheduler per batch that may be in flight (a virtual engine, as vLLM's first pipeline
+engine had), so a sequence is in at most one of them. Without a pipeline there is one, and one step in flight.
 
 Each virtual engine owns a range of the cache's block ids and its own prefix cache, and runs at most one step
 at a time; with P stages, P steps are in flight, one per virtual engine, and every stage is busy. A request
@@ -19,7 +19,7 @@ class VirtualEngines:
         if num_blocks < 1:
             raise ValueError(f"{num_kvcache_blocks} KV-cache blocks cannot give each of the pipeline's "
                              f"{num_virtual_engines} batches in flight a block; give the cache more memory")
-        self.schedulers = [Scheduler(num_kvcache_blocks=num_blocks, first_block_id=i * num_blocks,
+        self.schedulers = [Scheduler(num_kvcache_blocks=num_blocks, first_block_id=i * num_blocks, virtual_engine=i,
                                      **scheduler_settings) for i in range(num_virtual_engines)]
         # steps submitted and not yet collected, oldest first: (scheduler, plan, when it was scheduled,
         # the scheduler's output-token count then)

@@ -6,7 +6,7 @@ import torch
 from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import EngineConfig
-from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage
+from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, VocabParallelSampling
 from tpengine.distributed.parallel_state import PipelineGroup, TensorParallelGroup, building_model_for
 from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
@@ -66,7 +66,7 @@ class ModelRunner:
         self.kv_cache.allocate(self.num_kvcache_blocks)
         self.inputs = self.input_builder()
         # CPU ranks sample a plain step over their own vocabulary slices, with no gather of the logits
-        # (rank 0 decides per step: StepMessage.temperatures), when every rank has the kernel
+        # (rank 0 decides per step: StepEnvelope.vocab_parallel), when every rank has the kernel
         # (a pipeline's last stage samples them at any tp: only the tokens go back to rank 0, not the logits)
         self.samples_vocab_parallel = (device.type == "cpu" and (group.size > 1 or pipeline.size > 1)
                                        and self._all_ranks_min(int(cpu_sampling.available())) == 1)
@@ -182,14 +182,15 @@ class ModelRunner:
     # --- execution ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: StepMessage, sampling: list[SamplingRecord] | None = None) -> SamplerOutput | None:
+    def execute(self, envelope: StepEnvelope, sampling: list[SamplingRecord] | None = None) -> SamplerOutput | None:
         """Run one step in one forward. Rank 0 (given the sampled rows' records) gets their tokens: sampled
-        from its gathered logits, or, when the step carries temperatures, by every rank over its own slice
-        of the vocabulary. Other ranks get None."""
+        from its gathered logits, or, when the envelope says so, by every rank over its own slice of the
+        vocabulary. Other ranks get None."""
+        step, vocab_parallel = envelope.step, envelope.vocab_parallel
         if step.block_copies:
             self.kv_cache.copy_blocks(step.block_copies)
         if self.pipeline.size > 1:
-            return self._execute_stage(step)
+            return self._execute_stage(step, vocab_parallel)
         if self.drafter is None:
             inputs, draft_token_ids = self.inputs.prepare(step), []
         else:  # between the tables' update and the inputs, the draft model proposes the verify rows' drafts
@@ -197,13 +198,14 @@ class ModelRunner:
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
         forward = self.model if inputs.meta.is_prefill else self.decode_path.run
         hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._sample(step, inputs, hidden_states, sampling, draft_token_ids)
+        return self._sample(step, vocab_parallel, inputs, hidden_states, sampling, draft_token_ids)
 
-    def _sample(self, step: StepMessage, inputs: ForwardInputs, hidden_states: torch.Tensor,
-                sampling: list[SamplingRecord] | None, draft_token_ids: list[int]) -> SamplerOutput | None:
+    def _sample(self, step: StepMessage, vocab_parallel: VocabParallelSampling | None, inputs: ForwardInputs,
+                hidden_states: torch.Tensor, sampling: list[SamplingRecord] | None,
+                draft_token_ids: list[int]) -> SamplerOutput | None:
         """The one exit of a step that reaches the LM head (a pipeline's last stage too): every rank samples its own
-        slice of the vocabulary when the step carries temperatures, else rank 0 samples the logits gathered to it
-        with the rows' records. Off rank 0's stage, the tokens or logits go to rank 0 (sampled_by_last_stage)."""
+        slice of the vocabulary when vocab_parallel is given, else rank 0 samples the logits gathered to it with
+        the rows' records. Off rank 0's stage, the tokens or logits go to rank 0 (sampled_by_last_stage)."""
         num_logits = inputs.num_logits
         if not num_logits:  # only chunks that end short of their prompts: nothing to sample
             return None if sampling is None else SamplerOutput([], [], draft_token_ids)
@@ -211,11 +213,9 @@ class ModelRunner:
             hidden_states = hidden_states[inputs.logits_rows]
         # outside the graphs: on tp > 1 the LM head gathers every rank's slice of the vocabulary to rank 0,
         # unless every rank samples its own slice
-        if step.temperatures:
+        if vocab_parallel is not None:
             token_ids = sample_vocab_parallel(self.model.compute_logits(hidden_states, False, num_logits),
-                                              step.temperatures, step.uniforms, self.group,
-                                              self.model.lm_head.vocab_start_idx, step.masked_rows,
-                                              step.token_masks)
+                                              vocab_parallel, self.group, self.model.lm_head.vocab_start_idx)
             if token_ids is None:  # the group's other ranks
                 return None
             if self.stage.is_first:
@@ -234,10 +234,10 @@ class ModelRunner:
 
     # --- pipeline parallelism -------------------------------------------------------------------
 
-    def _execute_stage(self, step: StepMessage) -> None:
+    def _execute_stage(self, step: StepMessage, vocab_parallel: VocabParallelSampling | None) -> None:
         """This stage's part of a step: the previous stage's hidden states in (unless first), its layers, and
         either the hidden states on to the next stage, or (the last) the step's tokens to rank 0: sampled here
-        when the step carries temperatures, else the logits, which rank 0 samples with its records. Sends do not
+        when vocab_parallel is given, else the logits, which rank 0 samples with its records. Sends do not
         wait, so a stage takes the next step while the next stage runs this one."""
         inputs = self.inputs.prepare(step)
         stage, pipeline = self.stage, self.pipeline
@@ -249,15 +249,16 @@ class ModelRunner:
         if not stage.is_last:
             pipeline.send_to_next_stage(hidden_states, step.virtual_engine)
             return None
-        return self._sample(step, inputs, hidden_states, None, [])
+        return self._sample(step, vocab_parallel, inputs, hidden_states, None, [])
 
-    def sampled_by_last_stage(self, step: StepMessage, sampling: list[SamplingRecord]) -> SamplerOutput:
+    def sampled_by_last_stage(self, envelope: StepEnvelope, sampling: list[SamplingRecord]) -> SamplerOutput:
         """Rank 0: the tokens of a step it sent down the pipeline earlier (steps come back in the order they
         went): the last stage's own, or sampled here from the logits it sent."""
         num_logits = len(sampling)
         if not num_logits:
             return SamplerOutput([], [], [])
-        if step.temperatures:
+        step = envelope.step
+        if envelope.vocab_parallel is not None:
             token_ids = self.pipeline.recv_from_last((num_logits,), torch.int64, self.device, step.virtual_engine)
             return SamplerOutput(token_ids.tolist(), [None] * num_logits, [])
         logits = self.pipeline.recv_from_last((num_logits, self.hf_config.vocab_size), torch.float32, self.device,

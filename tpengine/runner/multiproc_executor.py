@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tpengine.config import EngineConfig
 from tpengine.distributed.broadcast_channel import BroadcastChannel
-from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepMessage, decode_error, encode
+from tpengine.distributed.messages import InitMessage, ShutdownMessage, StepEnvelope, decode_error, encode
 from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, check_gpus_for,
                                                  local_device_index, new_process_group, pick_backend, resolve_device,
                                                  serve_store, torchrun_groups)
@@ -182,21 +182,14 @@ class MultiprocExecutor(Executor):
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def send_to_workers(self, step: StepMessage) -> None:
-        self.channel.write(encode(step))
-
-    def execute(self, plan) -> SamplerOutput:
-        self.check_open()
-        try:
-            with self._deadline(self.config.step_timeout_s, "one step"):
-                return super().execute(plan)
-        except BaseException as e:
-            self._stop_after(e)
+    def send_to_workers(self, envelope: StepEnvelope) -> None:
+        self.channel.write(encode(envelope))
 
     def submit(self, plan) -> None:
         self.check_open()
         try:
-            with self._deadline(self.config.step_timeout_s, "one step's first stage"):
+            with self._deadline(self.config.step_timeout_s, "one step" if self.config.pipeline_parallel_size == 1
+                                else "one step's first stage"):
                 super().submit(plan)
         except BaseException as e:
             self._stop_after(e)
@@ -208,6 +201,11 @@ class MultiprocExecutor(Executor):
                 return super().collect(plan)
         except BaseException as e:
             self._stop_after(e)
+
+    def abandon(self) -> None:
+        """No one knows which of the steps in flight the ranks ran: every rank stops, as after a failed step."""
+        super().abandon()
+        self.shutdown(graceful=False)
 
     def check_open(self) -> None:
         if self.closed:

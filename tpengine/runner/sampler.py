@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from tpengine.distributed.messages import VocabParallelSampling
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.platforms.cuda import compiled_on_cuda
 from tpengine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingRecord
@@ -48,14 +49,6 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     return _to_device([row + [pad] * (width - len(row)) for row in rows], torch.int64, device)
 
 
-class VocabParallelRows(NamedTuple):
-    """What every rank needs to sample a step's rows over its own slice of the vocabulary."""
-    temperatures: list[float]  # 0: greedy
-    uniforms: list[float]      # 0.0 for greedy rows
-    masked_rows: list[int]     # the rows a grammar masks (structured outputs)
-    token_masks: bytes         # their bitmasks (xgrammar's int32 words over the vocabulary), row after row
-
-
 class Sampler:
     def __init__(self, seed: int | None = None, num_vocab_slices: int = 1):
         # Unseeded sampled rows draw from this host generator: the engine's seed makes a run repeatable.
@@ -68,7 +61,7 @@ class Sampler:
         # so a row gets the token the ranks would sample without gathering (vocab_parallel_rows)
         self.num_vocab_slices = num_vocab_slices
 
-    def vocab_parallel_rows(self, records: list[SamplingRecord], vocab_size: int) -> VocabParallelRows:
+    def vocab_parallel_rows(self, records: list[SamplingRecord], vocab_size: int) -> VocabParallelSampling:
         """Each row's temperature and uniform, and the token masks of the rows a grammar constrains, for every
         rank to sample its own slice of the vocabulary (the executor takes this path when every record is plain
         and none has min_tokens pending). The uniforms are drawn here, as the gathered path draws them, so
@@ -82,7 +75,7 @@ class Sampler:
             from tpengine.structured.matcher import fill_bitmask
             token_masks = fill_bitmask(len(masked_rows), vocab_size, list(range(len(masked_rows))),
                                        [records[i].grammar for i in masked_rows]).numpy().tobytes()
-        return VocabParallelRows(temperatures, uniforms, masked_rows, token_masks)
+        return VocabParallelSampling(temperatures, uniforms, masked_rows, token_masks)
 
     def __call__(self, logits: torch.Tensor, records: list[SamplingRecord]) -> SamplerOutput:
         """logits: [rows, vocab], one row per record. A row with a grammar (structured outputs) first loses
@@ -270,24 +263,24 @@ class Sampler:
         return filtered_probs(logits, temperatures, top_ks, top_ps, min_ps)
 
 
-def sample_vocab_parallel(logits: torch.Tensor, temperatures: list[float], uniforms: list[float], group,
-                          vocab_start: int, masked_rows: list[int] = (), token_masks: bytes = b"") -> list[int] | None:
+def sample_vocab_parallel(logits: torch.Tensor, rows: VocabParallelSampling, group,
+                          vocab_start: int) -> list[int] | None:
     """Every rank's part of sampling a step over its own slice of the vocabulary (logits: this rank's
     columns, vocab_start onwards): each rank sums its slice per row, the ranks share those few numbers
     (one all-reduce), the rank whose slice holds a row's draw finds the token, and a second all-reduce
     brings the tokens together. The CPU kernel's tokens, as rank 0 would sample the gathered logits (with
-    masked_rows' token masks read from token_masks, as its sampler reads them): token ids on rank 0, None
-    on the others. Collective."""
+    the masked rows' token masks read as its sampler reads them): token ids on rank 0, None on the others.
+    Collective."""
     logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    temperatures = torch.tensor(temperatures, dtype=torch.float32)
-    uniforms = torch.tensor(uniforms, dtype=torch.float64)
+    temperatures = torch.tensor(rows.temperatures, dtype=torch.float32)
+    uniforms = torch.tensor(rows.uniforms, dtype=torch.float64)
     bitmask = None
-    if masked_rows:
-        masks = torch.frombuffer(bytearray(token_masks), dtype=torch.int32).view(len(masked_rows), -1)
+    if rows.masked_rows:
+        masks = torch.frombuffer(bytearray(rows.token_masks), dtype=torch.int32).view(len(rows.masked_rows), -1)
         bitmask = torch.full((logits.size(0), masks.size(1)), -1, dtype=torch.int32)  # -1: every token allowed
-        bitmask[torch.tensor(masked_rows)] = masks
+        bitmask[torch.tensor(rows.masked_rows)] = masks
     stats, sums = cpu_sampling.slice_stats(logits, temperatures, bitmask, vocab_start)
     all_stats = torch.zeros(group.size, *stats.shape, dtype=torch.float64)
     all_stats[group.rank] = stats
