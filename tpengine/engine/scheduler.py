@@ -567,15 +567,25 @@ class Scheduler:
                     hash_blocks(seq)
                 seq.num_cached_tokens = num_cached_tokens
                 seq.num_scheduled_tokens = 0
-            finish = finish_of(seq, token_id, seq.num_tokens + 1)
-            if finish is None or finish[0] != NO_TOKEN:
-                # Sequence.append_token, inlined
-                seq.token_ids.append(token_id)
-                seq.last_token = token_id
-                seq.num_tokens += 1
-            if finish is not None:
-                self.finish(seq, *finish)
-                finished.append(seq)
+            # finish_of's three triggers as one test first: most tokens end nothing, and this runs per row per step
+            if ((token_id in seq.eos_and_stop_token_ids or seq.num_tokens + 1 >= seq.max_num_tokens or token_id < 0)
+                    and self._ends(seq, token_id, finished)):
+                continue
+            # Sequence.append_token, inlined
+            seq.token_ids.append(token_id)
+            seq.last_token = token_id
+            seq.num_tokens += 1
+
+    def _ends(self, seq: Sequence, token_id: int, finished: list[Sequence]) -> bool:
+        """Finish seq if its sampled token_id ends it (appended unless there is no token); False if not."""
+        finish = finish_of(seq, token_id, seq.num_tokens + 1)
+        if finish is None:
+            return False
+        if finish[0] != NO_TOKEN:
+            seq.append_token(token_id)
+        self.finish(seq, *finish)
+        finished.append(seq)
+        return True
 
     def _accept(self, verify: list[Sequence], token_ids: list[int], finished: list[Sequence]) -> None:
         """Append each verify row's kept tokens (Speculation.accepted), stopping at the first that ends the
