@@ -123,7 +123,7 @@ def test_w8a8_experts_stay_grouped_by_expert_with_a_log_line(caplog):
     cuda._log_grouped_experts.cache_clear()  # logged once a process: an earlier load may have logged it
     with caplog.at_level(logging.INFO, logger="tpengine"):
         packed13, packed2 = cuda.pack_quantized_experts(w13, w2, torch.float32)
-    assert all(type(p) is QuantMatmulWeight for p in packed13 + packed2)
+    assert all(isinstance(p, QuantMatmulWeight) for p in packed13 + packed2)
     assert "W8A8 experts" in caplog.text
     x, _, _, weights, ids = random_moe(3, 4, 64, 32, 2, seed=12)
     expected = grouped_experts(x, dequantized(w13), dequantized(w2), weights, ids)

@@ -180,7 +180,7 @@ def test_gemma_rms_norm_matches_transformers_with_and_without_a_residual(dtype):
     theirs = Gemma3RMSNorm(64, eps=1e-6)
     theirs.weight.data = (torch.randn(64, generator=g) * 0.5).to(dtype)
     ours = GemmaRMSNorm(64, eps=1e-6)
-    ours.weight.weight_loader(ours.weight, theirs.weight.data)
+    ours.weight.load_state.weight_loader(ours.weight, theirs.weight.data)
     x, residual = (torch.randn(5, 64, generator=g).to(dtype) for _ in range(2))
     # float32 runs the platform's op (the CPU's C++ sums in another order); bfloat16 the torch code, bit for bit
     same = torch.testing.assert_close if dtype == torch.float32 else \
@@ -200,7 +200,7 @@ def test_gemma_q_k_norms_run_before_the_rotation_in_bfloat16():
     from tpengine.platforms import torch_ops
     g = torch.Generator().manual_seed(1)
     norm = GemmaRMSNorm(16)
-    norm.weight.weight_loader(norm.weight, torch.randn(16, generator=g))
+    norm.weight.load_state.weight_loader(norm.weight, torch.randn(16, generator=g))
     rope = RotaryEmbedding(16, 64, RopeParameters(theta=1e4))
     q, k = torch.randn(3, 4, 16, generator=g).bfloat16(), torch.randn(3, 2, 16, generator=g).bfloat16()
     positions = torch.tensor([0, 5, 9])

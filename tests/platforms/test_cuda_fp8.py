@@ -7,6 +7,7 @@ import torch
 from tpengine.kernels.triton.quant_matmul import QuantMatmulWeight
 from tpengine.platforms import cuda, torch_ops
 from tpengine.platforms.cuda_fp8 import Fp8Linear, fp8_linear, pack_fp8_weight, runs_fp8
+from tpengine.platforms.cuda_quant import TritonQuantLinear
 from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation, quantize_fp8_weight
 from tpengine.quantization.online import quantize_weight
 
@@ -33,7 +34,7 @@ def test_fp8_needs_compute_capability_8_9():
 def test_the_cuda_platform_packs_fp8_for_its_gemm_and_integer_weights_for_theirs():
     assert type(cuda.pack_quantized_weight(quantize_fp8_weight(torch.randn(32, 64)), torch.bfloat16)) is Fp8Linear
     packed = cuda.pack_quantized_weight(quantize_weight(torch.randn(32, 64), 8), torch.bfloat16)
-    assert type(packed) is QuantMatmulWeight
+    assert type(packed) is TritonQuantLinear and isinstance(packed, QuantMatmulWeight)
 
 
 def test_per_tensor_scales_become_one_row_wise_scale_per_output_channel():

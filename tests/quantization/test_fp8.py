@@ -14,7 +14,7 @@ from tpengine.attention import make_backend
 from tpengine.config import EngineConfig
 from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.hf_config import load_hf_config, quantization_config_of
-from tpengine.layers.linear import packed_quantized
+from tpengine.layers.load_state import packed_quantized
 from tpengine.models.loader import OnlineQuantization, load_model, online_quantization
 from tpengine.models.registry import model_class
 from tpengine.quantization.config import QuantizationConfig

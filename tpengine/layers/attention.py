@@ -5,7 +5,7 @@ from torch import nn
 from tpengine.attention.backend import AttentionBackend, AttentionParams
 from tpengine.attention.metadata import AttentionMetadata
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import check_weight_shape
+from tpengine.layers.load_state import attach, check_weight_shape
 
 
 # a checkpoint's KV-cache scales (compressed-tensors, ModelOpt, vLLM's FP8 exports) -> this layer's parameter,
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         self.sinks = None
         if has_sinks:  # float32 whatever the model's dtype: one logit per head, added inside the softmax
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
-            self.sinks.weight_loader = self._load_sinks
+            attach(self.sinks, self._load_sinks)
         self.k_scale, self.v_scale = self._kv_scale(), self._kv_scale()
         self.params = AttentionParams(scale, sliding_window, logit_softcap, self.sinks, self.k_scale, self.v_scale)
         backend.check(self.params)
@@ -51,8 +51,7 @@ class Attention(nn.Module):
 
     def _kv_scale(self) -> nn.Parameter:
         scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
-        scale.weight_loader = self._load_kv_scale
-        scale.loader_shards = []  # optional: a checkpoint without it leaves 1.0
+        attach(scale, self._load_kv_scale, shards=[])  # optional: a checkpoint without it leaves 1.0
         return scale
 
     @staticmethod

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, packed_as_loaded
+from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized, packed_as_loaded
 from tpengine.platforms import current_platform
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
@@ -24,8 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
                                    requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.takes_quantized = True  # quantized, rows are dequantized as they are gathered
+        attach(self.weight, self.weight_loader, takes=(QuantizedWeight,))  # quantized: rows dequantized as gathered
         self.dtype = self.weight.dtype  # the model's: the rows' dtype, whatever the table is kept in
         platform = current_platform()
         self.pack_quantized_weight, self.embedding_rows = platform.pack_quantized_weight, platform.embedding_rows

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
-from tpengine.layers.linear import Loaded, check_weight_shape, keep_quantized, take_rows
+from tpengine.layers.linear import take_rows
+from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized
 from tpengine.platforms import current_platform
 from tpengine.platforms.torch_ops import silu_and_mul
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
@@ -78,14 +79,13 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         if stacked:
             for param in self.parameters():
-                param.weight_loader = self.stacked_weight_loader
+                attach(param, self.stacked_weight_loader)
         else:
             assert not bias, "per-expert checkpoints with expert biases: no family has them"
-            self.w13_weight.weight_loader = self.weight_loader
-            self.w2_weight.weight_loader = self.weight_loader
-            self.w13_weight.loader_shards = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
-            self.w2_weight.loader_shards = [(e, "down") for e in range(num_experts)]
-            self.w13_weight.takes_quantized = self.w2_weight.takes_quantized = True
+            attach(self.w13_weight, self.weight_loader, takes=(QuantizedWeight,),
+                   shards=[(e, shard) for e in range(num_experts) for shard in ("gate", "up")])
+            attach(self.w2_weight, self.weight_loader, takes=(QuantizedWeight,),
+                   shards=[(e, "down") for e in range(num_experts)])
         platform = current_platform()
         self.moe_experts = platform.moe_experts
         self.pack_quantized_experts = platform.pack_quantized_experts
@@ -132,8 +132,7 @@ class FusedMoE(nn.Module):
         """After loading: quantized experts (gate and up joined) packed as the platform runs them (CUDA: stacked for
         the fused kernel), their floats freed. Float experts stay in the model's dtype whatever weight_dtype: the
         grouped matmuls multiply them as they are."""
-        w13_parts = getattr(self.w13_weight, "quantized_parts", {})
-        w2_parts = getattr(self.w2_weight, "quantized_parts", {})
+        w13_parts, w2_parts = self.w13_weight.load_state.quantized_parts, self.w2_weight.load_state.quantized_parts
         if not w13_parts and not w2_parts:
             return
         if len(w13_parts) + len(w2_parts) != 3 * self.num_experts:
@@ -145,7 +144,7 @@ class FusedMoE(nn.Module):
             [w2_parts[(e, "down")].to(device) for e in range(self.num_experts)], dtype)
         for param in (self.w13_weight, self.w2_weight):
             param.data = param.data.new_empty(0)
-            del param.quantized_parts
+            param.load_state.quantized_parts = {}
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)

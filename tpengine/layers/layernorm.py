@@ -6,7 +6,7 @@ code compiled on CUDA.
 import torch
 from torch import nn
 
-from tpengine.layers.linear import check_weight_shape
+from tpengine.layers.load_state import attach, check_weight_shape
 from tpengine.platforms import current_platform
 
 
@@ -36,7 +36,7 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
-        self.weight.weight_loader = self._load_weight
+        attach(self.weight, self._load_weight)
         platform = current_platform()
         self.rms_norm, self.add_rms_norm = platform.rms_norm, platform.add_rms_norm
 

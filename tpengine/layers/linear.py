@@ -3,92 +3,25 @@ multiply through their platform's linear: on the CPU, on a copy of the weight pa
 
 A weight loads either as a float tensor, as a QuantizedWeight (a quantized checkpoint's, or a float one's
 quantized at load) or as an Fp8Weight (where the platform multiplies FP8): the same shard of rows or columns is
-taken of each. A quantized weight's parts wait
-on the parameter (`quantized_parts`, keyed by the loader arguments) until prepack joins and packs them.
+taken of each. What loading tracks on a parameter, quantized parts waiting for prepack included, is its LoadState
+(load_state.py).
 """
 import torch
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
+from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized, packed_as_loaded
 from tpengine.platforms import current_platform
-from tpengine.quantization.fp8 import Fp8Weight, cat_fp8_rows
-from tpengine.quantization.weights import QuantizedWeight, cat_rows
+from tpengine.quantization.fp8 import Fp8Weight
+from tpengine.quantization.weights import QuantizedWeight
 
-Loaded = torch.Tensor | QuantizedWeight | Fp8Weight  # what a weight loader takes: a float tensor or a quantized one
 # the shard id of a checkpoint tensor that holds every part of a packed parameter at once, in order (Phi-3's
 # qkv_proj and gate_up_proj): its loader splits it and loads each part as the split checkpoints' are loaded
 FUSED = "fused"
 
 
-def check_weight_shape(loaded_weight: torch.Tensor, expected: torch.Size | tuple[int, ...] | list[int]) -> None:
-    """ValueError unless a checkpoint tensor has the whole (unsharded) shape the model expects."""
-    if tuple(loaded_weight.shape) != tuple(expected):
-        raise ValueError(f"its shape is {list(loaded_weight.shape)}, the model expects {list(expected)}")
-
-
 def take_rows(loaded: Loaded, start: int, size: int) -> Loaded:
     return loaded.narrow(0, start, size) if isinstance(loaded, torch.Tensor) else loaded.rows(start, size)
-
-
-def keep_quantized(param: nn.Parameter, part: QuantizedWeight | Fp8Weight, loader_args: tuple = ()) -> None:
-    """Hold one quantized part of param until prepack (packed_quantized) joins and packs them."""
-    if not hasattr(param, "quantized_parts"):
-        param.quantized_parts = {}
-    param.quantized_parts[loader_args] = part
-
-
-def packed_quantized(param: nn.Parameter, pack):
-    """The packed form of a parameter loaded quantized (None if it loaded as floats), packed once however
-    many modules share the parameter (a tied embedding and LM head); the float storage is freed."""
-    parts = getattr(param, "quantized_parts", None)
-    if not parts and not hasattr(param, "packed_quantized"):
-        return None
-    if not hasattr(param, "packed_quantized"):
-        order = getattr(param, "loader_shards", [()])
-        if len(parts) != len(order):  # some parts loaded as floats: one matmul cannot mix them
-            raise ValueError(f"a packed weight of shape {list(param.shape)} is quantized in part: its quantized "
-                             f"parts are {sorted(parts, key=str)}, it needs all of {order} or none")
-        ordered = [parts[args] for args in order]
-        whole = (cat_fp8_rows if isinstance(ordered[0], Fp8Weight) else cat_rows)(ordered).to(param.device)
-        param.packed_quantized = pack(whole, getattr(param, "run_dtype", param.dtype))
-        param.data = param.data.new_empty(0)
-        del param.quantized_parts
-    return param.packed_quantized
-
-
-def keep_weights_in(model: nn.Module, weight_dtype: torch.dtype) -> None:
-    """Before loading: the weights that prepack packs in weight_dtype (packed_in: the linears' and the embedding
-    tables', every module that packs linear weights) are allocated in weight_dtype, so a checkpoint loads into its
-    memory, not into the model dtype's (twice as much for bfloat16 weights of a float32 model). Each remembers the
-    model's dtype (run_dtype), which it is multiplied in where it is not packed."""
-    for module in model.modules():
-        param = getattr(module, "weight", None)
-        if (hasattr(module, "pack_linear_weight") and isinstance(param, nn.Parameter) and param.is_floating_point()
-                and not hasattr(param, "run_dtype")):  # a tied table once
-            param.run_dtype = param.dtype
-            param.data = torch.empty(param.shape, dtype=weight_dtype, device=param.device)
-
-
-def packed_in(param: nn.Parameter, weight_dtype: torch.dtype, pack):
-    """The platform's packed copy of a float parameter with its weights kept in weight_dtype (pack_linear_weight), or
-    None where it makes none (then the parameter is in its run_dtype again); packed once however many modules share
-    the parameter (a tied embedding and LM head), and the float storage freed."""
-    if not hasattr(param, "packed_in_weight_dtype"):
-        param.packed_in_weight_dtype = pack(param, weight_dtype)
-        if param.packed_in_weight_dtype is not None:
-            param.data = param.data.new_empty(0)
-        elif param.dtype != getattr(param, "run_dtype", param.dtype):
-            param.data = param.data.to(param.run_dtype)
-    return param.packed_in_weight_dtype
-
-
-def packed_as_loaded(param: nn.Parameter, weight_dtype: torch.dtype | None, pack_quantized, pack_linear):
-    """What prepack makes of a parameter before any float packing: its quantized parts packed (packed_quantized), else
-    its weights kept in weight_dtype (packed_in), else None."""
-    packed = packed_quantized(param, pack_quantized)
-    if packed is None and weight_dtype is not None:
-        packed = packed_in(param, weight_dtype, pack_linear)
-    return packed
 
 
 def load_fused(param: nn.Parameter, loaded: Loaded, part_sizes: dict, load_part) -> None:
@@ -106,7 +39,7 @@ def expect_loader_shards(module: nn.Module, shards: list[tuple]) -> None:
     one FUSED tensor holding them all): record them, so the loader can name a part the checkpoint lacks (a
     missing k_proj, say)."""
     for param in module.parameters(recurse=False):
-        param.loader_shards = shards
+        param.load_state.shards = shards
 
 
 class LinearBase(nn.Module):
@@ -117,14 +50,13 @@ class LinearBase(nn.Module):
         self.tp_rank = self.tp_group.rank
         self.tp_size = self.tp_group.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        # the loader may hand its weight_loader a QuantizedWeight and, where the platform multiplies FP8, an Fp8Weight
+        attach(self.weight, self.weight_loader, takes=(QuantizedWeight, Fp8Weight))
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            attach(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        self.weight.takes_quantized = True  # the loader may hand its weight_loader a QuantizedWeight
-        self.weight.takes_fp8 = True  # and, where the platform multiplies FP8, an Fp8Weight
         platform = current_platform()
         self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.pack_quantized_weight = platform.pack_quantized_weight

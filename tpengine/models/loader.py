@@ -1,4 +1,4 @@
-"""Load HF safetensors (one file or sharded) through each parameter's own weight_loader.
+"""Load HF safetensors (one file or sharded) through each parameter's own weight_loader (its LoadState's).
 
 A quantized checkpoint's linear is several tensors (GPTQ's qweight, qzeros, scales, g_idx, say): they are
 read together into one QuantizedWeight (tpengine/quantization) and handed to the weight_loader of the
@@ -29,8 +29,10 @@ from torch import nn
 from tpengine.config import FP8_NEEDS_A_GPU, EngineConfig
 from tpengine.hf_config import quantization_config_of
 from tpengine.layers.attention import kv_scale_target
-from tpengine.layers.linear import FUSED, check_weight_shape, keep_weights_in
-from tpengine.quantization.weights import check_finite_scales
+from tpengine.layers.linear import FUSED
+from tpengine.layers.load_state import keep_weights_in, load_state
+from tpengine.quantization.fp8 import Fp8Weight
+from tpengine.quantization.weights import QuantizedWeight, check_finite_scales
 
 logger = logging.getLogger("tpengine")
 
@@ -46,8 +48,7 @@ class OnlineQuantization:
     fp8: bool = False  # e4m3 weights (bits 8, group_size None), for a platform with FP8 matmuls
 
     def applies_to(self, target: str, param: nn.Parameter) -> bool:
-        takes = "takes_fp8" if self.fp8 else "takes_quantized"
-        if not getattr(param, takes, False) or target.endswith(".bias"):
+        if not load_state(param).takes_form(Fp8Weight if self.fp8 else QuantizedWeight) or target.endswith(".bias"):
             return False
         if _is_moe_router(target):
             return False
@@ -99,11 +100,6 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     return files
 
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    check_weight_shape(loaded_weight, param.shape)
-    param.data.copy_(loaded_weight)
-
-
 def _open(file: str):
     try:
         return safe_open(file, framework="pt", device="cpu")
@@ -143,7 +139,7 @@ def _served(model: nn.Module, name: str) -> bool:
 
 def _load(param: nn.Parameter, loaded, args: tuple, what: str) -> None:
     try:
-        getattr(param, "weight_loader", default_weight_loader)(param, loaded, *args)
+        load_state(param).weight_loader(param, loaded, *args)
     except (ValueError, RuntimeError, IndexError, SafetensorError) as e:
         raise ValueError(f"{what} cannot be loaded: {e}") from None
 
@@ -156,11 +152,12 @@ def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
     if target not in params:
         raise ValueError(f"quantized checkpoint module {module!r} has no matching linear in the model")
     param = params[target]
+    state = load_state(param)
     try:
-        weight = quantization.read_linear(module, tensors, keep_fp8=keep_fp8 and getattr(param, "takes_fp8", False))
+        weight = quantization.read_linear(module, tensors, keep_fp8=keep_fp8 and state.takes_form(Fp8Weight))
     except (ValueError, RuntimeError, IndexError) as e:
         raise ValueError(f"quantized checkpoint module {module!r} cannot be read: {e}") from None
-    if not isinstance(weight, torch.Tensor) and not getattr(param, "takes_quantized", False):
+    if not state.takes_form(type(weight)):
         raise ValueError(f"checkpoint module {module!r} is quantized, but {target} cannot run quantized")
     _load(param, weight, args, f"quantized checkpoint module {module!r}")
     return id(param), args
@@ -219,7 +216,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
     for name, param in model.named_parameters():  # a tied parameter once, under its first name
         # a packed parameter (q/k/v, gate/up, stacked experts) needs every one of its parts, or one fused tensor
         got = loaded.get(id(param), set())
-        lacking = [] if (FUSED,) in got else [args for args in getattr(param, "loader_shards", [()]) if args not in got]
+        lacking = [] if (FUSED,) in got else [args for args in load_state(param).shards if args not in got]
         if lacking:
             missing.append(name if lacking == [()] else f"{name} (its parts {lacking[:4]})")
     if missing:

@@ -6,7 +6,8 @@ the torch code both start from.
 A layer asks once, when it is built, for the platform of the device the model is built on
 (`current_platform`) and keeps the functions it calls as attributes: a forward never asks which device
 it runs on. The runner asks `platform_for(device)` for its settings. The modules themselves are the
-platform objects; `Platform` lists what each provides.
+platform objects; `Platform` lists what each provides. A weight packed for a kernel multiplies itself
+(packed.py's PackedWeight), so linear and embedding_rows are the same call on every platform.
 """
 from typing import Protocol
 
@@ -64,11 +65,12 @@ class Platform(Protocol):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed_weight) -> torch.Tensor:
-        """x @ weight^T (+ bias), on packed_weight where there is one (then weight may be empty)."""
+        """x @ weight^T (+ bias), on packed_weight where there is one (then weight may be empty): each packed form
+        multiplies itself (packed.py's PackedWeight.matmul)."""
 
     def pack_quantized_weight(self, quantized, dtype: torch.dtype):
-        """After loading: a QuantizedWeight or Fp8Weight (tpengine/quantization) in the form linear() multiplies;
-        on a platform without a kernel for it, its float value in dtype."""
+        """After loading: a QuantizedWeight or Fp8Weight (tpengine/quantization) as a PackedWeight (packed.py) of
+        the platform's kernel; on a platform without a kernel for it, its float value in dtype (DequantizedWeight)."""
 
     def pack_quantized_experts(self, w13: list, w2: list, dtype: torch.dtype):
         """After loading: each expert's gate/up (joined) and down QuantizedWeights, as moe_experts takes them."""

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu import fused_ops
 from tpengine.kernels.cpu import quant_linear as quant_kernel
-from tpengine.platforms import torch_ops
-from tpengine.platforms import cpu_dtype
+from tpengine.platforms import cpu_dtype, torch_ops
+from tpengine.platforms.packed import PackedWeight, packed_linear
+from tpengine.platforms.packed import embedding_rows  # noqa: F401 (the Platform's: each form gathers its own rows)
 
 logger = logging.getLogger("tpengine")
 
@@ -124,7 +125,7 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
     op gives torch's bits only at torch's vector width. w13, w2: the stacked float weights, or
     pack_quantized_experts' lists of packs, multiplied by linear()."""
     return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul or torch_ops.silu_and_mul,
-                                     linear=_packed_linear if isinstance(w13, list) else F.linear,
+                                     linear=packed_linear if isinstance(w13, list) else F.linear,
                                      w13_bias=w13_bias, w2_bias=w2_bias)
 
 
@@ -142,6 +143,12 @@ class Bf16Blocks(NamedTuple):
     """A bfloat16 weight packed for tpengine's bfloat16 linear (kernels/cpu/bf16_linear.cpp)."""
     blocks: torch.Tensor
     out_features: int
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return bf16_kernel.bf16_linear(x, self.blocks, self.out_features, bias)
+
+    def rows(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return bf16_kernel.packed_rows(self.blocks, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)
 
 
 def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = None
@@ -175,19 +182,14 @@ def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | Bf16Blocks | None) -> torch.Tensor:
-    """x @ weight^T (+ bias), on packed_weight where pack_linear_weight made one."""
+           packed_weight: torch.Tensor | PackedWeight | None) -> torch.Tensor:
+    """x @ weight^T (+ bias), on packed_weight where prepack made one: oneDNN's copy is a plain tensor, checked
+    first (the float model's decode path), every other form multiplies itself (packed.py)."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
-    if type(packed_weight) is QuantizedLinear:
-        if packed_weight.input_order is not None:
-            x = x.index_select(-1, packed_weight.input_order)
-        return quant_kernel.quant_linear(x, packed_weight.packed, bias)
-    if type(packed_weight) is torch_ops.DequantizedWeight:
-        return torch_ops.dequantized_linear(x, packed_weight, bias)
-    if type(packed_weight) is Bf16Blocks:
-        return bf16_kernel.bf16_linear(x, packed_weight.blocks, packed_weight.out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    if type(packed_weight) is torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return packed_weight.matmul(x, bias)
 
 
 # --- quantized weights -----------------------------------------------------------------------------
@@ -207,6 +209,15 @@ class QuantizedLinear(NamedTuple):
     packed: quant_kernel.PackedQuantWeight
     input_order: torch.Tensor | None  # act order: the input column each packed column multiplies
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        return quant_kernel.quant_linear(x, self.packed, bias)
+
+    def rows(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        assert self.input_order is None, "an embedding table has no act order"
+        return quant_kernel.dequantize_rows(self.packed, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)
+
 
 def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | torch_ops.DequantizedWeight:
     """A QuantizedWeight as linear() multiplies it: packed for the C++ linear where it is built and takes the
@@ -225,17 +236,3 @@ def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | to
 def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype) -> tuple[list, list]:
     """Each expert's gate/up (joined) and down QuantizedWeights, packed one by one for moe_experts."""
     return [pack_quantized_weight(w, dtype) for w in w13], [pack_quantized_weight(w, dtype) for w in w2]
-
-
-def _packed_linear(x: torch.Tensor, packed_weight) -> torch.Tensor:
-    return linear(x, None, None, packed_weight)
-
-
-def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
-    if type(packed_weight) is Bf16Blocks:
-        return bf16_kernel.packed_rows(packed_weight.blocks, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)
-    if type(packed_weight) is QuantizedLinear:
-        assert packed_weight.input_order is None, "an embedding table has no act order"
-        return quant_kernel.dequantize_rows(packed_weight.packed, token_ids.flatten()).view(
-            *token_ids.shape, -1).to(dtype)
-    return F.embedding(token_ids, packed_weight.weight).to(dtype)

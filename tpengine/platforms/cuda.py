@@ -10,11 +10,11 @@ import importlib.util
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from tpengine.platforms import cuda_fp8, torch_ops
+from tpengine.platforms.packed import embedding_rows, linear  # noqa: F401 (the Platform's: each form multiplies itself)
+from tpengine.platforms.packed import packed_linear
 from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation
-from tpengine.quantization.weights import quantize_per_token
 
 logger = logging.getLogger("tpengine")
 
@@ -116,7 +116,7 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
     (one per (token, k) pair, in pair order) before act_and_mul, the down bias, weighted, to its sum."""
     act_and_mul = act_and_mul or silu_and_mul
     if isinstance(w13, list):
-        return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, linear=_packed_linear,
+        return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, linear=packed_linear,
                                          w13_bias=w13_bias, w2_bias=w2_bias)
     if not HAS_TRITON:
         return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul, w13_bias=w13_bias,
@@ -132,27 +132,11 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
     return out
 
 
-# --- linears -------------------------------------------------------------------------------------
+# --- linears: linear and embedding_rows are packed.py's, each packed form multiplying itself ----------
 
 def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> None:
     """No packed copy: cuBLAS reads the plain weight (and linear_weight_dtype asks for no other dtype)."""
     return None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight) -> torch.Tensor:
-    """x @ weight^T (+ bias): cuBLAS on a float weight, FP8 GEMMs on an FP8 one (cuda_fp8.py), Triton's
-    int4/int8 GEMM on a weight pack_quantized_weight packed for it, else the float value of a quantized one."""
-    if packed_weight is None:
-        return F.linear(x, weight, bias)
-    if type(packed_weight) is cuda_fp8.Fp8Linear:
-        return cuda_fp8.fp8_linear(x, packed_weight, bias, quantize_fp8_activation_compiled)
-    if type(packed_weight) is torch_ops.DequantizedWeight:
-        return torch_ops.dequantized_linear(x, packed_weight, bias)
-    from tpengine.kernels.triton.quant_matmul import quant_matmul
-    if packed_weight.activation == "int8":
-        values, scales = quantize_per_token(x)
-        return quant_matmul(values, packed_weight, bias, x_scales=scales, out_dtype=x.dtype)
-    return quant_matmul(x, packed_weight, bias)
 
 
 # --- quantized weights -----------------------------------------------------------------------------
@@ -162,16 +146,14 @@ ONLINE_QUANTIZATION_ACTIVATION = "float"
 
 
 def pack_quantized_weight(quantized, dtype: torch.dtype):
-    """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (kernels/triton/quant_matmul.py)
-    where it takes the weight, an FP8 one for cuda_fp8.py's GEMMs, else its float value in dtype."""
+    """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (cuda_quant.py) where it takes the
+    weight, an FP8 one for cuda_fp8.py's GEMMs, else its float value in dtype."""
     if isinstance(quantized, Fp8Weight):
-        return cuda_fp8.pack_fp8_weight(quantized, dtype)
+        return cuda_fp8.pack_fp8_weight(quantized, dtype, quantize_fp8_activation_compiled)
     if HAS_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32):
-        from tpengine.kernels.triton.quant_matmul import pack_weight
-        contiguous, input_order = quantized.with_contiguous_groups()
+        from tpengine.platforms.cuda_quant import pack_quant_weight
         try:
-            return pack_weight(contiguous.qweight, contiguous.scales, contiguous.zeros, contiguous.bits,
-                               contiguous.group_size, input_order, quantized.shape[1], quantized.activation)
+            return pack_quant_weight(quantized)
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)
@@ -185,8 +167,8 @@ def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype):
     if not HAS_TRITON:
         return packed
     from tpengine.kernels.triton.fused_moe import stack_quantized_experts
-    from tpengine.kernels.triton.quant_matmul import QuantMatmulWeight
-    if not all(type(p) is QuantMatmulWeight for p in packed[0] + packed[1]):
+    from tpengine.platforms.cuda_quant import TritonQuantLinear
+    if not all(type(p) is TritonQuantLinear for p in packed[0] + packed[1]):
         _log_grouped_experts("the Triton GEMM does not take every expert's weight")
         return packed
     try:
@@ -201,10 +183,6 @@ def _log_grouped_experts(reason: str) -> None:
     logger.info("quantized MoE experts run grouped by expert in torch, not in the fused kernel: %s", reason)
 
 
-def _packed_linear(x: torch.Tensor, packed_weight) -> torch.Tensor:
-    return linear(x, None, None, packed_weight)
-
-
 # --- FP8 W8A8 (cuda_fp8.py): sm_89+ only ---------------------------------------------------------
 
 quantize_fp8_activation_compiled = compiled(quantize_fp8_activation)
@@ -214,11 +192,3 @@ def runs_fp8_linears(device: torch.device) -> bool:
     """FP8 tensor cores (sm_89+) and Triton for the block kernel; below, FP8 checkpoints load as float weights
     (the runner's log line says so) and quantization="fp8" is refused."""
     return HAS_TRITON and cuda_fp8.runs_fp8(torch.cuda.get_device_capability(device))
-
-
-def embedding_rows(token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of a quantized embedding table, dequantized as they are gathered."""
-    if type(packed_weight) is torch_ops.DequantizedWeight:
-        return F.embedding(token_ids, packed_weight.weight).to(dtype)
-    from tpengine.kernels.triton.quant_matmul import dequantize_rows
-    return dequantize_rows(packed_weight, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)

@@ -12,7 +12,7 @@ Nothing here needs a GPU to run: on CPU tensors _scaled_mm has a reference imple
 runs in Triton's interpreter, which is how the tests check it.
 """
 import logging
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -31,6 +31,10 @@ class Fp8Linear(NamedTuple):
     scales: torch.Tensor  # float32: [1, out] per output channel (_scaled_mm), or the [out / rows, in / columns] blocks
     block_size: tuple[int, int] | None  # None: the _scaled_mm path
     input_scale: torch.Tensor | None  # float32 [1, 1]: static; None: dynamic
+    quantize: Callable = quantize_fp8_activation  # the CUDA platform's is compiled
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, self, bias, self.quantize)
 
 
 def runs_fp8(capability: tuple[int, int]) -> bool:
@@ -50,7 +54,10 @@ def _gemm_takes(fp8: Fp8Weight) -> str | None:
     return None
 
 
-def pack_fp8_weight(fp8: Fp8Weight, dtype: torch.dtype) -> Fp8Linear | torch_ops.DequantizedWeight:
+def pack_fp8_weight(fp8: Fp8Weight, dtype: torch.dtype,
+                    quantize: Callable = quantize_fp8_activation) -> Fp8Linear | torch_ops.DequantizedWeight:
+    """fp8 packed for its GEMM, its inputs quantized by `quantize` (quantize_fp8_activation, compiled on CUDA); a
+    weight neither GEMM takes as its float value in dtype."""
     problem = _gemm_takes(fp8)
     if problem is not None:
         logger.warning("an FP8 linear runs on its float weights: %s", problem)
@@ -59,7 +66,7 @@ def pack_fp8_weight(fp8: Fp8Weight, dtype: torch.dtype) -> Fp8Linear | torch_ops
         scales = fp8.scales.expand(fp8.shape[0], 1).reshape(1, -1).contiguous()
     else:
         scales = fp8.scales.contiguous()
-    return Fp8Linear(fp8.weight.contiguous(), scales, fp8.block_size, fp8.input_scale)
+    return Fp8Linear(fp8.weight.contiguous(), scales, fp8.block_size, fp8.input_scale, quantize)
 
 
 def fp8_linear(x: torch.Tensor, packed: Fp8Linear, bias: torch.Tensor | None,

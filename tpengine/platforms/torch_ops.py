@@ -137,13 +137,15 @@ class DequantizedWeight(NamedTuple):
     weight: torch.Tensor  # [out, in], in the input's column order
     activation: str
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.activation == "int8":
+            values, scales = quantize_per_token(x)
+            x = (values.float() * scales).to(x.dtype)
+        return F.linear(x, self.weight, bias)
+
+    def rows(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight).to(dtype)
+
 
 def dequantized_weight(quantized, dtype: torch.dtype) -> DequantizedWeight:
     return DequantizedWeight(quantized.dequantize(dtype), quantized.activation)
-
-
-def dequantized_linear(x: torch.Tensor, packed: DequantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if packed.activation == "int8":
-        values, scales = quantize_per_token(x)
-        x = (values.float() * scales).to(x.dtype)
-    return F.linear(x, packed.weight, bias)
