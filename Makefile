@@ -78,10 +78,10 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
 
 bench: install
-	$(BIN)/python scripts/bench_scheduler.py
-	$(BIN)/python scripts/bench_control_plane.py
-	$(BIN)/python scripts/bench_cpu_kernels.py
-	$(BIN)/python scripts/bench.py
+	$(BIN)/python benchmarks/bench_scheduler.py
+	$(BIN)/python benchmarks/bench_control_plane.py
+	$(BIN)/python benchmarks/bench_cpu_kernels.py
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) $(UPGRADE_VENV) build *.egg-info

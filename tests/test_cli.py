@@ -269,4 +269,4 @@ def test_serve_without_prefix_caching_computes_a_repeated_prompt_again(tied_mode
 
 def test_the_checked_in_flag_reference_is_current():
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "cli.md")) as f:
-        assert f.read() == flag_reference(), "run: python scripts/write_cli_reference.py"
+        assert f.read() == flag_reference(), "run: python tools/write_cli_reference.py"

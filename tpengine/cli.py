@@ -1,5 +1,5 @@
-"""`tpengine generate ...`, `tpengine serve ...` and `tpengine make-tiny-model PATH`; launch/*.py run the
-first two under torchrun (main_under_torchrun)."""
+"""`tpengine generate ...`, `tpengine serve ...`, `tpengine bench {latency,throughput,serve} ...` and
+`tpengine make-tiny-model PATH`; launch/*.py run the first two under torchrun (main_under_torchrun)."""
 import argparse
 import html
 import json
@@ -10,6 +10,9 @@ import sys
 
 import msgspec
 
+from tpengine.bench import latency as bench_latency
+from tpengine.bench import serve as bench_serve
+from tpengine.bench import throughput as bench_throughput
 from tpengine.config import SETTING_GROUPS, EngineField, engine_fields
 from tpengine.entrypoints.data_parallel import ROUTER_POLICIES
 from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
@@ -19,6 +22,8 @@ from tpengine.entrypoints.tool_calls import TOOL_CALL_PARSERS
 # for each, for a later first token for the ones that wait (docs/benchmarks.md, "Per-token latency under load").
 SERVE_CPU_MAX_NUM_SEQS = 128
 DEFAULT_MODEL_HELP = "the embedded tiny random Qwen3, written on first use; its text is meaningless"
+# `tpengine bench NAME`: each module's add_arguments and run (tpengine/bench/), as `vllm bench NAME`
+BENCHMARKS = {"latency": bench_latency, "throughput": bench_throughput, "serve": bench_serve}
 
 
 # Flags whose value may start with '-' (layer counts such as -1,5, which the engine then refuses by name).
@@ -57,6 +62,7 @@ def build_parser(*, under_torchrun: bool = False) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands, under_torchrun)
     _add_serve(commands, under_torchrun)
+    _add_bench(commands)
     tiny = commands.add_parser("make-tiny-model", help="write the tiny random-weight Qwen3 checkpoint to a folder",
                                description="Write the embedded tiny random-weight Qwen3 checkpoint and its "
                                            "byte-level tokenizer to PATH.")
@@ -140,6 +146,21 @@ def _add_serve(commands, under_torchrun: bool) -> None:
                             "caches its prompt's prefix, round_robin to each in turn (default cache_aware)")
     _add_engine_flags(serve, _flag_defaults("serve", under_torchrun))
     serve.add_argument("--quiet", action="store_true", help="log warnings only")
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmark the engine: latency, throughput, or a server under load",
+                                description="Benchmark the engine, as `vllm bench` does: measured on the model and "
+                                            "engine flags given (default: the embedded tiny model).")
+    kinds = bench.add_subparsers(dest="benchmark", required=True)
+    for name, module in BENCHMARKS.items():
+        text = " ".join(module.__doc__.split()).split(": ", 1)[1]  # after "`tpengine bench NAME`: "
+        summary = module.__doc__.split("\n\n")[0].split(": ", 1)[1].rstrip(".")
+        sub = kinds.add_parser(name, help=summary, description=text[0].upper() + text[1:])
+        module.add_arguments(sub)
+        # bench serve starts `tpengine serve` with the flags given: the defaults are serve's
+        _add_engine_flags(sub, _flag_defaults("serve" if name == "serve" else "generate", False))
+        sub.add_argument("--quiet", action="store_true", help="log warnings only")
 
 
 def _flag_defaults(command: str, under_torchrun: bool) -> dict[str, tuple[object, str]]:
@@ -347,6 +368,14 @@ def _serve(args) -> int:
                       enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
+def _bench(args) -> int:
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="tpengine: %(message)s")
+    argv = getattr(args, "argv", None)
+    if args.benchmark == "serve":  # the server it starts resolves its own model
+        return bench_serve.run(args, _engine_argv(args), argv)
+    return BENCHMARKS[args.benchmark].run(args, args.model or _default_model(), _engine_kwargs(args), argv)
+
+
 def _serve_data_parallel(args) -> int:
     from tpengine.entrypoints.data_parallel import DataParallelServer
 
@@ -369,10 +398,21 @@ def _replica_argv(args: argparse.Namespace) -> list[str]:
     """The `tpengine serve` flags that give a replica the engine and API settings args holds (the parsed
     values, so an abbreviated or repeated flag reads as argparse read it)."""
     serve_parser = _command_parsers(build_parser())["serve"]
+    return _argv_of(args, [action for action in serve_parser._actions
+                           if action.dest not in _NOT_FOR_REPLICAS and action.option_strings])
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `tpengine serve` that give a server the engine settings args holds (those away from
+    serve's defaults)."""
+    serve_parser = _command_parsers(build_parser())["serve"]
+    return _argv_of(args, [action for action in serve_parser._actions if action.dest in engine_fields()])
+
+
+def _argv_of(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The flags that give these actions the values args holds, those away from their defaults only."""
     argv = []
-    for action in serve_parser._actions:
-        if action.dest in _NOT_FOR_REPLICAS or not action.option_strings:
-            continue
+    for action in actions:
         value, flag = getattr(args, action.dest), action.option_strings[-1]
         if value == action.default:
             continue
@@ -397,13 +437,15 @@ def _command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argu
 
 
 def flag_reference() -> str:
-    """docs/cli.md: every flag of generate and serve as --help words it, the engine's once, group by group."""
+    """docs/cli.md: every flag of generate, serve and the benchmarks as --help words it, the engine's once, group by
+    group."""
     parsers = _command_parsers(build_parser())
+    parsers.update({f"bench {name}": parser for name, parser in _command_parsers(parsers["bench"]).items()})
     engine_help = {action.dest: action.help for action in parsers["generate"]._actions}
     lines = ["# Command-line flags", "",
              "Generated from the settings' declarations (EngineConfig in tpengine/config.py) and tpengine/cli.py by "
-             "`python scripts/write_cli_reference.py`; `tpengine COMMAND --help` says the same.", ""]
-    for command in ("generate", "serve"):
+             "`python tools/write_cli_reference.py`; `tpengine COMMAND --help` says the same.", ""]
+    for command in ("generate", "serve", *(f"bench {name}" for name in BENCHMARKS)):
         parser = parsers[command]
         own = [action for action in parser._actions if action.dest not in engine_fields() and action.dest != "help"]
         lines += [f"## tpengine {command}", "", parser.description, "", "| flag | |", "|---|---|",
@@ -414,8 +456,8 @@ def flag_reference() -> str:
         lines += [f"- `{action.option_strings[0]}`: {_markdown(action.help)}" for action in differing]
         lines += [""] if differing else []
     lines += ["## Engine flags", "",
-              "`generate` and `serve` both take them; each sets the EngineConfig field, the keyword argument of "
-              "`LLM(model, ...)`, named beside it.", ""]
+              "`generate`, `serve` and every `bench` command take them; each sets the EngineConfig field, the "
+              "keyword argument of `LLM(model, ...)`, named beside it.", ""]
     groups = {_group_title(name): name for name in SETTING_GROUPS}
     for group in parsers["generate"]._action_groups:
         if group.title in groups:
@@ -449,7 +491,9 @@ def _on_cpu(device: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # a benchmark's record names its command
+    return run(args)
 
 
 def main_under_torchrun(command: str, argv: list[str] | None = None) -> int:
@@ -503,6 +547,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            return _bench(args)
         return _generate(args)
     except ValueError as e:
         print(f"tpengine: error: {e}", file=sys.stderr)

@@ -103,7 +103,7 @@ def write_layer_draft(model: str, path: str, num_layers: int) -> str:
     """Write a draft model for speculative decoding made of a checkpoint's own first num_layers decoder layers,
     with its embedding, final norm and LM head (a layer-skipped self-draft): it shares the vocabulary and
     tokenizer. How often it agrees with the whole model depends on how much the skipped layers move the
-    residual stream: on random weights, barely ever (scripts/bench_spec.py measures it)."""
+    residual stream: on random weights, barely ever (benchmarks/bench_spec.py measures it)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -177,7 +177,7 @@ def _constexprs(n: int, k: int, pairs_per_a_row: int, mul_weight: bool, bits: in
 
 def _compile_case(name: str, dtype: str, n: int, k: int, pairs_per_a_row: int, mul_weight: bool, bits: int = 0,
                   group_size: int | None = None, has_zeros: bool = False) -> dict:
-    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it."""
+    """One COMPILE_CASES entry (tools/compile_triton_kernels.py): the kernel as the launcher calls it."""
     ints = ["num_pairs", "num_experts", "N", "K", "group_size", "stride_am", "stride_be", "stride_bn", "stride_cm",
             "stride_se", "stride_sn"]
     scale_type = "*fp32" if bits else f"*{dtype}"  # float weights: pair_weights stands in for the scales

@@ -103,7 +103,7 @@ ATTENTION_COMPILE_SHAPES = [
 
 def attention_compile_case(kernel, name: str, dtype: str, index_args: list[str], strides: list[str],
                            constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py) of a paged attention kernel, whose arguments run
+    """One COMPILE_CASES entry (tools/compile_triton_kernels.py) of a paged attention kernel, whose arguments run
     out, q, k_cache, v_cache, index_args (int32 tensors), sinks, k_scale, v_scale, qk_scale, window, softcap, strides.
     Without sinks or an FP8 cache, q stands in for the tensors the kernel never reads."""
     fp8_kv = constexprs["FP8_KV"]

@@ -116,7 +116,7 @@ def _constexprs(num_kv_heads: int, head_dim: int, block_size: int, fp8_kv: bool)
 
 def _compile_case(name: str, dtype: str, num_kv_heads: int, head_dim: int, block_size: int,
                   fp8_kv: bool = False) -> dict:
-    """One COMPILE_CASES entry (scripts/compile_triton_kernels.py): the kernel as the launcher calls it (without an
+    """One COMPILE_CASES entry (tools/compile_triton_kernels.py): the kernel as the launcher calls it (without an
     FP8 cache, slot_mapping stands in for the scales it never reads)."""
     ints = ["stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_block", "stride_slot", "stride_kv_head"]
     cache, scale = ("*fp8e4nv", "*fp32") if fp8_kv else (f"*{dtype}", "*i64")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import relative_error
-from tests.scripts import SCRIPTS
+from tests.tools import TOOLS
 from tests.reference_attention import paged_attention as reference_paged_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,7 +140,7 @@ COMPILE_TEST = "test_every_kernel_compiles_for_sm_90_and_sm_80_within_shared_mem
 
 
 class BackgroundCompile:
-    """scripts/compile_triton_kernels.py running at the lowest CPU priority from the moment its test is collected:
+    """tools/compile_triton_kernels.py running at the lowest CPU priority from the moment its test is collected:
     ptxas then takes the cores the other tests leave idle (servers starting, deadlines waited out) rather than ~50 s
     of its own. The test waits for it and checks what it wrote."""
 
@@ -150,7 +150,7 @@ class BackgroundCompile:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled: the interpreter cannot be
         self.stdout = open(os.path.join(self.folder, "stdout"), "w+")
         self.stderr = open(os.path.join(self.folder, "stderr"), "w+")
-        self.process = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "compile_triton_kernels.py"), "--json",
+        self.process = subprocess.Popen([sys.executable, os.path.join(TOOLS, "compile_triton_kernels.py"), "--json",
                                          self.json], env=env, stdout=self.stdout, stderr=self.stderr,
                                         preexec_fn=lambda: os.nice(19))
 

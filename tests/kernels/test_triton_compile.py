@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_90 and sm_80 on this GPU-less machine and fits the target's shared memory
-(scripts/compile_triton_kernels.py), and a @triton.jit function that no COMPILE_CASES entry compiles fails."""
+(tools/compile_triton_kernels.py), and a @triton.jit function that no COMPILE_CASES entry compiles fails."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from tests.scripts import SCRIPTS, import_script
+from tests.tools import TOOLS, import_tool
 
 KERNELS = {"_store_kvcache_kernel", "_paged_decode_kernel", "_paged_prefill_kernel", "_grouped_gemm_kernel",
            "_block_fp8_matmul_kernel", "_quant_matmul_kernel"}
@@ -40,7 +40,7 @@ SIGNATURE_WITHOUT_N = '{"out": "*i32"}'
 
 @pytest.fixture(scope="module")
 def aot():
-    return import_script("compile_triton_kernels")
+    return import_tool("compile_triton_kernels")
 
 
 def test_every_kernel_compiles_for_sm_90_and_sm_80_within_shared_memory(background_compile):
@@ -98,7 +98,7 @@ def test_a_kernel_that_does_not_compile_is_reported_with_the_compiler_error(tmp_
     code = ("import dataclasses, json, sys; import compile_triton_kernels as aot; "
             "print(json.dumps(dataclasses.asdict(aot.compile_case('uncompilable', 0, aot.TARGETS[0]))))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([SCRIPTS, str(tmp_path)])
+    env["PYTHONPATH"] = os.pathsep.join([TOOLS, str(tmp_path)])
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = json.loads(result.stdout.splitlines()[-1])

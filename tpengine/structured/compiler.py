@@ -19,7 +19,7 @@ from tpengine.errors import InvalidRequestError
 from tpengine.sampling_params import StructuredOutputsParams
 
 # compiled grammars kept, by the bytes xgrammar says each holds (resident memory measures about 2.5 times that:
-# scripts/soak_structured.py); beyond it the least recently used go
+# benchmarks/soak_structured.py); beyond it the least recently used go
 CACHE_LIMIT_BYTES = 128 * 1024 * 1024
 # a request waits this long for its grammar before it fails (the bounded specs compile in well under a second)
 COMPILE_TIMEOUT_S = 30.0
