@@ -60,7 +60,7 @@ import torch
 
 from nano_baseline import NanoSequence, nano_prepare_decode
 from tpengine.bench.quick import parse_with_quick
-from tpengine.distributed.messages import BlockTable, StepMessage, decode_control, encode, int_list
+from tpengine.distributed.messages import BlockTable, StepEnvelope, StepMessage, decode_control, encode, int_list
 from tpengine.distributed.shm.ring import ShmRingReader, ShmRingWriter
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence
@@ -93,7 +93,7 @@ class Case:
             plan = self.scheduler._plan([], [], self.ours)
         else:  # running: the workers hold its table from earlier steps
             plan = self.scheduler._plan(self.ours, [], [])
-        return encode(plan.message)
+        return encode(StepEnvelope(plan.message))  # as the executor sends it
 
     def encode_simple(self) -> bytes:
         return pickle.dumps(["run", self.simple, self.is_prefill])  # nano-vllm's write_shm
@@ -148,7 +148,7 @@ def make_cases(seed: int = 0) -> list[Case]:
 
 def check_round_trip(case: Case) -> None:
     """Both designs deliver what a worker needs of every sequence (ours: with the tables it holds)."""
-    ours = decode_control(case.encode_ours())
+    ours = decode_control(case.encode_ours()).step
     _, simple, is_prefill = pickle.loads(case.encode_simple())
     assert is_prefill == case.is_prefill and bool(ours.prefill) == case.is_prefill
     tables = BlockTables()
@@ -167,7 +167,7 @@ def check_round_trip(case: Case) -> None:
 
 def decode_and_apply(data) -> None:
     """Ours on a worker: decode the message and apply its table changes."""
-    READER_TABLES.update(decode_control(data))
+    READER_TABLES.update(decode_control(data).step)
 
 
 READER_TABLES = BlockTables()  # a reader process's tables (the decode cases change none of them)
@@ -232,7 +232,7 @@ def worker_inputs_us(case: Case, repeats: int) -> tuple[float, float]:
     builder = InputBuilder(BLOCK_SIZE, torch.device("cpu"))
     builder.block_tables.update(StepMessage(new_tables=[BlockTable(seq.seq_id, list(seq.block_table))
                                                         for seq in case.ours]))  # sent when they were prefilled
-    message = decode_control(case.encode_ours())
+    message = decode_control(case.encode_ours()).step
     _, simple_seqs, _ = pickle.loads(case.encode_simple())
     return (per_call_us(lambda: builder.build(message), repeats),
             per_call_us(lambda: nano_prepare_decode(simple_seqs, BLOCK_SIZE), repeats))

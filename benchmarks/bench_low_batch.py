@@ -193,7 +193,7 @@ def breakdown(llm, rng, args) -> list[tuple[str, float]]:
     timer.wrap(runner.inputs, "prepare", "input preparation (runner.inputs.prepare)")
     timer.wrap(Scheduler, "_plan", "step message (Scheduler._plan)")
     timer.wrap(runner, "sampler", "sampler")
-    timer.wrap(executor, "execute", "execute")
+    timer.wrap(executor, "submit", "execute")  # one stage: a step runs whole in submit
     timer.wrap(Scheduler, "schedule", "scheduler: schedule")
     timer.wrap(Scheduler, "postprocess", "scheduler: postprocess")
     # the timers wrap the model's Python: the breakdown decodes eagerly, not through the CPU's replayed steps

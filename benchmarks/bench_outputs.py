@@ -60,17 +60,33 @@ def _model(corpus: list[str], path: str) -> str:
 
 
 class ReplayExecutor:
-    """Stands in for the ranks: step k samples replay[k] for every sequence of the batch."""
+    """Stands in for the ranks (the executor's face the engine steps through): step k samples replay[k] for
+    every sequence of the batch."""
+
+    closed = False
 
     def __init__(self, executor, replay: list[list[int]]):
         self.num_kvcache_blocks = executor.num_kvcache_blocks
         self.replay, self.step = replay, 0
+        self.sampled: list[SamplerOutput] = []
 
-    def execute(self, plan):
+    def submit(self, plan):
         tokens = self.replay[self.step % len(self.replay)]
         self.step += 1
         num_rows = len(plan.sampling)
-        return SamplerOutput(tokens[:num_rows], [None] * num_rows)
+        self.sampled.append(SamplerOutput(tokens[:num_rows], [None] * num_rows))
+
+    def collect(self, plan):
+        return self.sampled.pop(0)
+
+    def check_open(self):
+        pass
+
+    def abandon(self):
+        self.sampled.clear()
+
+    def shutdown(self, graceful: bool = True):
+        pass
 
 
 def bench(llm, real_executor, prompts, replay, stream: bool, stop: list[str] | None, kind: RequestOutputKind,

@@ -297,7 +297,7 @@ def generate_seconds(llm, prompts: list[list[int]], output_len: int) -> float:
 def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
     """Median ms of runner.execute of a plain decode step of `batch` sequences at context args.context_len, and
     of a verify step of the same sequences with k drafts each, alternating; both rewrite the same KV slots."""
-    from tpengine.distributed.messages import BlockTable, PrefillChunk, StepMessage, int_column
+    from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, int_column
     from tpengine.paging import blocks_for
     from tpengine.sampling_params import SamplingParams, SamplingRecord
 
@@ -320,11 +320,11 @@ def verify_cost_ms(llm, batch: int, args) -> tuple[float, float]:
     verify_records = [r.ahead(i) if i else r for r in records for i in range(k + 1)]
     times = {"plain": [], "verify": []}
     try:
-        runner.execute(prefill, records)
+        runner.execute(StepEnvelope(prefill), records)
         for i in range(3 + args.verify_steps):
             for kind, step, sampling in (("plain", plain, records), ("verify", verify, verify_records)):
                 started = time.perf_counter()
-                runner.execute(step, sampling)
+                runner.execute(StepEnvelope(step), sampling)
                 if i >= 3:
                     times[kind].append(time.perf_counter() - started)
     finally:

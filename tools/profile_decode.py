@@ -109,12 +109,12 @@ class DecodeRecorder:
         self.last_decode = None                      # (input_ids, positions, meta) of the latest decode step
         self.recording = False
 
-        execute = executor.execute
+        submit = executor.submit  # one stage: a step runs whole in submit
 
-        def recorded_execute(plan):
+        def recorded_submit(plan):
             self.steps.append((bool(plan.message.prefill), plan.num_decode + len(plan.message.prefill)))
-            return execute(plan)
-        executor.execute = recorded_execute
+            return submit(plan)
+        executor.submit = recorded_submit
 
         prepare = runner.inputs.prepare
 
