@@ -201,7 +201,7 @@ def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
 # Every EngineConfig field, none at its default, and the flags users type for them: a new field is added to both.
 EVERY_SETTING = dict(
     model="/m", dtype="bfloat16", max_model_len=128, seed=5, reasoning_parser="qwen3", device="cpu",
-    attention_backend="torch", enforce_eager=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+    attention_backend="torch", enforce_eager=True, warm_up=True, tensor_parallel_size=2, pipeline_parallel_size=2,
     pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
     num_kvcache_blocks=7, kvcache_memory_gb=1.5, gpu_memory_utilization=0.5, enable_prefix_caching=False,
     max_num_seqs=3, max_num_batched_tokens=64, scheduling_policy="prefill_first", quantization="int4",
@@ -209,7 +209,7 @@ EVERY_SETTING = dict(
     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 EVERY_FLAG = [
     "--model", "/m", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--reasoning-parser", "qwen3",
-    "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--tp", "2", "--pp", "2",
+    "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--warm-up", "--tp", "2", "--pp", "2",
     "--pp-layer-partition", "3,1", "--max-steps-in-flight", "1", "--step-timeout-s", "10", "--block-size", "32",
     "--kv-cache-dtype", "fp8", "--num-kvcache-blocks", "7", "--kvcache-memory-gb", "1.5", "--gpu-memory-utilization",
     "0.5", "--no-enable-prefix-caching", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
@@ -238,9 +238,11 @@ def test_every_engine_setting_is_a_flag_of_both_commands_and_in_their_help(comma
 def test_the_flags_give_the_config_the_keyword_arguments_give(command):
     args = build_parser().parse_args([command, *EVERY_FLAG])
     assert EngineConfig(model=args.model, **_engine_kwargs(args)) == EngineConfig(**EVERY_SETTING)
-    # and no flag at all gives the engine's defaults (serve's --max-num-seqs aside, off the CPU here)
+    # and no flag at all gives the engine's defaults (serve's --max-num-seqs aside, off the CPU here), but for
+    # serve's warm-up before /health
     args = build_parser().parse_args([command, "--model", "/m", "--device", "cuda"])
-    assert EngineConfig(model=args.model, **_engine_kwargs(args)) == EngineConfig(model="/m", device="cuda")
+    assert EngineConfig(model=args.model, **_engine_kwargs(args)) == EngineConfig(
+        model="/m", device="cuda", warm_up=command == "serve")
 
 
 def test_serve_passes_the_settings_it_could_not_reach_before_to_the_engine(monkeypatch):

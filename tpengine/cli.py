@@ -171,6 +171,8 @@ def _flag_defaults(command: str, under_torchrun: bool) -> dict[str, tuple[object
     if command == "serve":
         defaults["max_num_seqs"] = (None, f"{engine_fields()['max_num_seqs'].default}; {SERVE_CPU_MAX_NUM_SEQS} on "
                                           "the CPU")
+        # a load balancer routes on /health: the first requests must not land in first-use stalls
+        defaults["warm_up"] = (True, None)
     return defaults
 
 

@@ -210,6 +210,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                   "first use), else torch, on the CPU", choices=ATTENTION_BACKENDS)] = "auto"
     enforce_eager: Annotated[bool, Setting(
         "device", "decode eagerly: no CUDA graphs, no replayed CPU decode steps")] = False
+    # what the first requests would otherwise pay on their path (runner/warmup.py): serve's /health waits for it
+    warm_up: Annotated[bool, Setting(
+        "device", "before taking requests, run a dummy step of every decode batch size up to max_num_seqs and a few "
+                  "prompt sizes on every rank: CPU decode replays recorded, kernels built, so the first requests "
+                  "run at full speed")] = False
     # --- parallel ----------------------------------------------------------------------------------------------
     tensor_parallel_size: Annotated[int, Setting(
         "parallel", "tensor-parallel size: ranks per pipeline stage", flag="--tp")] = 1

@@ -23,6 +23,7 @@ from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, C
                                           TokenizeChatRequest, tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.serving import ApiError
+from tpengine.entrypoints.warmup import Readiness, front_end_parts, warm_up_front_end
 
 logger = logging.getLogger("tpengine")
 
@@ -191,16 +192,27 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
               max_model_len: int, max_request_len: int, metrics: Metrics, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
               draining: Draining | None = None, tool_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
-    """The app; `draining`, once set (by the server's shutdown), answers bodies still arriving with a 503."""
+              reasoning_parser: str | None = None, warm_up: bool = False) -> FastAPI:
+    """The app; `draining`, once set (by the server's shutdown), answers bodies still arriving with a 503. With
+    warm_up, /health answers 503 until what the first requests would pay outside the engine is paid (warmup.py)."""
     completions = OpenAIServingCompletion(engine, renderer, tokenizer, model_name, max_request_len)
     chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len, tool_parser=tool_parser,
                              enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
 
+    readiness = Readiness()
+
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
+        warming = None
+        parts = front_end_parts(engine, renderer) if warm_up else []
+        if parts:
+            readiness.preparing = ", ".join(parts)
+            logger.info("warming up: %s", readiness.preparing)
+            warming = asyncio.create_task(warm_up_front_end(engine, renderer, readiness))
         yield
+        if warming is not None:
+            warming.cancel()
         engine.stop()
         renderer.close()
 
@@ -209,7 +221,7 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                        draining=draining)
     _add_error_handlers(app)
-    _add_status_routes(app, engine, draining, metrics, completions,
+    _add_status_routes(app, engine, draining, readiness, metrics, completions,
                        {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tpengine",
                         "root": model_path, "max_model_len": max_model_len})
     _add_generation_routes(app, completions, chat, max_request_len)
@@ -237,8 +249,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(500, "internal server error", "internal_error"))
 
 
-def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, metrics: Metrics,
-                       completions: OpenAIServingCompletion, model_card: dict) -> None:
+def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, readiness: Readiness,
+                       metrics: Metrics, completions: OpenAIServingCompletion, model_card: dict) -> None:
     """/health, /v1/models, /version and /metrics."""
     @app.get("/health")
     async def health():
@@ -246,9 +258,13 @@ def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, me
         if draining.is_set:
             return error_response(ApiError(503, "the server is shutting down", "service_unavailable",
                                            code="shutting_down"))
-        if engine.is_healthy:
-            return Response(status_code=200)
-        return error_response(ApiError(503, f"the engine is not running: {engine.error}", "service_unavailable"))
+        if not engine.is_healthy:
+            return error_response(ApiError(503, f"the engine is not running: {engine.error}", "service_unavailable"))
+        # and none to one still warming up: its first requests would stall on what it prepares
+        if readiness.preparing is not None:
+            return error_response(ApiError(503, f"the server is warming up: {readiness.preparing}",
+                                           "service_unavailable", code="warming_up"))
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():

@@ -58,6 +58,13 @@ class PromptRenderer:
         self.check_length(len(text), "messages")  # the template and chat_template_kwargs add text of their own
         return encode_chat_text(self.tokenizer, text)
 
+    def warm_up(self) -> None:
+        """(the renderer's thread) A first encode and chat render: the tokenizer's and the template's one-time
+        costs (a Jinja template compiles on its first render), paid before the server reports ready."""
+        self._encode_all(["warm-up"])
+        if self.chat_template is not None or getattr(self.tokenizer, "chat_template", None):
+            self._render([{"role": "user", "content": "warm-up"}], True, None, None)
+
     async def run(self, fn, *args):
         """fn(*args) on the renderer's thread (work that grows with a request, kept off the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)

@@ -75,7 +75,7 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
                         max_model_len=llm_engine.max_model_len, max_request_len=llm_engine.max_request_len,
                         metrics=metrics, api_key=api_key, body_timeout_s=body_timeout_s, draining=draining,
                         tool_parser=tool_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                        reasoning_parser=engine_kwargs.get("reasoning_parser"))
+                        reasoning_parser=engine_kwargs.get("reasoning_parser"), warm_up=llm_engine.config.warm_up)
         # uvicorn's own limit is a backstop: by then abort_all has ended every request
         config = uvicorn.Config(app, log_level=log_level, access_log=access_log,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S + 5)

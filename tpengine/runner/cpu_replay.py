@@ -52,6 +52,12 @@ def recordable(op) -> bool:
 class _Recorder(TorchDispatchMode):
     """Every op dispatched inside it, with its arguments and outputs, in order; and the host calls made in it."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch's documented opt-out: it never runs under torch.compile, so no dynamo-disable wrapper, whose first
+        # call imports torch._dynamo (1.5-2 s on a first request or at start-up)
+        return False
+
     def __init__(self):
         super().__init__()
         self.calls = []

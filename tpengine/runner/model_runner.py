@@ -19,6 +19,7 @@ from tpengine.runner.drafter import Drafter
 from tpengine.runner.inputs import ForwardInputs, InputBuilder
 from tpengine.runner.kv_cache import KVCache, attention_layers_of, num_kvcache_blocks
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
+from tpengine.runner.warmup import warm_up
 from tpengine.sampling_params import SamplingRecord
 
 logger = logging.getLogger("tpengine")
@@ -71,6 +72,8 @@ class ModelRunner:
         self.samples_vocab_parallel = (device.type == "cpu" and (group.size > 1 or pipeline.size > 1)
                                        and self._all_ranks_min(int(cpu_sampling.available())) == 1)
         self.decode_path = choose_decode_path(self)  # CUDA graphs, CPU replays or eager: decode_path.py
+        if config.warm_up:  # what the first requests would pay on their path, paid now: runner/warmup.py
+            warm_up(self)
 
     def _attention_backend_name(self) -> str:
         name = resolve_backend_name(self.config.attention_backend, self.device, self.block_size, self.dtype,
