@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, the API key, the body-size cap, and errors in OpenAI's shape."""
+"""The FastAPI app: routes, the API key, the body-size cap, and errors in OpenAI's shape (in Anthropic's on
+/v1/messages)."""
 import asyncio
 import importlib.metadata
 import logging
@@ -18,10 +19,13 @@ from starlette.responses import JSONResponse, Response
 from tpengine.entrypoints.async_engine import AsyncEngine
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
+from tpengine.entrypoints.messages import AnthropicServingMessages, MessagesPrompt, MessagesRequest, error_body
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
 from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeChatRequest, tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
+from tpengine.entrypoints.responses import ResponsesRequest
+from tpengine.entrypoints.responses_serving import OpenAIServingResponses
 from tpengine.entrypoints.serving import ApiError
 from tpengine.entrypoints.warmup import Readiness, front_end_parts, warm_up_front_end
 
@@ -33,11 +37,17 @@ MAX_BODY_BYTES = 16 * 1024 * 1024
 BODY_TIMEOUT_S = 60.0
 # What --api-key guards: the routes that do work for a client (health, metrics and the version stay open).
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")
+# Anthropic's Messages API: its errors in Anthropic's shape
+ANTHROPIC_PATHS = ("/v1/messages",)
+# what an unknown field's 400 says the endpoint takes
+OPENAI_FIELDS = "OpenAI's fields and vLLM's sampling extensions"
+ANTHROPIC_FIELDS = "the Messages API fields it lists"
 
 
-def error_response(error: ApiError, close: bool = False) -> JSONResponse:
+def error_response(error: ApiError, close: bool = False, path: str = "") -> JSONResponse:
     # close: answered before the body was read to its end, so the connection cannot carry another request
-    return JSONResponse(error.body(), status_code=error.status, headers={"Connection": "close"} if close else None)
+    body = error_body(error) if path.startswith(ANTHROPIC_PATHS) else error.body()
+    return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)
 
 
 class Draining:
@@ -80,14 +90,16 @@ class RequestGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self.api_key is not None and scope["path"].startswith(KEYED_PATHS):
-            token = _bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+            headers = dict(scope["headers"])
+            # Anthropic's clients send the key as x-api-key
+            token = _bearer_token(headers.get(b"authorization", b"")) or headers.get(b"x-api-key")
             if token is None or not secrets.compare_digest(token, self.api_key):
-                error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                                 "authentication_error", code="invalid_api_key")
-                return await error_response(error, close=True)(scope, receive, send)
+                error = ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY' (or "
+                                      "'x-api-key: KEY')", "authentication_error", code="invalid_api_key")
+                return await error_response(error, close=True, path=scope["path"])(scope, receive, send)
         body = await self._read_body(receive)
         if isinstance(body, ApiError):
-            return await error_response(body, close=True)(scope, receive, send)
+            return await error_response(body, close=True, path=scope["path"])(scope, receive, send)
         if body is None:
             return  # the client went away
         replayed = False
@@ -130,7 +142,7 @@ class RequestGate:
 
 
 def parse_request(model: type[BaseModel] | Callable[[dict], type[BaseModel]], body: bytes,
-                  max_request_len: int) -> BaseModel:
+                  max_request_len: int, api: str = OPENAI_FIELDS) -> BaseModel:
     """A request body as `model` (or as the model that function of the decoded body picks), or an ApiError
     naming what is wrong. msgspec decodes the JSON (several times faster than json.loads on long token lists,
     and this runs on the event loop); the model's checks know the server's token limit, so a prompt that
@@ -149,10 +161,10 @@ def parse_request(model: type[BaseModel] | Callable[[dict], type[BaseModel]], bo
     try:
         return model.model_validate(data, context={"max_request_len": max_request_len})
     except ValidationError as e:
-        raise validation_error(e.errors(include_input=False)) from None
+        raise validation_error(e.errors(include_input=False), api) from None
 
 
-def validation_error(problems: list[dict]) -> ApiError:
+def validation_error(problems: list[dict], api: str = OPENAI_FIELDS) -> ApiError:
     """pydantic's complaints as one 400 naming each field; a union's failed alternatives read as one problem
     (a length limit, if one of them met it, else what the field takes)."""
     by_field: dict[str, list[dict]] = {}
@@ -166,7 +178,7 @@ def validation_error(problems: list[dict]) -> ApiError:
         if problem["type"] == "json_invalid":
             message = f"the body is not valid JSON: {problem.get('ctx', {}).get('error', problem['msg'])}"
         elif problem["type"] == "extra_forbidden":
-            message = "unknown field: this server takes OpenAI's fields and vLLM's sampling extensions (see its README)"
+            message = f"unknown field: this server takes {api} (see its README)"
         elif problem["type"] != "too_long" and len(group) > 1 and field.rsplit(".", 1)[-1] in FIELD_KINDS:
             message = f"must be {FIELD_KINDS[field.rsplit('.', 1)[-1]]}"
         else:
@@ -225,6 +237,8 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
                        {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tpengine",
                         "root": model_path, "max_model_len": max_model_len})
     _add_generation_routes(app, completions, chat, max_request_len)
+    _add_responses_routes(app, OpenAIServingResponses(chat, max_request_len), max_request_len)
+    _add_messages_routes(app, AnthropicServingMessages(chat, max_request_len), max_request_len)
     _add_tokenizer_routes(app, engine, renderer, completions, chat, max_model_len, max_request_len)
     return app
 
@@ -233,20 +247,21 @@ def _add_error_handlers(app: FastAPI) -> None:
     """Every error in OpenAI's shape; an unexpected one a 500 whose traceback stays in the log."""
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
-        return error_response(error)
+        return error_response(error, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, error: RequestValidationError):
-        return error_response(validation_error(error.errors()))
+        return error_response(validation_error(error.errors()), path=request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
-        return error_response(ApiError(error.status_code, str(error.detail), "invalid_request_error"))
+        return error_response(ApiError(error.status_code, str(error.detail), "invalid_request_error"),
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):
         logger.exception("internal error answering %s", request.url.path)
-        return error_response(ApiError(500, "internal server error", "internal_error"))
+        return error_response(ApiError(500, "internal server error", "internal_error"), path=request.url.path)
 
 
 def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, readiness: Readiness,
@@ -305,6 +320,44 @@ def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, c
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(raw_request: Request):
         return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
+
+
+def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, max_request_len: int) -> None:
+    """OpenAI's Responses API: POST /v1/responses, and GET/DELETE of a stored response."""
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request):
+        request = parse_request(ResponsesRequest, await raw_request.body(), max_request_len)
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: Request):
+        _no_query(raw_request)
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw_request: Request):
+        _no_query(raw_request)
+        return responses.delete(response_id)
+
+
+def _no_query(request: Request) -> None:
+    """A stored response comes back whole: stream, starting_after and include ask for what is not done."""
+    for name in request.query_params:
+        raise ApiError(400, f"the query parameter {name!r:.60} is not supported: a stored response comes back "
+                            "whole", param=name)
+
+
+def _add_messages_routes(app: FastAPI, messages: AnthropicServingMessages, max_request_len: int) -> None:
+    """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens."""
+    @app.post("/v1/messages")
+    async def create_message(raw_request: Request):
+        request = parse_request(MessagesRequest, await raw_request.body(), max_request_len, ANTHROPIC_FIELDS)
+        return await messages.create(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request):
+        return await messages.count_tokens(parse_request(MessagesPrompt, await raw_request.body(), max_request_len,
+                                                         ANTHROPIC_FIELDS))
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, renderer: PromptRenderer,

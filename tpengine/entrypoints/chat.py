@@ -99,6 +99,19 @@ class ChoiceReader:
         return message
 
 
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request submitted to the engine, and how its replies are read."""
+    prompt: list[int]
+    mode: ToolMode
+    thinking_open: bool | None  # whether the prompt left the thinking open; None without a reasoning parser
+    submission: Submission
+
+    def reader(self) -> ChoiceReader:
+        """A reader of one of its replies."""
+        return ChoiceReader(self.mode, self.thinking_open)
+
+
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, tool_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None, **kwargs):
@@ -117,6 +130,15 @@ class OpenAIServingChat(OpenAIServing):
         return param
 
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
+        run = await self.start(request)
+        if request.stream:
+            fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}
+            return StreamingResponse(self._stream(request, run, fields), media_type="text/event-stream")
+        fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
+        return await cancel_on_disconnect(raw_request, self._complete(request, run, fields))
+
+    async def start(self, request: ChatCompletionRequest) -> ChatRun:
+        """Check the request, render its prompt and submit it: what /v1/chat/completions and /v1/messages share."""
         self.check_model(request.model)
         mode = ToolMode(request, self.tool_parser)
         if mode.kind == "auto" and not (self.enable_auto_tool_choice and self.tool_parser):
@@ -132,29 +154,23 @@ class OpenAIServingChat(OpenAIServing):
             except ValueError as e:  # the tools' parameters over a structured-outputs limit
                 raise self.invalid(e, request) from None
             spec = await self.checked_grammar(tool_spec, "tools", request)
-        prompt = await self._render_prompt(request)
+        prompt = await self.render_prompt(request)
         max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt], request)
         # a chat reply: a reasoning model may open its thinking with its first token (tpengine/thinking.py)
         params = dataclasses.replace(self.sampling_params(request, max_tokens, request.num_logprobs, spec),
                                      may_open_thinking=True)
         thinking_open = (None if self.reasoning_parser is None
                          else thinking_open_after(prompt, *self.engine.engine.reasoning_tokens))
-        submission = await self.submit([prompt], params, request)
-        if request.stream:
-            fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}
-            return StreamingResponse(self._stream(request, mode, thinking_open, submission, fields),
-                                     media_type="text/event-stream")
-        fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
-        return await cancel_on_disconnect(raw_request, self._complete(request, mode, thinking_open, submission, fields))
+        return ChatRun(prompt, mode, thinking_open, await self.submit([prompt], params, request))
 
     async def render(self, request: ChatCompletionRequest) -> dict:
         """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating
         nothing. vLLM's router asks for them to route a request by its tokens' prefix (cache_aware)."""
         self.check_model(request.model)
         return {"request_id": new_response_fields("chatcmpl", self.model_name)["id"], "model": self.model_name,
-                "token_ids": await self._render_prompt(request)}
+                "token_ids": await self.render_prompt(request)}
 
-    async def _render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    async def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         try:
             return await self.renderer.render_chat(template_messages(request), request.add_generation_prompt,
@@ -174,27 +190,25 @@ class OpenAIServingChat(OpenAIServing):
     def _choice_logprobs(self, request: ChatCompletionRequest, completion: CompletionOutput):
         return self._logprobs(completion, request.top_logprobs or 0) if request.logprobs else None
 
-    async def _complete(self, request: ChatCompletionRequest, mode: ToolMode, thinking_open: bool | None,
-                        submission: Submission, fields: dict) -> dict:
-        outputs = await final_outputs(submission)
+    async def _complete(self, request: ChatCompletionRequest, run: ChatRun, fields: dict) -> dict:
+        outputs = await final_outputs(run.submission)
         output = outputs[0]
         choices = []
         for c in output.outputs:
-            reader = ChoiceReader(mode, thinking_open)
+            reader = run.reader()
             message = reader.message(c.text or "")
             choices.append({"index": c.index, "message": message, "logprobs": self._choice_logprobs(request, c),
                             "finish_reason": reader.finish_reason(c.finish_reason), "stop_reason": c.stop_reason,
                             **(token_id_fields(output, c, True) if request.return_token_ids else {})})
         return {**fields, "choices": choices, "usage": usage([output])}
 
-    def _stream(self, request: ChatCompletionRequest, mode: ToolMode, thinking_open: bool | None,
-                submission: Submission, fields: dict) -> AsyncIterator[bytes]:
+    def _stream(self, request: ChatCompletionRequest, run: ChatRun, fields: dict) -> AsyncIterator[bytes]:
         readers: dict[int, ChoiceReader] = {}
 
         def choice_of(delta: ChoiceDelta) -> dict | None:
             completion = delta.completion
             if delta.index not in readers:
-                readers[delta.index] = ChoiceReader(mode, thinking_open)
+                readers[delta.index] = run.reader()
             reader = readers[delta.index]
             finished = completion.finish_reason is not None
             message_delta = reader.delta(completion.text or "", finished)
@@ -210,4 +224,4 @@ class OpenAIServingChat(OpenAIServing):
         # The first chunk of every choice carries the role, before any token is ready.
         opening = [{"index": index, "delta": {"role": ROLE, "content": ""}, "logprobs": None, "finish_reason": None}
                    for index in range(request.n)]
-        return sse_stream(submission, request.n, fields, request.include_usage_in_stream, choice_of, opening)
+        return sse_stream(run.submission, request.n, fields, request.include_usage_in_stream, choice_of, opening)
