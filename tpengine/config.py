@@ -184,7 +184,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- model -------------------------------------------------------------------------------------------------
     model: Annotated[str, Setting(
         "model", "local Hugging Face checkpoint folder of a supported family: Qwen3, Qwen3-MoE, Qwen2/2.5, "
-                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss")]
+                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss; or a .gguf file (Llama, Qwen2, Qwen3, "
+                 "Qwen3-MoE)")]
+    # None: the model's own (its folder's tokenizer files, or the one a GGUF file holds)
+    tokenizer: Annotated[str | None, Setting(
+        "model", "folder whose Hugging Face tokenizer replaces the model's (a GGUF file's, say)",
+        default_help="the model's")] = None
     dtype: Annotated[str, Setting(
         "model", "weights and KV-cache dtype; auto = float32 on CPU, the checkpoint's on CUDA; a half dtype the CPU "
                  "has no instructions for runs as float32 (bfloat16 keeping its linear weights in bfloat16 on AVX2 "

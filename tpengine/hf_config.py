@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 from tpengine.families import ARCHITECTURES, FAMILIES, Family
+from tpengine.gguf import is_gguf
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LEGACY_LAYER_TYPES = {"attention": "full_attention"}  # transformers renames these on load
@@ -255,11 +256,14 @@ def _read_json(path: str):
 
 
 def load_hf_config(model: str | os.PathLike) -> HFConfig:
-    """The checkpoint folder's config.json; ValueError naming the file and the field at fault, or the
-    architecture or setting the shared decoder does not implement."""
+    """The checkpoint folder's config.json (or a GGUF file's metadata); ValueError naming the file and the field at
+    fault, or the architecture or setting the shared decoder does not implement."""
     model = os.fspath(model)
+    if is_gguf(model):
+        return _load_gguf_config(model)
     if not os.path.isdir(model):
-        raise ValueError(f"model must be a local folder with config.json and safetensors weights, got {model!r}")
+        raise ValueError(f"model must be a local folder with config.json and safetensors weights, or a .gguf file, "
+                         f"got {model!r}")
     config_file = os.path.join(model, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"model folder {model!r} has no config.json")
@@ -268,6 +272,20 @@ def load_hf_config(model: str | os.PathLike) -> HFConfig:
         architecture_of(raw.get("architectures"))
     config = parse_hf_config(raw, config_file)
     check_supported(config)
+    return config
+
+
+def _load_gguf_config(model: str) -> HFConfig:
+    """A GGUF file's metadata read as the config.json it stands for (tpengine/gguf/config.py), every tensor's shape
+    checked against it."""
+    from tpengine.gguf.config import check_shapes, hf_config_dict
+    from tpengine.gguf.files import open_gguf
+    checkpoint = open_gguf(model)
+    raw = hf_config_dict(checkpoint)
+    architecture_of(raw["architectures"])
+    config = parse_hf_config(raw, model)
+    check_supported(config)
+    check_shapes(checkpoint, replace(config, head_dim=head_dim_of(config)))
     return config
 
 

@@ -21,6 +21,7 @@ from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
 from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
+from tpengine.gguf import is_gguf
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
 from tpengine.outputs import NO_TOKEN, RequestOutput, merge_deltas
@@ -35,12 +36,18 @@ logger = logging.getLogger("tpengine")
 AWAIT_GRAMMAR_S = 0.05
 
 
-def _load_tokenizer(model: str):
+def load_tokenizer(model: str, tokenizer: str | None):
+    """The model's tokenizer (None where its folder has none), or the folder tokenizer names (--tokenizer)."""
+    if tokenizer is None and is_gguf(model):  # the tokenizer the file holds
+        from tpengine.gguf.tokenizer import load_gguf_tokenizer
+        return load_gguf_tokenizer(model)
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(model, name)) for name in names):
+    if not any(os.path.exists(os.path.join(tokenizer or model, name)) for name in names):
+        if tokenizer is not None:
+            raise ValueError(f"tokenizer={tokenizer!r} is not a folder with a Hugging Face tokenizer (none of {names})")
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(tokenizer or model)
 
 
 class LLMEngine:
@@ -53,7 +60,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model, config.tokenizer)
         eos_token_ids = load_eos_token_ids(model, hf_config)  # read before any worker starts: it may raise
         self.detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, self.vocab_size)
         # before any worker starts: it may raise

@@ -51,9 +51,7 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
                chat_template: str | None, access_log: bool, log_level: str, engine_kwargs: dict,
                body_timeout_s: float = BODY_TIMEOUT_S, tool_parser: str | None = None,
                enable_auto_tool_choice: bool = False) -> int:
-    from transformers import AutoTokenizer
-
-    from tpengine.engine.llm_engine import LLMEngine
+    from tpengine.engine.llm_engine import LLMEngine, load_tokenizer
 
     chat_template = load_chat_template(chat_template)
     sock = bind_socket(host, port)
@@ -65,9 +63,11 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
         llm_engine = LLMEngine(model, **engine_kwargs)
         # One tokenizer per thread that uses it (a Rust tokenizer must not be used from two at once): the
         # engine thread has the engine's, the renderer's thread and the event loop one each.
-        tokenizer = AutoTokenizer.from_pretrained(model) if llm_engine.tokenizer is not None else None
-        renderer = PromptRenderer(AutoTokenizer.from_pretrained(model) if tokenizer is not None else None,
-                                  chat_template, llm_engine.max_request_len)
+        # the engine's rule (its folder's, a GGUF file's, or --tokenizer's), loaded afresh for each
+        tokenizer = renderer_tokenizer = None
+        if llm_engine.tokenizer is not None:
+            tokenizer, renderer_tokenizer = (load_tokenizer(model, llm_engine.config.tokenizer) for _ in range(2))
+        renderer = PromptRenderer(renderer_tokenizer, chat_template, llm_engine.max_request_len)
         metrics = Metrics(model_name)
         engine = AsyncEngine(llm_engine, metrics)
         draining = Draining()

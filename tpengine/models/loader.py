@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from tpengine.config import FP8_NEEDS_A_GPU, EngineConfig
+from tpengine.gguf import is_gguf
 from tpengine.hf_config import quantization_config_of
 from tpengine.layers.attention import kv_scale_target
 from tpengine.layers.linear import FUSED
@@ -163,12 +164,39 @@ def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
     return id(param), args
 
 
+def _load_gguf(model: nn.Module, params: dict, path: str, online: OnlineQuantization | None) -> dict:
+    """A GGUF checkpoint's tensors, each in its own type (tpengine/gguf/tensors.py), into the model's weight
+    loaders; the (parameter id, loader arguments) each filled. A block-quantized tensor loads only where its layer
+    runs quantized weights."""
+    from tpengine.gguf.files import open_gguf
+    from tpengine.gguf.tensors import checkpoint_tensors
+    chosen = {}
+    for gguf_name, name, read in checkpoint_tensors(open_gguf(path)):
+        target, args = model.checkpoint_target(name)
+        if target is None:
+            continue
+        if target not in params:
+            raise ValueError(f"GGUF tensor {gguf_name!r} ({name}) has no matching parameter in the model")
+        param, what = params[target], f"GGUF tensor {gguf_name!r} in {path}"
+        loaded = read()
+        if isinstance(loaded, QuantizedWeight) and not load_state(param).takes_form(QuantizedWeight):
+            raise ValueError(f"{what} is block-quantized, but {target} runs float weights only")
+        if online is not None and isinstance(loaded, torch.Tensor) and loaded.dim() == 2 \
+                and online.applies_to(target, param):
+            loaded = online.quantize(loaded)
+        _load(param, loaded, args, what)
+        chosen[(id(param), args)] = gguf_name
+    return chosen
+
+
 def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
                online: OnlineQuantization | None = None, keep_fp8: bool = False) -> None:
     """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one;
     keep_fp8: the platform multiplies FP8, so an FP8 checkpoint's linears load as Fp8Weight."""
     path = os.fspath(path)
     params = dict(model.named_parameters(remove_duplicate=False))
+    if is_gguf(path):
+        return _check_filled(model, path, _load_gguf(model, params, path, online))
     # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
     canonical = {id(param): name for name, param in model.named_parameters()}
     files_of = {}
@@ -209,6 +237,11 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
                     handles[file] = stack.enter_context(_open(file))
                 read[suffix] = handles[file].get_tensor(name)
             chosen[_load_quantized(model, params, quantization, module, read, keep_fp8)] = (files_of[name], module)
+    _check_filled(model, path, chosen)
+
+
+def _check_filled(model: nn.Module, path: str, chosen: dict) -> None:
+    """ValueError naming the parameters no checkpoint tensor filled; chosen: (parameter id, loader arguments) keys."""
     loaded: dict[int, set[tuple]] = {}
     for param_id, args in chosen:
         loaded.setdefault(param_id, set()).add(args)

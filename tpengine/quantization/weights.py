@@ -115,18 +115,22 @@ class QuantizedWeight:
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Packed projections (q/k/v, gate/up) as one weight, each part keeping its own scales. They must agree on
-    bits, groups and activation; act-order parts must share one group_index (GPTQ quantizes them alike)."""
+    groups and activation; act-order parts must share one group_index (GPTQ quantizes them alike). Parts of 4 and
+    8 bits (a GGUF file's Q4_0 q beside its Q8_0 k and v) join as 8 bits: an int4 value is an int8 one, exactly."""
     first = parts[0]
     for part in parts[1:]:
-        if (part.bits, part.group_size, part.activation, part.zeros is None) != \
-                (first.bits, first.group_size, first.activation, first.zeros is None):
+        # symmetric values are signed at any width; with zero points a width is its own unsigned range
+        widths_join = part.bits == first.bits or first.zeros is None
+        if (part.group_size, part.activation, part.zeros is None) != \
+                (first.group_size, first.activation, first.zeros is None) or not widths_join:
             raise ValueError("the packed projections of one layer are quantized differently: "
                              f"{(first.bits, first.group_size, first.activation)} and "
                              f"{(part.bits, part.group_size, part.activation)}")
         if (part.group_index is None) != (first.group_index is None) or (
                 part.group_index is not None and not torch.equal(part.group_index, first.group_index)):
             raise ValueError("the packed projections of one layer have different act-order group indices (g_idx)")
-    return replace(first, qweight=torch.cat([p.qweight for p in parts]), scales=torch.cat([p.scales for p in parts]),
+    return replace(first, bits=max(p.bits for p in parts), qweight=torch.cat([p.qweight for p in parts]),
+                   scales=torch.cat([p.scales for p in parts]),
                    zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts]))
 
 

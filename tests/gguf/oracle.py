@@ -1,0 +1,74 @@
+"""transformers reading a GGUF file, as `from_pretrained(dir, gguf_file=...)` does (its config from the metadata,
+every tensor dequantized by gguf.quants.dequantize and unpermuted by transformers' own processor), in float32.
+from_pretrained itself wants accelerate for GGUF; these are the steps it takes."""
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_from_gguf(path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    model.generation_config.eos_token_id = None  # compare full lengths; our side runs with ignore_eos
+    return model.eval()
+
+
+def transformers_greedy(path: str, prompts: list[list[int]], max_new_tokens: int,
+                        dequantized_into: str | None = None) -> list[list[int]]:
+    """dequantized_into: the folder whose model takes the file's dequantized tensors (transformers_from_dequantized)
+    instead of transformers' own reading of the file."""
+    model = transformers_from_dequantized(path, dequantized_into) if dequantized_into else transformers_from_gguf(path)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_from_dequantized(path: str, folder: str):
+    """The model of folder in transformers, float32, its weights replaced by gguf.quants.dequantize of the file's
+    tensors (each expert of a stacked tensor its own): the oracle where transformers' own GGUF reading fails (its
+    qwen3moe processor drops the stacked experts)."""
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoModelForCausalLM
+    from tpengine.gguf.tensors import _EXPERTS, hf_name
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tensors = {}
+    for tensor in GGUFReader(path).tensors:
+        weights = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
+        layer, stem = tensor.name.split(".")[1:3] if tensor.name.startswith("blk.") else (None, None)
+        if stem in _EXPERTS:
+            tensors.update((f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[stem]}.weight", w)
+                           for e, w in enumerate(weights))
+        else:
+            tensors[hf_name(tensor.name)] = weights
+    missing, unexpected = model.load_state_dict(_as_model_keys(model, tensors), strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _as_model_keys(model, tensors: dict) -> dict:
+    """Per-expert checkpoint tensors stacked as transformers 5 holds them (experts.gate_up_proj, experts.down_proj)."""
+    if any(key.endswith("experts.gate_up_proj") for key in model.state_dict()):
+        layers = {key.split(".")[2] for key in tensors if ".experts." in key}
+        for layer in layers:
+            prefix = f"model.layers.{layer}.mlp.experts"
+            count = sum(1 for key in tensors if key.startswith(prefix) and key.endswith("down_proj.weight"))
+            gate_up = [[tensors.pop(f"{prefix}.{e}.{projection}_proj.weight") for projection in ("gate", "up")]
+                       for e in range(count)]
+            tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(pair) for pair in gate_up])
+            tensors[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{e}.down_proj.weight")
+                                                          for e in range(count)])
+    return tensors

@@ -1,0 +1,187 @@
+"""GGUF files load as llama.cpp wrote them and run exactly: greedy tokens equal transformers' reading the same file
+(every tensor dequantized) in float32, each tensor run from its own type; bad files are ValueErrors naming what is
+wrong, before any worker starts."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from tests.conftest import random_prompts
+from tests.gguf.oracle import transformers_greedy
+from tests.gguf.writer import write_gguf
+from tpengine import LLM, SamplingParams
+from tpengine.gguf.files import open_gguf
+from tpengine.gguf.tensors import checkpoint_tensors, unpermute_rows
+from tpengine.hf_config import load_hf_config
+from tpengine.quantization.weights import QuantizedWeight
+from tpengine.tiny_model import write_tiny_model
+
+# transformers reads no qwen3.attention.key_length: its Qwen3Config's default head_dim (128) must be the model's
+QWEN3 = dict(num_hidden_layers=2, head_dim=128, tie_word_embeddings=False)
+LLAMA = dict(architecture="LlamaForCausalLM", num_hidden_layers=2, head_dim=None, tie_word_embeddings=True,
+             bos_token="<|begin_of_text|>")
+QWEN3_MOE = dict(QWEN3, architecture="Qwen3MoeForCausalLM", moe_intermediate_size=64, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("qwen3")), seed=3, **QWEN3)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("llama")), seed=4, **LLAMA)
+
+
+def _greedy(path: str, prompts, **kwargs):
+    with LLM(path, kvcache_block_size=16, **kwargs) as llm:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0"])
+def test_qwen3_gguf_greedy_tokens_equal_transformers_reading_the_same_file(qwen3, tmp_path, weight_type):
+    path = write_gguf(qwen3, str(tmp_path / f"model-{weight_type}.gguf"), weight_type)
+    prompts = random_prompts(3, [5, 20], 320)
+    assert _greedy(path, prompts) == transformers_greedy(path, prompts, 8)
+
+
+def test_llama_gguf_with_permuted_qk_and_mixed_types_equals_transformers_at_tp_1_and_2(llama, tmp_path):
+    types = {"blk.0.attn_q.weight": "Q4_0", "blk.1.ffn_down.weight": "F16", "token_embd.weight": "F32"}
+    path = write_gguf(llama, str(tmp_path / "llama.gguf"), "Q8_0", types=types)
+    prompts = random_prompts(3, [5, 20], 320)
+    expected = transformers_greedy(path, prompts, 8)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+def test_qwen3_moe_gguf_with_stacked_experts_equals_transformers_at_tp_1_and_2(tmp_path):
+    folder = write_tiny_model(str(tmp_path / "moe"), seed=5, **QWEN3_MOE)
+    path = write_gguf(folder, str(tmp_path / "moe.gguf"), "Q8_0", types={"blk.1.ffn_up_exps.weight": "Q4_0"})
+    prompts = random_prompts(3, [5, 20], 320)
+    expected = transformers_greedy(path, prompts, 8, dequantized_into=folder)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+def test_block_types_load_as_their_exact_quantized_form(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "m.gguf"), "Q8_0", types={"blk.0.ffn_up.weight": "Q4_0"})
+    checkpoint = open_gguf(path)
+    read = {gguf_name: read() for gguf_name, _, read in checkpoint_tensors(checkpoint)}
+    for name, bits in (("blk.0.attn_q.weight", 8), ("blk.0.ffn_up.weight", 4)):
+        tensor = checkpoint.tensors[name]
+        assert isinstance(read[name], QuantizedWeight) and read[name].bits == bits and read[name].group_size == 32
+        expected = quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(read[name].dequantize().numpy(), expected)
+
+
+def test_unpermute_rows_undoes_llama_cpps_permutation():
+    from tests.gguf.writer import permute
+    rows = np.arange(8 * 4 * 3, dtype=np.float32).reshape(8 * 4, 3)
+    np.testing.assert_array_equal(unpermute_rows(permute(rows, 4), 4), rows)
+
+
+def test_config_and_tokenizer_come_from_the_file_alone(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "alone.gguf"), "F16")
+    config = load_hf_config(path)
+    assert (config.model_type, config.head_dim, config.num_key_value_heads, config.tie_word_embeddings) == \
+        ("qwen3", 128, 2, False)
+    with LLM(path, kvcache_block_size=16) as llm:
+        tokenizer = llm.get_tokenizer()
+        assert tokenizer.decode(tokenizer.encode("hi there")) == "hi there"
+        assert tokenizer.chat_template and tokenizer.eos_token_id == 256
+        assert llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0].outputs[0].text is not None
+
+
+def test_a_split_set_loads_from_any_of_its_files(qwen3, tmp_path):
+    whole = write_gguf(qwen3, str(tmp_path / "whole.gguf"), "Q8_0")
+    first = _split(whole, tmp_path / "split")
+    prompts = random_prompts(2, [5, 12], 320)
+    assert _greedy(first, prompts) == _greedy(whole, prompts)
+
+
+def _split(path: str, folder) -> str:
+    """The file rewritten as a split set of three, as gguf-split writes one: metadata in the first file."""
+    from gguf import GGUFReader, GGUFWriter
+    reader = GGUFReader(path)
+    os.makedirs(folder)
+    writer = GGUFWriter(str(folder / "m.gguf"), "qwen3", split_max_tensors=10)
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    files = sorted(os.listdir(folder))
+    assert len(files) > 1 and files[0].endswith("-00001-of-%05d.gguf" % len(files))
+    return str(folder / files[-1])
+
+
+def test_a_type_without_a_kernel_is_a_value_error_naming_it_and_the_tensor(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "k.gguf"), "Q8_0", types={"blk.1.attn_output.weight": "Q4_K"})
+    with pytest.raises(ValueError, match="'blk.1.attn_output.weight' is of type Q4_K"):
+        LLM(path)
+
+
+def test_a_truncated_file_is_a_value_error_naming_it(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "cut.gguf"), "Q8_0")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+        LLM(path)
+
+
+def test_an_unknown_architecture_is_a_value_error_naming_it(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "bert.gguf"), "F16", arch="bert")
+    with pytest.raises(ValueError, match="GGUF architecture 'bert'.*general.architecture"):
+        load_hf_config(path)
+
+
+def test_a_tensor_shape_that_disagrees_with_the_metadata_is_a_value_error_naming_it(qwen3, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(qwen3, bad)
+    with open(os.path.join(bad, "config.json")) as f:
+        config = json.load(f)
+    config["intermediate_size"] = 512  # the metadata says 512, the tensors hold 384
+    with open(os.path.join(bad, "config.json"), "w") as f:
+        json.dump(config, f)
+    path = write_gguf(bad, str(tmp_path / "shape.gguf"), "Q8_0")
+    with pytest.raises(ValueError, match="GGUF tensor 'blk.0.ffn_(gate|up|down).weight' has shape .*384.*512"):
+        load_hf_config(path)
+
+
+def test_a_file_without_a_tokenizer_needs_the_tokenizer_setting(qwen3, tmp_path):
+    path = write_gguf(qwen3, str(tmp_path / "notok.gguf"), "F16", tokenizer=False)
+    with pytest.raises(ValueError, match="holds no tokenizer.*tokenizer.ggml.model.*--tokenizer"):
+        LLM(path)
+    with LLM(path, tokenizer=qwen3, kvcache_block_size=16) as llm:
+        assert llm.get_tokenizer().eos_token_id == 256
+
+
+def test_splitting_a_block_at_tp_2_is_a_value_error_naming_both_numbers():
+    weight = QuantizedWeight(bits=8, qweight=torch.zeros(4, 96, dtype=torch.int8), scales=torch.ones(4, 3), zeros=None,
+                             group_size=32)
+    with pytest.raises(ValueError, match="48 input features, not a multiple of the group size 32"):
+        weight.columns(0, 48, 2)
+
+
+def test_serve_chats_with_a_gguf_file_and_nothing_else_on_disk(qwen3, tmp_path):
+    from tests.entrypoints.conftest import Server
+    path = write_gguf(qwen3, str(tmp_path / "served.gguf"), "Q8_0")
+    server = Server("--model", path, "--block-size", "16")
+    try:
+        body = {"model": Server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, reply = server.request("POST", "/v1/chat/completions", body)
+        assert status == 200 and reply["usage"]["completion_tokens"] >= 1
+        assert server.stop() == 0
+    finally:
+        server.kill_leftovers()

@@ -1,0 +1,140 @@
+"""A GGUF file's metadata as the config.json object hf_config.parse_hf_config reads, for the families whose GGUF
+architecture we run. The keys are llama.cpp's (`{arch}.block_count`, ...), as its convert_hf_to_gguf.py writes them;
+what the metadata does not say, the tensors do (the head tied to the embedding where there is no output.weight)."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one general.architecture reads: the family it is, and whether llama.cpp permuted its q/k rows."""
+    model_type: str
+    architecture: str  # config.json's architectures[0]
+    permuted_qk: bool = False  # the converter interleaved each head's rotary halves (llama.cpp's LLaMA rope)
+    bias_flags: bool = False  # its config class reads attention_bias and mlp_bias (Qwen2's always has q/k/v biases)
+    keys: tuple[tuple[str, str], ...] = ()  # (config.json key, metadata key after "{arch}.") it requires besides
+    settings: tuple[tuple[str, object], ...] = ()  # config.json keys llama.cpp's graph fixes for it
+
+
+ARCHITECTURES = {
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True, bias_flags=True),
+    "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
+    # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights
+    "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", keys=(
+        ("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
+        ("moe_intermediate_size", "expert_feed_forward_length")), settings=(("norm_topk_prob", True),)),
+}
+
+# the tensor types that run from their own form (gguf/tensors.py reads each); any other is a ValueError
+RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+
+# config.json key -> the metadata key that gives it, after "{arch}."; every one required
+_REQUIRED = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+             "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
+             "max_position_embeddings": "context_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon"}
+_OPTIONAL = {"num_key_value_heads": "attention.head_count_kv", "rope_theta": "rope.freq_base",
+             "head_dim": "attention.key_length"}
+# end-of-generation tokens llama.cpp stops at besides EOS (end of turn, end of message)
+_END_TOKENS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_architecture(metadata: dict, source: str) -> tuple[str, GGUFArchitecture]:
+    """(general.architecture, how it reads); ValueError naming it when we run no such family."""
+    name = metadata.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise ValueError(f"{source}: GGUF architecture {name!r} (general.architecture) is not supported; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    return name, ARCHITECTURES[name]
+
+
+def check_type(tensor) -> str:
+    """A gguf.ReaderTensor's type name; ValueError naming it and the tensor where no kernel of ours runs it."""
+    name = tensor.tensor_type.name
+    if name not in RUNNABLE_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} is of type {name}, which tpengine does not run yet "
+                         f"(it runs {', '.join(RUNNABLE_TYPES)}); it is not converted to float")
+    return name
+
+
+def _required(metadata: dict, key: str, source: str):
+    if key not in metadata:
+        raise ValueError(f"{source}: the GGUF metadata lacks the key {key!r}")
+    return metadata[key]
+
+
+def _rope_scaling(metadata: dict, arch: str, source: str) -> dict | None:
+    """rope_scaling from `{arch}.rope.scaling.*`: linear and YaRN, as the converter writes them."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    factor = _required(metadata, f"{arch}.rope.scaling.factor", source)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = _required(metadata, f"{arch}.rope.scaling.original_context_length", source)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise ValueError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported; tpengine reads linear and yarn")
+
+
+def _end_tokens(metadata: dict) -> int | list[int] | None:
+    ids = list(dict.fromkeys(metadata[key] for key in _END_TOKENS if key in metadata))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
+def hf_config_dict(checkpoint) -> dict:
+    """The config.json object a Hugging Face checkpoint of this GGUF file (files.GGUFCheckpoint) would have.
+    ValueError naming the key or tensor the engine cannot read (an unknown architecture, a missing key, llama 3's
+    rope_freqs)."""
+    metadata, tensor_names, source = checkpoint.metadata, set(checkpoint.tensors), checkpoint.path
+    arch, described = gguf_architecture(metadata, source)
+    if "rope_freqs.weight" in tensor_names:  # llama 3's rope scaling, stored as per-frequency factors
+        raise ValueError(f"{source}: the GGUF tensor 'rope_freqs.weight' (llama 3 rope scaling) is not supported yet")
+    if "token_embd.weight" not in tensor_names:
+        raise ValueError(f"{source}: the GGUF file lacks the tensor 'token_embd.weight'")
+    for tensor in checkpoint.tensors.values():
+        check_type(tensor)
+    config = {"architectures": [described.architecture], "model_type": described.model_type,
+              "vocab_size": int(checkpoint.tensors["token_embd.weight"].shape[-1]),  # ggml lists dims innermost first
+              "tie_word_embeddings": "output.weight" not in tensor_names,
+              "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"), "eos_token_id": _end_tokens(metadata)}
+    config.update(described.settings)
+    config.update((key, _required(metadata, f"{arch}.{gguf_key}", source))
+                  for key, gguf_key in (*_REQUIRED.items(), *described.keys))
+    config.update((key, metadata[f"{arch}.{gguf_key}"]) for key, gguf_key in _OPTIONAL.items()
+                  if f"{arch}.{gguf_key}" in metadata)
+    if "head_dim" not in config and described.permuted_qk and f"{arch}.rope.dimension_count" in metadata:
+        config["head_dim"] = metadata[f"{arch}.rope.dimension_count"]  # LLaMA rotates whole heads
+    if described.bias_flags:
+        config.update(attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
+    rope_scaling = _rope_scaling(metadata, arch, source)
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+
+def check_shapes(checkpoint, config) -> None:
+    """ValueError naming the first tensor whose shape is not the one the config (an HFConfig read from the metadata)
+    gives it: told on rank 0, before any worker starts. Shapes as Hugging Face's [out, in] (ggml lists them innermost
+    first); an expert tensor stacks the experts first."""
+    hidden, inter, vocab, experts = (config.hidden_size, config.intermediate_size, config.vocab_size,
+                                     config.num_experts)
+    head_dim = config.head_dim or hidden // config.num_attention_heads
+    q, kv, expert_inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, \
+        config.moe_intermediate_size
+    expected = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,),
+                "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
+                "attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
+                "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
+                "ffn_gate_inp": (experts, hidden), "ffn_gate_exps": (experts, expert_inter, hidden),
+                "ffn_up_exps": (experts, expert_inter, hidden), "ffn_down_exps": (experts, hidden, expert_inter)}
+    for name, tensor in checkpoint.tensors.items():
+        *_, stem, suffix = name.split(".")
+        want = expected.get(stem)
+        if want is None:
+            continue
+        want = want[:1] if suffix == "bias" else want
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if shape != want:
+            raise ValueError(f"{checkpoint.path}: GGUF tensor {name!r} has shape {list(shape)}, but the metadata makes "
+                             f"it {list(want)}")

@@ -1,0 +1,107 @@
+"""A GGUF checkpoint's tensors under the Hugging Face checkpoint's names, each in the form it runs from.
+
+F32, F16 and BF16 are float tensors. Q8_0 and Q4_0 map exactly onto a QuantizedWeight: each block of 32 input
+features is one group with its float16 scale; Q8_0's values are int8, Q4_0's are 4-bit values less 8 (its
+w = d * (q - 8) is our symmetric int4 form). Every other type is a ValueError naming it and the tensor: it runs
+from no kernel of ours yet, and is never quietly dequantized to float.
+
+llama.cpp's converter interleaves the two rotary halves of each q and k head for its LLaMA rope
+(convert_hf_to_gguf.py, LlamaModel.permute); unpermute_rows undoes it, on the rows of any type, whose blocks lie
+along the input features.
+"""
+import re
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import torch
+
+from tpengine.gguf.config import RUNNABLE_TYPES, check_type, gguf_architecture
+from tpengine.gguf.files import GGUFCheckpoint
+from tpengine.quantization.weights import QuantizedWeight
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
+# a mixture of experts' projections, every expert's stacked in one [experts, out, in] tensor
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+GROUP = 32  # input features per Q8_0 and Q4_0 block
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face checkpoint's name for a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.
+    q_proj.weight); ValueError naming a tensor no family of ours has."""
+    match = _BLOCK.match(gguf_name)
+    if match is not None and match[2] in _LAYER:
+        return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+    module, _, suffix = gguf_name.rpartition(".")
+    if module in _TOP and suffix in ("weight", "bias"):
+        return f"{_TOP[module]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not one tpengine reads")
+
+
+def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """The rows of a q or k projection (weight or bias) in Hugging Face's order: llama.cpp stores each head's
+    rows as (pair, half); transformers' rotate_half wants (half, pair)."""
+    pairs = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _blocks(data: np.ndarray, block_bytes: int) -> tuple[torch.Tensor, np.ndarray]:
+    """(float32 scales [out, blocks], each block's value bytes [out, blocks, block_bytes - 2]) of a block type
+    whose blocks start with a float16 scale."""
+    blocks = data.reshape(data.shape[0], -1, block_bytes)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    return torch.from_numpy(scales), blocks[..., 2:]
+
+
+def _q8_0(data: np.ndarray) -> QuantizedWeight:
+    scales, values = _blocks(data, 2 + GROUP)
+    qweight = torch.from_numpy(np.ascontiguousarray(values).view(np.int8).reshape(data.shape[0], -1))
+    return QuantizedWeight(bits=8, qweight=qweight, scales=scales, zeros=None, group_size=GROUP)
+
+
+def _q4_0(data: np.ndarray) -> QuantizedWeight:
+    scales, packed = _blocks(data, 2 + GROUP // 2)
+    # byte j of a block holds value j in its low nibble and value j + 16 in its high one
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8) - 8
+    return QuantizedWeight(bits=4, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
+                           zeros=None, group_size=GROUP)
+
+
+def _float(data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(data))
+
+
+def _bf16(data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+
+
+_READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0}
+assert tuple(_READERS) == RUNNABLE_TYPES
+
+
+def _reader(tensor, rows: Callable[[], np.ndarray]) -> Callable:
+    return lambda: _READERS[check_type(tensor)](rows())
+
+
+def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, Callable]]:
+    """(GGUF name, Hugging Face name, a function reading it) for every tensor of the checkpoint (each expert of a
+    stacked expert tensor on its own), the q/k rows of a permuted family put back in transformers' order. Reading
+    is deferred: a rank reads only what it loads."""
+    arch, described = gguf_architecture(checkpoint.metadata, checkpoint.path)
+    heads = {"attn_q": checkpoint.metadata.get(f"{arch}.attention.head_count")}
+    heads["attn_k"] = checkpoint.metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
+    for gguf_name, tensor in checkpoint.tensors.items():
+        match = _BLOCK.match(gguf_name)
+        if match is not None and match[2] in _EXPERTS:
+            for expert in range(tensor.data.shape[0]):
+                yield (gguf_name, f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[match[2]]}.weight",
+                       _reader(tensor, lambda tensor=tensor, expert=expert: tensor.data[expert]))
+            continue
+        num_heads = heads.get(match[2]) if match is not None and described.permuted_qk else None
+        rows = (lambda tensor=tensor: tensor.data) if num_heads is None else \
+            (lambda tensor=tensor, num_heads=num_heads: unpermute_rows(tensor.data, num_heads))
+        yield gguf_name, hf_name(gguf_name), _reader(tensor, rows)
