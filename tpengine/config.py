@@ -184,7 +184,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- model -------------------------------------------------------------------------------------------------
     model: Annotated[str, Setting(
         "model", "local Hugging Face checkpoint folder of a supported family: Qwen3, Qwen3-MoE, Qwen2/2.5, "
-                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss; or a .gguf file (Llama, Qwen2, Qwen3, "
+                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss; or a .gguf file (Llama, Qwen2, Qwen3, Gemma 2/3, "
                  "Qwen3-MoE)")]
     # None: the model's own (its folder's tokenizer files, or the one a GGUF file holds)
     tokenizer: Annotated[str | None, Setting(

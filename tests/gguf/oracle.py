@@ -8,10 +8,13 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def transformers_from_gguf(path: str):
+def transformers_from_gguf(path: str, config_folder: str | None = None):
+    """config_folder: the folder whose config.json serves instead of the file's metadata, where transformers
+    cannot read the config from it: llama 3's rope scaling (it drops rope_freqs), Gemma's query_pre_attn_scalar."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    config = AutoConfig.from_pretrained(config_folder) if config_folder else \
+        AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -22,10 +25,11 @@ def transformers_from_gguf(path: str):
 
 
 def transformers_greedy(path: str, prompts: list[list[int]], max_new_tokens: int,
-                        dequantized_into: str | None = None) -> list[list[int]]:
+                        dequantized_into: str | None = None, config_folder: str | None = None) -> list[list[int]]:
     """dequantized_into: the folder whose model takes the file's dequantized tensors (transformers_from_dequantized)
-    instead of transformers' own reading of the file."""
-    model = transformers_from_dequantized(path, dequantized_into) if dequantized_into else transformers_from_gguf(path)
+    instead of transformers' own reading of the file; config_folder: see transformers_from_gguf."""
+    model = transformers_from_dequantized(path, dequantized_into) if dequantized_into else \
+        transformers_from_gguf(path, config_folder)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -26,6 +26,19 @@ LLAMA = dict(architecture="LlamaForCausalLM", num_hidden_layers=2, head_dim=None
              bos_token="<|begin_of_text|>")
 QWEN3_MOE = dict(QWEN3, architecture="Qwen3MoeForCausalLM", moe_intermediate_size=64, num_experts=4,
                  num_experts_per_tok=2, norm_topk_prob=True)
+# Llama 3.1's rope scaling with a pre-training window of 64 (given at the top level too, where llama.cpp's converter
+# reads it), so that a short prompt's low frequencies are scaled, and some blended
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+# llama.cpp's Gemma 2 graph scales queries by 1/sqrt(head_dim) (query_pre_attn_scalar is not in the file); a window
+# shorter than the prompts
+GEMMA2 = dict(architecture="Gemma2ForCausalLM", num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32,
+              sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, bos_token="<bos>")
+# six layers, the sixth global (llama.cpp's gemma3 pattern); the global layers' rope scaled linearly, as Gemma 3 4B's
+GEMMA3 = dict(GEMMA2, architecture="Gemma3ForCausalLM", num_hidden_layers=6, final_logit_softcapping=None,
+              attn_logit_softcapping=None, rope_parameters={
+                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -67,6 +80,70 @@ def test_qwen3_moe_gguf_with_stacked_experts_equals_transformers_at_tp_1_and_2(t
     expected = transformers_greedy(path, prompts, 8, dequantized_into=folder)
     assert _greedy(path, prompts) == expected
     assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+def test_llama3_rope_freqs_gguf_equals_transformers_reading_it_with_the_original_config(tmp_path):
+    folder = write_tiny_model(str(tmp_path / "llama3"), seed=6, **LLAMA, original_max_position_embeddings=64,
+                              rope_parameters=LLAMA3_ROPE)
+    path = write_gguf(folder, str(tmp_path / "llama3.gguf"), "Q8_0")
+    assert "rope_freqs.weight" in open_gguf(path).tensors
+    prompts = random_prompts(3, [20, 40], 320)
+    expected = transformers_greedy(path, prompts, 8, config_folder=folder)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+@pytest.mark.parametrize("rope", [dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,  # Llama 3.1's
+                                       original_max_position_embeddings=8192),
+                                  dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,  # Llama 3.2's
+                                       original_max_position_embeddings=8192),
+                                  dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=2.0,
+                                       original_max_position_embeddings=128)])
+def test_llama3_rope_scaling_is_read_back_from_the_rope_freqs_tensor(tmp_path, rope):
+    rope = dict(rope, rope_type="llama3", rope_theta=500000.0)
+    folder = write_tiny_model(str(tmp_path / "llama3"), seed=6, **dict(LLAMA, head_dim=64),
+                              original_max_position_embeddings=rope["original_max_position_embeddings"],
+                              rope_parameters=rope)
+    config = load_hf_config(write_gguf(folder, str(tmp_path / "llama3.gguf"), "F16", tokenizer=False))
+    assert config.rope_parameters == rope
+
+
+def test_rope_freqs_no_llama3_rope_gives_is_a_value_error(tmp_path):
+    from gguf import GGUFReader
+    folder = write_tiny_model(str(tmp_path / "llama3"), seed=6, **LLAMA, rope_parameters=LLAMA3_ROPE)
+    path = write_gguf(folder, str(tmp_path / "llama3.gguf"), "F16", tokenizer=False)
+    GGUFReader(path, "r+").tensors[0].data[:] = np.linspace(1, 3, 16)  # rope_freqs, written before the weights
+    with pytest.raises(ValueError, match="'rope_freqs.weight' holds per-frequency rope factors that no llama3"):
+        load_hf_config(path)
+
+
+@pytest.mark.parametrize("settings", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
+def test_gemma_gguf_with_norms_stored_plus_one_equals_transformers_at_tp_1_and_2(tmp_path, settings):
+    folder = _with_random_norms(write_tiny_model(str(tmp_path / "gemma"), seed=7, **settings))
+    path = write_gguf(folder, str(tmp_path / "gemma.gguf"), "Q8_0", types={"blk.1.attn_v.weight": "Q4_0"})
+    fields = ("rope_parameters", "layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim",
+              "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings")
+    from_file, from_folder = load_hf_config(path), load_hf_config(folder)
+    assert [getattr(from_file, f) for f in fields] == [getattr(from_folder, f) for f in fields]
+    norm = open_gguf(path).tensors["blk.0.post_ffw_norm.weight"]
+    assert np.abs(np.array(norm.data) - 1).max() < 0.5  # written as w + 1, as llama.cpp writes Gemma's norms
+    prompts = random_prompts(3, [20, 40], 320)
+    expected = transformers_greedy(path, prompts, 8, config_folder=folder)  # it reads no query_pre_attn_scalar
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+def _with_random_norms(folder: str) -> str:
+    """The checkpoint's norm weights (zero as transformers initialises Gemma's) drawn at random, so the +1 counts."""
+    from safetensors.numpy import load_file, save_file
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    rng = np.random.default_rng(0)
+    for name, weights in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = rng.normal(0, 0.1, weights.shape).astype(weights.dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return folder
 
 
 def test_block_types_load_as_their_exact_quantized_form(qwen3, tmp_path):

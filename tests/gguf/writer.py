@@ -2,23 +2,24 @@
 convert_hf_to_gguf.py writes one: its metadata keys, its tensor names, its q/k permutation for LLaMA, the byte-level
 BPE tokenizer as `tokenizer.ggml.*`, each 2-D weight in the block type asked for."""
 import json
+import math
 import os
 import re
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType, quants
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType, quants
 from safetensors.numpy import load_file
 
-from tpengine.gguf.tensors import _LAYER, _TOP
+from tpengine.gguf.config import ARCHITECTURES
+from tpengine.gguf.tensors import _LAYER, _TOP, layer_names
 
-_TO_GGUF = {hf: gguf for gguf, hf in _LAYER.items()}
 
-
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, layers: dict[str, str] = _LAYER) -> str:
+    """layers: the family's (tensors.layer_names), GGUF stem -> Hugging Face name."""
     module, _, suffix = hf_name.rpartition(".")
     if module.startswith("model.layers."):
         layer, _, rest = module.removeprefix("model.layers.").partition(".")
-        return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+        return f"blk.{layer}.{next(g for g, h in layers.items() if h == rest)}.{suffix}"
     return f"{next(g for g, h in _TOP.items() if h == module)}.{suffix}"
 
 
@@ -35,17 +36,53 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if config["model_type"] == "gemma2":  # as llama.cpp's Gemma2Model writes them
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config["model_type"] in ("gemma2", "gemma3_text"):
+        writer.add_sliding_window(config["sliding_window"])
+    scaling = rope.get("full_attention", rope)
+    if scaling.get("rope_type") == "linear":  # as llama.cpp's converters write it
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def llama3_rope_freqs(config: dict):
+    """rope_freqs.weight as llama.cpp's LlamaModel.generate_extra_tensors writes it for a llama3 rope (float32,
+    in torch, as there; its pre-training window from the config's top level, as there), or None. Written apart from
+    gguf/config.py's float64 twin on purpose: the file's side of the check."""
+    import torch
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = config.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high:
+            factors.append(1)
+        elif wavelen > old_context_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
 def _add_tokenizer(writer: GGUFWriter, folder: str, config: dict) -> None:
@@ -71,13 +108,13 @@ def _add_tokenizer(writer: GGUFWriter, folder: str, config: dict) -> None:
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def _gguf_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _gguf_tensors(tensors: dict[str, np.ndarray], layers: dict[str, str]) -> dict[str, np.ndarray]:
     """The checkpoint's tensors under their GGUF names; each layer's experts stacked, per projection."""
     named, experts = {}, {}
     for hf_name, weights in tensors.items():
         expert = _EXPERT.match(hf_name)
         if expert is None:
-            named[gguf_name(hf_name)] = weights
+            named[gguf_name(hf_name, layers)] = weights
         else:
             layer, index, projection = expert.groups()
             experts.setdefault(f"blk.{layer}.ffn_{projection}_exps.weight", {})[int(index)] = weights
@@ -99,12 +136,19 @@ def write_gguf(folder: str, path: str, weight_type: str = "F32", arch: str | Non
     Q4_0, Q4_K, ...) unless types names its own by GGUF name; norms and biases F32, as llama.cpp keeps them."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    arch = arch or {"qwen3_moe": "qwen3moe"}.get(config["model_type"], config["model_type"])
+    arch = arch or {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     writer = GGUFWriter(path, arch)
     _add_metadata(writer, config)
     if tokenizer:
         _add_tokenizer(writer, folder, config)
-    for name, weights in _gguf_tensors(load_file(os.path.join(folder, "model.safetensors"))).items():
+    rope_freqs = llama3_rope_freqs(config) if arch == "llama" else None
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs, raw_dtype=GGMLQuantizationType.F32)
+    described = ARCHITECTURES.get(arch, ARCHITECTURES["llama"])
+    for name, weights in _gguf_tensors(load_file(os.path.join(folder, "model.safetensors")),
+                                       layer_names(described)).items():
+        if described.norm_plus_one and name.endswith("norm.weight"):  # llama.cpp's Gemma converters add 1
+            weights = weights + 1
         if arch == "llama" and ".attn_q." in name:
             weights = permute(weights, config["num_attention_heads"])
         elif arch == "llama" and ".attn_k." in name:

@@ -1,7 +1,10 @@
 """A GGUF file's metadata as the config.json object hf_config.parse_hf_config reads, for the families whose GGUF
 architecture we run. The keys are llama.cpp's (`{arch}.block_count`, ...), as its convert_hf_to_gguf.py writes them;
 what the metadata does not say, the tensors do (the head tied to the embedding where there is no output.weight)."""
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,15 @@ class GGUFArchitecture:
     bias_flags: bool = False  # its config class reads attention_bias and mlp_bias (Qwen2's always has q/k/v biases)
     keys: tuple[tuple[str, str], ...] = ()  # (config.json key, metadata key after "{arch}.") it requires besides
     settings: tuple[tuple[str, object], ...] = ()  # config.json keys llama.cpp's graph fixes for it
+    layer_names: tuple[tuple[str, str], ...] = ()  # (GGUF tensor stem, Hugging Face name) where tensors.py's differ
+    norm_plus_one: bool = False  # the converter added 1 to every norm weight (Gemma's RMSNorm scales by 1 + w)
+    wide_query_scale_layers: int | None = None  # the block count of the one size whose query scale is 1/sqrt(hidden
+    # / heads), not 1/sqrt(head_dim), in llama.cpp's graph (Gemma's 27B); query_pre_attn_scalar is not in the file
+
+
+# Gemma's four norms a layer; llama.cpp names the pre-feedforward one ffn_norm, as other families' only second norm
+_GEMMA_NORMS = (("ffn_norm", "pre_feedforward_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
+                ("post_ffw_norm", "post_feedforward_layernorm"))
 
 
 ARCHITECTURES = {
@@ -23,6 +35,15 @@ ARCHITECTURES = {
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", keys=(
         ("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
         ("moe_intermediate_size", "expert_feed_forward_length")), settings=(("norm_topk_prob", True),)),
+    "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", keys=(
+        ("attn_logit_softcapping", "attn_logit_softcapping"), ("final_logit_softcapping", "final_logit_softcapping"),
+        ("sliding_window", "attention.sliding_window")), layer_names=_GEMMA_NORMS, norm_plus_one=True,
+        wide_query_scale_layers=46),
+    # llama.cpp's gemma3 graph: every sixth layer global (the family's default pattern), the sliding layers' rope
+    # theta 10000 (the family's default rope_local_base_freq), the global ones' the file's rope.freq_base
+    "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", keys=(
+        ("sliding_window", "attention.sliding_window"),), layer_names=_GEMMA_NORMS, norm_plus_one=True,
+        wide_query_scale_layers=62),
 }
 
 # the tensor types that run from their own form (gguf/tensors.py reads each); any other is a ValueError
@@ -76,6 +97,77 @@ def _rope_scaling(metadata: dict, arch: str, source: str) -> dict | None:
     raise ValueError(f"{source}: {arch}.rope.scaling.type {kind!r} is not supported; tpengine reads linear and yarn")
 
 
+# low_freq_factor, high_freq_factor, original_max_position_embeddings: llama.cpp's converter's defaults, and
+# Llama 3.1-3.3's values
+_LLAMA3_DEFAULTS = (1.0, 4.0, 8192)
+
+
+def _llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: float,
+                       original: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it from a llama3 rope_scaling (LlamaModel.
+    generate_extra_tensors): per frequency, the divisor of its inverse frequency. In float64 where the converter
+    runs float32: the two agree to a few float32 roundings, well inside the check's 1e-5."""
+    inv_freq = 1.0 / np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    wavelen = 2 * math.pi / inv_freq.astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (original / wavelen - low) / (high - low)
+        medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium)) \
+        .astype(np.float32)
+
+
+def _fitted_llama3(factors: np.ndarray, inv_freq_wavelen: np.ndarray, factor: float) -> tuple | None:
+    """(low, high, original) from the blended frequencies, low_freq_factor taken as 1: their smooth factor is
+    original / wavelen / (high - 1) - 1 / (high - 1), a line in 1 / wavelen (scaling all three gives the same rope)."""
+    medium = (factors > 1) & (factors < factor)
+    if medium.sum() < 2:
+        return None
+    smooth = (1 / factors[medium].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / inv_freq_wavelen[medium], smooth, 1)
+    if intercept >= 0:
+        return None
+    high = 1 - 1 / intercept
+    return 1.0, float(round(high, 4)), int(round(-slope / intercept))
+
+
+def _llama3_rope_scaling(checkpoint, arch: str, head_dim: int) -> dict | None:
+    """The llama3 rope_scaling whose factors, computed as llama.cpp's converter does, are the file's
+    rope_freqs.weight (its metadata keeps no rope_scaling for llama3); None where every factor is 1. ValueError
+    where none reproduces them: the tensor is not a llama3 rope's."""
+    source, tensor = checkpoint.path, checkpoint.tensors["rope_freqs.weight"]
+    factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    if factors.shape[0] != head_dim // 2:
+        raise ValueError(f"{source}: the GGUF tensor 'rope_freqs.weight' has {factors.shape[0]} factors, but the "
+                         f"metadata's head size {head_dim} makes it {head_dim // 2}")
+    if np.all(factors == 1):
+        return None
+    theta = checkpoint.metadata.get(f"{arch}.rope.freq_base", 10000.0)
+    factor = float(factors.max())
+    wavelen = 2 * math.pi * np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    for candidate in (_LLAMA3_DEFAULTS, _fitted_llama3(factors, wavelen.astype(np.float64), factor)):
+        if candidate is not None and candidate[0] != candidate[1] and np.allclose(
+                _llama3_rope_freqs(theta, head_dim, factor, *candidate), factors, rtol=1e-5, atol=0):
+            low, high, original = candidate
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise ValueError(f"{source}: the GGUF tensor 'rope_freqs.weight' holds per-frequency rope factors that no llama3 "
+                     "rope scaling reproduces (neither Llama 3.1's low_freq_factor 1, high_freq_factor 4, "
+                     "original_max_position_embeddings 8192 nor a fit of its blended frequencies); tpengine runs "
+                     "llama3 rope scaling only")
+
+
+def _query_pre_attn_scalar(config: dict, described: GGUFArchitecture) -> int:
+    """The query scale llama.cpp's graph takes (its file keeps none): 1/sqrt(head_dim), or 1/sqrt(hidden / heads)
+    for the one size whose checkpoint says so."""
+    if config["num_hidden_layers"] == described.wide_query_scale_layers:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return _head_dim(config)
+
+
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def _end_tokens(metadata: dict) -> int | list[int] | None:
     ids = list(dict.fromkeys(metadata[key] for key in _END_TOKENS if key in metadata))
     return ids[0] if len(ids) == 1 else ids or None
@@ -83,12 +175,10 @@ def _end_tokens(metadata: dict) -> int | list[int] | None:
 
 def hf_config_dict(checkpoint) -> dict:
     """The config.json object a Hugging Face checkpoint of this GGUF file (files.GGUFCheckpoint) would have.
-    ValueError naming the key or tensor the engine cannot read (an unknown architecture, a missing key, llama 3's
-    rope_freqs)."""
+    ValueError naming the key or tensor the engine cannot read (an unknown architecture, a missing key, a rope_freqs
+    tensor that is no llama3 rope scaling's)."""
     metadata, tensor_names, source = checkpoint.metadata, set(checkpoint.tensors), checkpoint.path
     arch, described = gguf_architecture(metadata, source)
-    if "rope_freqs.weight" in tensor_names:  # llama 3's rope scaling, stored as per-frequency factors
-        raise ValueError(f"{source}: the GGUF tensor 'rope_freqs.weight' (llama 3 rope scaling) is not supported yet")
     if "token_embd.weight" not in tensor_names:
         raise ValueError(f"{source}: the GGUF file lacks the tensor 'token_embd.weight'")
     for tensor in checkpoint.tensors.values():
@@ -104,9 +194,13 @@ def hf_config_dict(checkpoint) -> dict:
                   if f"{arch}.{gguf_key}" in metadata)
     if "head_dim" not in config and described.permuted_qk and f"{arch}.rope.dimension_count" in metadata:
         config["head_dim"] = metadata[f"{arch}.rope.dimension_count"]  # LLaMA rotates whole heads
+    if described.wide_query_scale_layers is not None:
+        config["query_pre_attn_scalar"] = _query_pre_attn_scalar(config, described)
     if described.bias_flags:
         config.update(attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
     rope_scaling = _rope_scaling(metadata, arch, source)
+    if "rope_freqs.weight" in tensor_names:  # llama 3's rope scaling, stored as per-frequency factors
+        rope_scaling = _llama3_rope_scaling(checkpoint, arch, _head_dim(config))
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
@@ -123,7 +217,8 @@ def check_shapes(checkpoint, config) -> None:
     q, kv, expert_inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, \
         config.moe_intermediate_size
     expected = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,),
-                "attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
+                "attn_norm": (hidden,), "ffn_norm": (hidden,), "post_attention_norm": (hidden,),
+                "post_ffw_norm": (hidden,), "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
                 "attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
                 "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
                 "ffn_gate_inp": (experts, hidden), "ffn_gate_exps": (experts, expert_inter, hidden),

@@ -28,14 +28,21 @@ _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 GROUP = 32  # input features per Q8_0 and Q4_0 block
+# llama 3's rope scaling as per-frequency factors: config.py reads it as the config's rope_scaling, no weight holds it
+ROPE_ONLY = ("rope_freqs.weight",)
 
 
-def hf_name(gguf_name: str) -> str:
+def layer_names(described) -> dict[str, str]:
+    """GGUF tensor stem -> the Hugging Face name within a layer, for one GGUFArchitecture."""
+    return {**_LAYER, **dict(described.layer_names)}
+
+
+def hf_name(gguf_name: str, layers: dict[str, str] = _LAYER) -> str:
     """The Hugging Face checkpoint's name for a GGUF tensor (blk.3.attn_q.weight -> model.layers.3.self_attn.
-    q_proj.weight); ValueError naming a tensor no family of ours has."""
+    q_proj.weight), layers the family's (layer_names); ValueError naming a tensor no family of ours has."""
     match = _BLOCK.match(gguf_name)
-    if match is not None and match[2] in _LAYER:
-        return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+    if match is not None and match[2] in layers:
+        return f"model.layers.{match[1]}.{layers[match[2]]}.{match[3]}"
     module, _, suffix = gguf_name.rpartition(".")
     if module in _TOP and suffix in ("weight", "bias"):
         return f"{_TOP[module]}.{suffix}"
@@ -83,18 +90,24 @@ _READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": 
 assert tuple(_READERS) == RUNNABLE_TYPES
 
 
-def _reader(tensor, rows: Callable[[], np.ndarray]) -> Callable:
+def _reader(tensor, rows: Callable[[], np.ndarray], minus_one: bool = False) -> Callable:
+    if minus_one:  # a Gemma norm, which the converter wrote as w + 1
+        return lambda: _READERS[check_type(tensor)](rows()) - 1
     return lambda: _READERS[check_type(tensor)](rows())
 
 
 def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, Callable]]:
     """(GGUF name, Hugging Face name, a function reading it) for every tensor of the checkpoint (each expert of a
-    stacked expert tensor on its own), the q/k rows of a permuted family put back in transformers' order. Reading
-    is deferred: a rank reads only what it loads."""
+    stacked expert tensor on its own; rope_freqs, which the config holds, left out), the q/k rows of a permuted
+    family put back in transformers' order, a Gemma norm back to w. Reading is deferred: a rank reads only what it
+    loads."""
     arch, described = gguf_architecture(checkpoint.metadata, checkpoint.path)
     heads = {"attn_q": checkpoint.metadata.get(f"{arch}.attention.head_count")}
     heads["attn_k"] = checkpoint.metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
+    layers = layer_names(described)
     for gguf_name, tensor in checkpoint.tensors.items():
+        if gguf_name in ROPE_ONLY:
+            continue
         match = _BLOCK.match(gguf_name)
         if match is not None and match[2] in _EXPERTS:
             for expert in range(tensor.data.shape[0]):
@@ -104,4 +117,5 @@ def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, C
         num_heads = heads.get(match[2]) if match is not None and described.permuted_qk else None
         rows = (lambda tensor=tensor: tensor.data) if num_heads is None else \
             (lambda tensor=tensor, num_heads=num_heads: unpermute_rows(tensor.data, num_heads))
-        yield gguf_name, hf_name(gguf_name), _reader(tensor, rows)
+        minus_one = described.norm_plus_one and gguf_name.endswith("norm.weight")
+        yield gguf_name, hf_name(gguf_name, layers), _reader(tensor, rows, minus_one)
