@@ -67,11 +67,18 @@ class OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _refuse_unsupported(value, info: ValidationInfo):
-    accepts, why = UNSUPPORTED[info.field_name]
-    if not accepts(value):
-        raise ValueError(f"{why} (got {value!r:.80})")
-    return value
+def refusing(unsupported: dict):
+    """A field validator for the fields of unsupported (name -> (accepts(value), why)): a value it does not accept is
+    a ValueError saying why."""
+    def refuse(value, info: ValidationInfo):
+        accepts, why = unsupported[info.field_name]
+        if not accepts(value):
+            raise ValueError(f"{why} (got {value!r:.80})")
+        return value
+    return refuse
+
+
+_refuse_unsupported = refusing(UNSUPPORTED)
 
 
 class JsonSchemaFormat(OpenAIBody):

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from tpengine.entrypoints.protocol import (MAX_TEMPERATURE, UNSUPPORTED, ChatCompletionRequest, OpenAIBody,
-                                           StreamOptions)
+                                           StreamOptions, refusing)
 
 # How many responses the store keeps (store: true, OpenAI's default): past it the least recently used one goes.
 MAX_STORED_RESPONSES = 1024
@@ -39,11 +39,7 @@ RESPONSES_UNSUPPORTED = {
 }
 
 
-def _refuse(value, info: ValidationInfo):
-    accepts, why = RESPONSES_UNSUPPORTED[info.field_name]
-    if not accepts(value):
-        raise ValueError(f"{why} (got {value!r:.80})")
-    return value
+_refuse = refusing(RESPONSES_UNSUPPORTED)
 
 
 class InputText(OpenAIBody):
