@@ -81,6 +81,12 @@ def refusing(unsupported: dict):
 _refuse_unsupported = refusing(UNSUPPORTED)
 
 
+def stream_options_need_stream(stream_options, info: ValidationInfo):
+    if stream_options is not None and not info.data.get("stream"):
+        raise ValueError("stream_options is only allowed when stream is true")
+    return stream_options
+
+
 class JsonSchemaFormat(OpenAIBody):
     name: str
     description: str | None = None
@@ -183,12 +189,7 @@ class SamplingRequest(OpenAIBody):
             return StructuredOutputsParams(json_object=True), "response_format"
         return StructuredOutputsParams(json=fmt.json_schema.schema_ or {}), "response_format"
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, stream_options, info: ValidationInfo):
-        if stream_options is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return stream_options
+    _stream_options = field_validator("stream_options")(stream_options_need_stream)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from tpengine.entrypoints.protocol import (MAX_TEMPERATURE, UNSUPPORTED, ChatCompletionRequest, OpenAIBody,
-                                           StreamOptions, refusing)
+                                           StreamOptions, refusing, stream_options_need_stream)
 
 # How many responses the store keeps (store: true, OpenAI's default): past it the least recently used one goes.
 MAX_STORED_RESPONSES = 1024
@@ -239,12 +239,7 @@ class ResponsesRequest(OpenAIBody):
     _tool_types = field_validator("tools", mode="before")(_function_tools_only)
     _tool_choice_type = field_validator("tool_choice", mode="before")(_function_choice_only)
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, stream_options, info: ValidationInfo):
-        if stream_options is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return stream_options
+    _stream_options = field_validator("stream_options")(stream_options_need_stream)
 
     @property
     def stored(self) -> bool:
