@@ -161,5 +161,5 @@ def test_bad_beam_search_calls_are_value_errors_naming_the_limit(llm):
         llm.beam_search([[1, 2]], {"beam_width": 2, "max_tokens": 2})
     with pytest.raises(ValueError, match="concurrency_limit must be None or an integer >= 1"):
         llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
-    with pytest.raises(NotImplementedError, match="lora_request"):
+    with pytest.raises(ValueError, match="lora_request needs an engine made with enable_lora"):
         llm.beam_search([[1, 2]], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())

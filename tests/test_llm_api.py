@@ -81,7 +81,7 @@ def test_continue_final_message_continues_the_assistants_text(llm):
 
 @pytest.mark.parametrize("messages, kwargs, error, match", [
     (CONVERSATION, dict(mm_processor_kwargs={"num_crops": 4}), NotImplementedError, "mm_processor_kwargs"),
-    (CONVERSATION, dict(lora_request=object()), NotImplementedError, "lora_request.*LoRA adapters"),
+    (CONVERSATION, dict(lora_request=object()), ValueError, "lora_request needs an engine made with enable_lora"),
     (CONVERSATION, dict(chat_template_content_format="xml"), ValueError, "chat_template_content_format must be"),
     (CONVERSATION, dict(continue_final_message=True), ValueError, "needs add_generation_prompt=False"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, ValueError,
@@ -119,7 +119,7 @@ def test_get_tokenizer_is_the_engines_and_a_folder_without_one_says_so(llm, tmp_
 def test_vllm_generate_arguments_without_a_feature_here_are_refused_by_name(llm):
     [out] = llm.generate([[1, 2, 3]], ONE_TOKEN, use_tqdm=False, lora_request=None, priority=None)
     assert len(out.token_ids) == 1
-    with pytest.raises(NotImplementedError, match=r"generate\(lora_request=...\).*LoRA adapters"):
+    with pytest.raises(ValueError, match=r"prompt 0: lora_request needs an engine made with enable_lora=True"):
         llm.generate([[1, 2, 3]], ONE_TOKEN, lora_request=object())
     with pytest.raises(NotImplementedError, match="priority"):
         llm.generate([[1, 2, 3]], ONE_TOKEN, priority=[1])

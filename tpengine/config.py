@@ -136,6 +136,7 @@ SETTING_GROUPS = {
     "scheduler": "what each step runs",
     "quantization": "quantizing a float checkpoint as it loads",
     "speculative": "speculative decoding",
+    "lora": "LoRA adapters served on the model (multi-LoRA)",
 }
 
 
@@ -283,6 +284,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "speculative", 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                        '"prompt_lookup_min": 1, "prompt_lookup_max": 3}, or a draft model with the model\'s '
                        'vocabulary: {"model": "PATH", "num_speculative_tokens": 4}', default_help="none")] = None
+    # --- lora --------------------------------------------------------------------------------------------------
+    # adapters run in max_loras slots beside the weights (each step mixes rows of any of them and of the base); the
+    # ranks keep max_cpu_loras read adapters in host memory, so one evicted from its slot comes back without a read
+    enable_lora: Annotated[bool, Setting(
+        "lora", "serve LoRA adapters (PEFT folders) on the model: requests name one (lora_request, or the "
+                "server's model field), rows of different adapters share steps")] = False
+    max_loras: Annotated[int, Setting(
+        "lora", "adapters resident at once (their slots); a request for another waits until a slot frees")] = 1
+    max_lora_rank: Annotated[int, Setting("lora", "largest adapter rank accepted")] = 16
+    max_cpu_loras: Annotated[int | None, Setting(
+        "lora", "adapters each rank keeps read in host memory (at least max_loras)",
+        default_help="max_loras")] = None
 
     def resolve(self, hf_config: HFConfig) -> "EngineConfig":
         """A copy, validated against the model, with what the model decides filled in: max_model_len bounded by
@@ -306,6 +319,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._validate_scheduler()
         self._validate_quantization(hf_config)
         self._validate_speculative(hf_config)
+        self._validate_lora()
 
     def describe(self) -> list[str]:
         """One line per group, 'group: name=value ...': what the engine logs as it starts."""
@@ -409,6 +423,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "
                                  "pipeline_parallel_size=1, or method='ngram'")
             self._check_draft(hf_config)
+
+    def _validate_lora(self) -> None:
+        self._check_positive("max_loras", "max_lora_rank")
+        if self.max_cpu_loras is not None:
+            self._check_positive("max_cpu_loras")
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
 
     def _check_tensor_parallel(self, hf_config: HFConfig, whose: str) -> None:
         tp = self.tensor_parallel_size

@@ -1,5 +1,5 @@
 """The offline API vLLM users call: LLM(model, ...).generate, .chat, .beam_search and .get_tokenizer. What vLLM's
-LLM has and tpengine does not (LoRA, pooling models, sleep mode, ...) is a NotImplementedError that names it, never
+LLM has and tpengine does not (pooling models, sleep mode, ...) is a NotImplementedError that names it, never
 an AttributeError or an argument quietly ignored."""
 import dataclasses
 from itertools import islice
@@ -20,7 +20,6 @@ CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 
 # vLLM's arguments for features tpengine lacks: None (their default) is accepted, anything else refused
 VLLM_ONLY_ARGUMENTS = {
-    "lora_request": "LoRA adapters",
     "prompt_adapter_request": "prompt adapters",
     "priority": "per-request priorities",
     "tokenization_kwargs": "tokenizer arguments (a text prompt is encoded as the server encodes it)",
@@ -87,10 +86,10 @@ class LLM(LLMEngine):
     `llm.beam_search(prompts, BeamSearchParams(...))`."""
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, **vllm_only) -> list[RequestOutput]:
-        """LLMEngine.generate; vLLM's other arguments (lora_request, priority, ...) are taken only as None."""
+                 use_tqdm: bool = True, lora_request=None, **vllm_only) -> list[RequestOutput]:
+        """LLMEngine.generate; vLLM's other arguments (priority, ...) are taken only as None."""
         refuse_vllm_only("generate", vllm_only)
-        return super().generate(prompts, sampling_params, use_tqdm)
+        return super().generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer prompts are encoded and outputs decoded with."""
@@ -106,7 +105,7 @@ class LLM(LLMEngine):
         """Generate a reply to each conversation (one, a list of message dicts, or a list of them); one
         RequestOutput per conversation, its prompt the rendered text. Conversations render through the chat
         template exactly as the server's /v1/chat/completions renders messages."""
-        refuse_vllm_only("chat", {"lora_request": lora_request, "mm_processor_kwargs": mm_processor_kwargs})
+        refuse_vllm_only("chat", {"mm_processor_kwargs": mm_processor_kwargs})
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: pass chat_template=JINJA")
@@ -141,7 +140,7 @@ class LLM(LLMEngine):
         replies = [dataclasses.replace(p or SamplingParams(), may_open_thinking=True)
                    if p is None or isinstance(p, SamplingParams) else p for p in replies]
         outputs = self.generate([{"prompt_token_ids": encode_chat_text(tokenizer, text)} for text in texts],
-                                replies, use_tqdm)
+                                replies, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
@@ -151,7 +150,6 @@ class LLM(LLMEngine):
         """transformers' beam search (num_beams=beam_width, do_sample=False) for each prompt, on the engine:
         each round every running beam is a one-token request for its likeliest next tokens (their prefix is
         in the prefix cache). concurrency_limit: at most that many prompts' searches run at once."""
-        refuse_vllm_only("beam_search", {"lora_request": lora_request})
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or
@@ -161,7 +159,7 @@ class LLM(LLMEngine):
         for i, prompt in enumerate(prompt_list(prompts)):
             try:  # checked as generate checks a prompt, none queued
                 request = self._make_request(prompt, SamplingParams(temperature=0.0, max_tokens=params.max_tokens),
-                                             stream=False)
+                                             stream=False, lora_request=lora_request)
             except ValueError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}", getattr(e, "param", None)) from None
             searches.append(BeamSearch(request.prompt_token_ids, params, self.scheduler.eos_token_ids))
@@ -181,7 +179,7 @@ class LLM(LLMEngine):
                 while live := [search for search in group if not search.done]:
                     beams = [beam for search in live for beam in search.running]
                     outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params,
-                                                 use_tqdm=False))
+                                                 use_tqdm=False, lora_request=lora_request))
                     for search in live:
                         # no logprobs: no token could be sampled (logits not finite), so the beam has no candidates
                         search.advance([(output.outputs[0].logprobs or [{}])[0]

@@ -24,12 +24,21 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     # row's last token whose draft K/V is not written yet (it runs only in steps that draft), written first
     draft_context_start: int = 0
     draft_context: list[int] = []
+    lora_slot: int = -1         # the sequence's LoRA adapter slot (-1: the base model alone)
 
 
 class BlockTable(msgspec.Struct, array_like=True, gc=False):
     """A sequence's whole block table: logical block i -> physical block id."""
     seq_id: int
     block_ids: list[int]
+
+
+class LoRALoad(msgspec.Struct, array_like=True, gc=False):
+    """Put the PEFT adapter at path (lora_int_id: the ranks keep read adapters by it) into slot, before the step's
+    forward."""
+    slot: int
+    lora_int_id: int
+    path: str
 
 
 class BlockCopy(msgspec.Struct, array_like=True, gc=False):
@@ -82,6 +91,10 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False):
     # pipeline parallelism: which of the steps in flight this is (its virtual engine), the tag of every
     # point-to-point send of its hidden states and tokens
     virtual_engine: int = 0
+    # LoRA (engine/lora_slots.py): adapters into their slots before the forward, each decode row's slot (an
+    # int_column), when the engine serves adapters
+    lora_loads: list[LoRALoad] = []
+    decode_lora_slots: bytes = b""
 
     @property
     def num_decode_rows(self) -> int:

@@ -61,9 +61,17 @@ def compute_block_hash(token_ids: list[int], prefix: int = -1) -> int:
 LONG_ROPE_ROOT = compute_block_hash([0x4C4F4E47524F5045])
 
 
+# marks a LoRA adapter's chain root: the hash of the mark and the adapter's id under the rope set's root
+LORA_ROOT_MARK = 0x4C4F5241
+
+
 def chain_root(seq: Sequence) -> int:
-    """The chain hash before seq's first block: its tokens' K/V are found only under the same root."""
-    return LONG_ROPE_ROOT if seq.long_rope else -1
+    """The chain hash before seq's first block: its tokens' K/V are found only under the same root (the same
+    rope set and LoRA adapter)."""
+    root = LONG_ROPE_ROOT if seq.long_rope else -1
+    if seq.lora is not None:
+        root = compute_block_hash([LORA_ROOT_MARK, seq.lora.lora_int_id], root)
+    return root
 
 
 class PrefixMatch:

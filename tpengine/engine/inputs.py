@@ -36,6 +36,15 @@ def prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def per_prompt(value, num_prompts: int, name: str) -> list:
+    """An argument given once for every prompt, or as a list or tuple of one per prompt: one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * num_prompts
+    if len(value) != num_prompts:
+        raise ValueError(f"got {len(value)} {name} for {num_prompts} prompts")
+    return list(value)
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """The tokenizer's ids for a text prompt, BOS at most once: a tokenizer that adds BOS would double it
     in a prompt that already starts with it (text rendered from a chat template, say)."""

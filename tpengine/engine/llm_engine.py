@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 from tpengine.config import EngineConfig
 from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.draft_policy import DraftPolicy
-from tpengine.engine.inputs import parse_prompt, prompt_list
+from tpengine.engine.inputs import parse_prompt, per_prompt, prompt_list
+from tpengine.engine.lora_slots import LoRASlots
 from tpengine.engine.proposer import make_proposer
 from tpengine.engine.request import Request, StepReports
 from tpengine.engine.scheduler import Scheduler
@@ -22,6 +23,8 @@ from tpengine.engine.step_plan import StepPlan
 from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
 from tpengine.gguf import is_gguf
+from tpengine.lora.checks import LoRAAdapterChecks
+from tpengine.lora.request import LoRARequest
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
 from tpengine.outputs import NO_TOKEN, RequestOutput, merge_deltas
@@ -80,6 +83,7 @@ class LLMEngine:
             for line in config.describe():
                 logger.info("config %s", line)
             spec = config.speculative_config
+            self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
             # a pipeline keeps steps in flight, each from its own scheduler (engine/virtual_engines.py); one stage:
             # a single scheduler, one step at a time
             self.scheduler = VirtualEngines(
@@ -91,7 +95,8 @@ class LLMEngine:
                 proposer=None if spec is None else make_proposer(spec),
                 num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
                 draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive),
-                sliding_window=self._ledger_window(hf_config), long_rope_threshold=long_rope_threshold_of(hf_config))
+                sliding_window=self._ledger_window(hf_config), long_rope_threshold=long_rope_threshold_of(hf_config),
+                lora_slots=self.lora_slots)
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise
@@ -107,6 +112,7 @@ class LLMEngine:
         self._awaiting_grammar: list[Request] = []
         self._num_constrained_requests = 0
         self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
+        self._lora_adapters = LoRAAdapterChecks(config, hf_config)  # adapters requests may name, checked once
 
     # --- metrics (cheap: read by a server every scrape) ---------------------------------------------
 
@@ -206,7 +212,7 @@ class LLMEngine:
     # --- requests -------------------------------------------------------------------------------
 
     def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool,
-                      wait_for_grammar: bool = True) -> Request:
+                      wait_for_grammar: bool = True, lora_request: LoRARequest | None = None) -> Request:
         """Validate one request and build it; nothing is queued (so a bad one leaves no trace). wait_for_grammar:
         a grammar is compiled before this returns (a rejected or too slow one is this request's ValueError); else
         the request waits unscheduled for it."""
@@ -218,6 +224,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this model folder has none: use "
                                       "stop_token_ids", "stop")
+        if lora_request is not None:
+            self._lora_adapters.check(lora_request)
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}", "n")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
@@ -242,11 +250,11 @@ class LLMEngine:
             raise InvalidRequestError(str(e), "prompt") from None
         block_size = self.config.kvcache_block_size
         request_id = next(self._request_ids)
-        seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id)]
+        seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id, lora=lora_request)]
         for i in range(1, params.n):  # child i samples with seed + i: reproducible, and distinct from its siblings
             child_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0],
-                                 request_id=request_id))
+                                 request_id=request_id, lora=lora_request))
         request = Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
         if params.structured_outputs is not None:
             spec = params.structured_outputs
@@ -301,14 +309,32 @@ class LLMEngine:
         self._awaiting_grammar = still
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *, stream: bool = True,
-                    wait_for_grammar: bool = True) -> int:
+                    wait_for_grammar: bool = True, lora_request: LoRARequest | None = None) -> int:
         """Queue one request; returns its id. Raises ValueError (and queues nothing) for bad input.
+        lora_request: the LoRA adapter it runs with (the engine made with enable_lora=True).
         step() reports it every step it gets a token (stream=True), or once, when it finishes.
         wait_for_grammar=False (a server that compiled it already): a grammar still compiling does not hold up
         the caller; the request waits unscheduled for it, and ends with finish_reason "error" if it fails."""
-        request = self._make_request(prompt, sampling_params, stream, wait_for_grammar)
+        request = self._make_request(prompt, sampling_params, stream, wait_for_grammar, lora_request)
         self._queue(request)
         return request.request_id
+
+    # --- LoRA adapters (vLLM's names) ------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter now (ValueError if it cannot run), so requests naming it need no reading of its files."""
+        self._lora_adapters.check(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: its slot frees once the requests running with it finish. False if it was not known."""
+        if not self._lora_adapters.forget(lora_int_id):
+            return False
+        self.lora_slots.forget_adapter(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self._lora_adapters.checked)
 
     def abort(self, request_id: int, *, build: bool = True) -> RequestOutput | None:
         """Stop a request now; returns its final output (the next step() reports it too), or None if it is not live.
@@ -511,8 +537,10 @@ class LLMEngine:
             self._forget(request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. lora_request: one adapter for every
+        prompt, or one (or None) per prompt.
 
         A prompt is a string, a list of token ids, a 1-D integer torch/numpy array, or a dict with 'prompt' or 'prompt_token_ids'; prompts is one prompt or an iterable of them. Every prompt is
         checked before any is queued: one bad prompt raises ValueError naming it, and nothing is left
@@ -527,11 +555,13 @@ class LLMEngine:
         else:
             raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
                              f"got {type(sampling_params).__name__}")
+        lora_requests = per_prompt(lora_request, len(prompts), "lora_request")
         requests = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, lora_requests)):
                 # grammars compile side by side on the compiler's threads, each waited for below
-                requests.append(self._make_request(prompt, params, stream=False, wait_for_grammar=False))
+                requests.append(self._make_request(prompt, params, stream=False, wait_for_grammar=False,
+                                                   lora_request=lora))
             for i, request in enumerate(requests):
                 if request.grammar is not None:
                     self.grammar_compiler.wait(request.grammar, request.params.structured_outputs)

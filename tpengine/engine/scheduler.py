@@ -21,6 +21,7 @@ from tpengine.config import SCHEDULING_POLICIES
 from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage, int_column
 from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
+from tpengine.engine.lora_slots import LoRASlots
 from tpengine.engine.prefix_index import HeadIndex
 from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.sequence import Sequence, SequenceStatus
@@ -61,7 +62,8 @@ class Scheduler:
                  enable_prefix_caching: bool = True, scheduling_policy: str = "mixed",
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  draft_policy: DraftPolicy | None = None, sliding_window: int | None = None,
-                 long_rope_threshold: int | None = None, first_block_id: int = 0, virtual_engine: int = 0):
+                 long_rope_threshold: int | None = None, first_block_id: int = 0, virtual_engine: int = 0,
+                 lora_slots: LoRASlots | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -83,12 +85,15 @@ class Scheduler:
         self._in_flight: tuple[list[Sequence], list[Sequence], StepMessage] | None = None
         self.deltas = TableDeltas()  # the block-table changes the next message carries
         # the last step's decode rows (a list schedule() made), with their sequence-id column and sampling records
-        self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord]] = ([], b"", [])
+        # (and their LoRA slots' column)
+        self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord], bytes] = ([], b"", [], b"")
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
         self.speculation = None if proposer is None else Speculation(proposer, num_speculative_tokens, draft_policy)
         self.num_speculative_tokens = num_speculative_tokens
         self.num_output_tokens = 0  # tokens appended to sequences by postprocess (verify rows append several)
+        # LoRA adapters (engine/lora_slots.py, shared by the engine's schedulers); None: the engine serves none
+        self.lora_slots = lora_slots
 
     # --- read-only counters, for metrics ----------------------------------------------------------
 
@@ -204,18 +209,22 @@ class Scheduler:
 
     def _plan(self, decode: list[Sequence], verify: list[Sequence], prefill: list[Sequence]) -> StepPlan:
         """The step as a value: every rank's message, and the sampled rows' records (in row order)."""
-        last_decode, decode_seq_ids, decode_sampling = self._last_decode
-        if decode != last_decode:  # by identity: a batch that runs again unchanged (most steps) reuses both
+        last_decode, decode_seq_ids, decode_sampling = self._last_decode[:3]
+        if decode != last_decode:  # by identity: a batch that runs again unchanged (most steps) reuses all three
             decode_seq_ids = int_column([seq.seq_id for seq in decode])
             decode_sampling = [seq.sampling for seq in decode]
-            self._last_decode = decode, decode_seq_ids, decode_sampling
+            decode_lora_slots = b"" if self.lora_slots is None else int_column([seq.lora_slot for seq in decode])
+            self._last_decode = decode, decode_seq_ids, decode_sampling, decode_lora_slots
+        else:
+            decode_lora_slots = self._last_decode[3]
         chunks, new_tables, sampling = [], [], list(decode_sampling)
         num_prefill_tokens = 0
         add_whole_table = self.deltas.add_whole_table
         for seq in prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             sampled = end == seq.num_tokens
-            chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope))
+            chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope,
+                                       lora_slot=seq.lora_slot))
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
@@ -233,7 +242,9 @@ class Scheduler:
             int_column([seq.num_tokens for seq in decode]), chunks, new_tables=new_tables,
             block_copies=[BlockCopy(*copy) for copy in self.block_manager.block_copies],
             draft_prompts=self.speculation is None or self.speculation.drafting,
-            virtual_engine=self.virtual_engine, **self.deltas.take())
+            virtual_engine=self.virtual_engine,
+            lora_loads=[] if self.lora_slots is None else self.lora_slots.take_loads(),
+            decode_lora_slots=decode_lora_slots, **self.deltas.take())
         return StepPlan(message, sampling, num_prefill_tokens, num_verify_tokens)
 
     def _forget_step_in_flight(self) -> None:
@@ -242,7 +253,7 @@ class Scheduler:
         planned may never have run), its decode and verify rows give back the blocks they opened (drafts'
         included); and since no one knows which of its block-table changes the ranks applied, every rank
         drops every table and takes each sequence's whole table when it next runs."""
-        decode, verify, prefill, _ = self._in_flight
+        decode, verify, prefill, message = self._in_flight
         self._in_flight = None
         if self.speculation is not None:
             self.speculation.draft_caught_up = []
@@ -259,7 +270,10 @@ class Scheduler:
             else:
                 self.waiting.remove(seq)  # a chunk short of its prompt's end
             self.block_manager.deallocate(seq)  # while its copies are listed: their heads count as unwritten
+            self._give_back_lora_slot(seq)
             self.waiting.appendleft(seq)
+        if message.lora_loads:
+            self.lora_slots.forget_loads(message.lora_loads)
         if self.block_manager.block_copies:
             self.block_manager.release_copy_sources()
         self.deltas.start_over((*self.running, *self.waiting))
@@ -294,6 +308,8 @@ class Scheduler:
                 if not forked and seq.parent is not None:
                     continue  # its parent's prompt is being computed: wait for it, then fork it
             if not seq.block_table:
+                if seq.lora is not None and not self.lora_slots.can_take(seq.lora):
+                    continue  # every adapter slot serves running requests: it waits, others may go
                 match = block_manager.can_allocate(seq, token_budget)
                 if match is None:
                     break
@@ -304,6 +320,8 @@ class Scheduler:
                 if scheduled and num_new_tokens > token_budget:
                     break  # only the first sequence of a batch may be chunked
                 block_manager.allocate(seq, match)
+                if seq.lora is not None:
+                    self.lora_slots.take(seq, seq.lora)
                 if seq.num_prompt_cached_tokens < 0:
                     seq.num_prompt_cached_tokens = seq.num_cached_tokens
             elif block_manager.sliding_window is not None and not self._grow_for_chunk(seq, token_budget):
@@ -335,6 +353,8 @@ class Scheduler:
             if not block_manager.free_block_ids:
                 return None
             block_manager.fork(seq, parent)
+            if seq.lora is not None:
+                self.lora_slots.take(seq, seq.lora)  # its parent's: held while the parent runs
             seq.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
             seq.parent = None
             return True
@@ -507,9 +527,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Free seq's blocks; every rank drops its table with the next step."""
+        """Free seq's blocks (and its adapter slot); every rank drops its table with the next step."""
         self.block_manager.deallocate(seq)
+        self._give_back_lora_slot(seq)
         self.deltas.release(seq)
+
+    def _give_back_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.give_back(seq)
 
     def postprocess(self, plan: StepPlan, token_ids: list[int],
                     draft_token_ids: list[int] = ()) -> tuple[list[Sequence], list[Sequence]]:

@@ -25,11 +25,11 @@ class Sequence:
         "sampling_params", "sampling", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "min_tokens", "status", "finish_reason", "stop_reason",
         "speculates", "draft_token_ids", "num_draft_cached_tokens",
-        "arrival_step", "virtual_engine",
+        "arrival_step", "virtual_engine", "lora", "lora_slot",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
-                 index: int = 0, parent: "Sequence | None" = None, request_id: int = -1):
+                 index: int = 0, parent: "Sequence | None" = None, request_id: int = -1, lora=None):
         # --- who it is
         self.seq_id = next(Sequence.counter)
         # the engine's request it belongs to, by id: a reference back would make a cycle that only the
@@ -39,6 +39,10 @@ class Sequence:
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
         # of computing the prompt again. Cleared once they have blocks of their own.
         self.parent = parent
+        # its LoRA adapter (a LoRARequest; None: the base model) and the slot it holds while it has blocks
+        # (engine/lora_slots.py); its K/V is found only under its adapter's chain root (block_manager.chain_root)
+        self.lora = lora
+        self.lora_slot = -1
 
         # --- its tokens
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated

@@ -87,10 +87,11 @@ class Speculation:
             if on_ranks:
                 start = draft_context_start(seq, block_size)
                 chunks.append(PrefillChunk(seq.seq_id, [seq.last_token], seq.num_cached_tokens, True, len(drafts),
-                                           seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens]))
+                                           seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens],
+                                           seq.lora_slot))
             else:
                 chunks.append(PrefillChunk(seq.seq_id, [seq.last_token, *drafts], seq.num_cached_tokens, True,
-                                           len(drafts), seq.long_rope))
+                                           len(drafts), seq.long_rope, lora_slot=seq.lora_slot))
             num_verify_tokens += 1 + len(drafts)
             sampling.append(seq.sampling)
             sampling.extend(seq.sampling.ahead(i) for i in range(1, len(drafts) + 1))

@@ -6,6 +6,8 @@ quantized at load) or as an Fp8Weight (where the platform multiplies FP8): the s
 taken of each. What loading tracks on a parameter, quantized parts waiting for prepack included, is its LoadState
 (load_state.py).
 """
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -14,6 +16,12 @@ from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_
 from tpengine.platforms import current_platform
 from tpengine.quantization.fp8 import Fp8Weight
 from tpengine.quantization.weights import QuantizedWeight
+
+class OutputShard(NamedTuple):
+    offset: int     # first row in this rank's output
+    start: int      # first checkpoint row of this rank's share
+    size: int
+
 
 # the shard id of a checkpoint tensor that holds every part of a packed parameter at once, in order (Phi-3's
 # qkv_proj and gate_up_proj): its loader splits it and loads each part as the split checkpoints' are loaded
@@ -49,6 +57,7 @@ class LinearBase(nn.Module):
         self.tp_group = get_tp_group()
         self.tp_rank = self.tp_group.rank
         self.tp_size = self.tp_group.size
+        self.input_size, self.output_size = input_size, output_size  # this rank's: the weight's shape
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         # the loader may hand its weight_loader a QuantizedWeight and, where the platform multiplies FP8, an Fp8Weight
         attach(self.weight, self.weight_loader, takes=(QuantizedWeight, Fp8Weight))
@@ -61,6 +70,7 @@ class LinearBase(nn.Module):
         self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
         self.pack_quantized_weight = platform.pack_quantized_weight
         self.packed_weight = None
+        self.lora = None  # the layer's LoRA adapter slots (layers/lora.py), when the engine serves adapters
 
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: matmul on the platform's packed copy of the weight where it makes one (the CPU's, or
@@ -114,7 +124,20 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias, tp_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.linear(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
+
+    def output_parts(self) -> dict:
+        """Each checkpoint part's rows in the whole output, in order (shard id -> size); one part: None."""
+        return {None: self.weight.size(0) * self.tp_size}
+
+    def output_shard(self, shard_id=None) -> OutputShard:
+        """Where a part's rows go on this rank: its offset in the rank's output, the first checkpoint row of the
+        rank's share of the part, and how many rows (a LoRA B's rows are placed as the weight's)."""
+        size = self.weight.size(0)
+        return OutputShard(0, self.tp_rank * size, size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -127,12 +150,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: int | str) -> None:
         if shard_id == FUSED:
-            load_fused(param, loaded_weight, dict(enumerate(self.output_sizes)), self.weight_loader)
+            load_fused(param, loaded_weight, self.output_parts(), self.weight_loader)
             return
         check_weight_shape(loaded_weight, [self.output_sizes[shard_id], *param.shape[1:]])
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        offset, start, size = self.output_shard(shard_id)
+        self.store(param, take_rows(loaded_weight, start, size), offset, (shard_id,))
+
+    def output_parts(self) -> dict:
+        return dict(enumerate(self.output_sizes))
+
+    def output_shard(self, shard_id=None) -> OutputShard:
         size = self.output_sizes[shard_id] // self.tp_size
-        self.store(param, take_rows(loaded_weight, self.tp_rank * size, size), offset, (shard_id,))
+        return OutputShard(sum(self.output_sizes[:shard_id]) // self.tp_size, self.tp_rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -154,22 +183,24 @@ class QKVParallelLinear(ColumnParallelLinear):
         expect_loader_shards(self, [("q",), ("k",), ("v",)])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, shard_id: str) -> None:
+        if shard_id == FUSED:  # the checkpoint's whole q, k and v (every rank's heads, KV heads once)
+            load_fused(param, loaded_weight, self.output_parts(), self.weight_loader)
+            return
+        check_weight_shape(loaded_weight, [self.output_parts()[shard_id], *param.shape[1:]])
+        offset, start, size = self.output_shard(shard_id)
+        self.store(param, take_rows(loaded_weight, start, size), offset, (shard_id,))
+
+    def output_parts(self) -> dict:
+        total_kv = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas * self.head_dim
+        return {"q": self.num_heads * self.head_dim * self.tp_size, "k": total_kv, "v": total_kv}
+
+    def output_shard(self, shard_id=None) -> OutputShard:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        if shard_id == FUSED:  # the checkpoint's whole q, k and v (every rank's heads, KV heads once)
-            total_kv = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas * self.head_dim
-            load_fused(param, loaded_weight, {"q": q_size * self.tp_size, "k": total_kv, "v": total_kv},
-                       self.weight_loader)
-            return
-        num_heads = self.num_heads * self.tp_size if shard_id == "q" else \
-            self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
-        check_weight_shape(loaded_weight, [num_heads * self.head_dim, *param.shape[1:]])
         if shard_id == "q":
-            offset, size, shard_rank = 0, q_size, self.tp_rank
-        else:
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size, shard_rank = kv_size, self.tp_rank // self.num_kv_head_replicas
-        self.store(param, take_rows(loaded_weight, shard_rank * size, size), offset, (shard_id,))
+            return OutputShard(0, self.tp_rank * q_size, q_size)
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return OutputShard(offset, self.tp_rank // self.num_kv_head_replicas * kv_size, kv_size)
 
 
 class RowParallelLinear(LinearBase):
@@ -187,6 +218,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:  # on the partial sums: the all-reduce adds the ranks' shares of x @ A
+            self.lora.add(x, y)
         self.tp_group.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

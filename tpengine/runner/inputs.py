@@ -21,6 +21,7 @@ class ForwardInputs:
     logits_rows: torch.Tensor | None    # the rows whose logits are wanted; None: the first num_logits rows
     num_logits: int                     # rows sampled: every decode row, each sampled chunk's last row, then
                                         # every row of each verify row
+    lora_slots: np.ndarray | None = None  # each row's LoRA adapter slot (-1: none), when the engine serves adapters
 
 
 class InputBuilder:
@@ -29,7 +30,7 @@ class InputBuilder:
     head's rows are padded the same way; only the first num_logits rows of its logits are real."""
 
     def __init__(self, block_size: int, device: torch.device, long_rope_threshold: int | None = None,
-                 max_positions: int = 0):
+                 max_positions: int = 0, lora: bool = False):
         """long_rope_threshold: LongRoPE's window (None: another rope); a row rotated with its long factors takes
         its position plus max_positions, where the rotary cache holds the long set (layers/rotary_embedding.py)."""
         self.block_size = block_size
@@ -38,6 +39,7 @@ class InputBuilder:
         self.device = device
         self.row_bucket = platform_for(device).row_bucket
         self.block_tables = BlockTables()
+        self.lora = lora  # each row's adapter slot goes with the inputs
 
     def _tensor(self, data, dtype=np.int64) -> torch.Tensor:
         """A list or numpy array on the device (through pinned memory on CUDA)."""
@@ -61,10 +63,15 @@ class InputBuilder:
         input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
         num_decode_rows = len(seq_ids) - num_verify_rows
         if not chunks:  # sampled in row order: the decode rows, then the verify rows
-            return ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
-                                 num_decode_rows + num_verify_rows)
-        return self._prefill_inputs(chunks, input_ids, positions, slot_mapping, decode, num_decode_rows,
-                                    num_verify_rows)
+            inputs = ForwardInputs(self._tensor(input_ids), self._tensor(positions), decode, None,
+                                   num_decode_rows + num_verify_rows)
+        else:
+            inputs = self._prefill_inputs(chunks, input_ids, positions, slot_mapping, decode, num_decode_rows,
+                                          num_verify_rows)
+        if self.lora:
+            verify = [chunk for chunk in step.prefill if chunk.num_draft_tokens] if num_verify_rows else []
+            inputs.lora_slots = row_slots(step, verify, chunks, num_padding)
+        return inputs
 
     def _decode_rows(self, seq_ids: np.ndarray, context_lens: np.ndarray,
                      num_padding: int) -> tuple[np.ndarray, np.ndarray, AttentionMetadata | None]:
@@ -171,3 +178,15 @@ def _decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return (np.concatenate([seq_ids, np.array(verify_seq_ids, dtype=np.int64)]),
             np.concatenate([input_ids, np.array(verify_tokens, dtype=np.int64)]),
             np.concatenate([context_lens, np.array(verify_lens, dtype=np.int64)]), chunks, len(verify_tokens))
+
+
+def row_slots(step: StepMessage, decode_chunks: list[PrefillChunk], prefill_chunks: list[PrefillChunk],
+              num_padding: int) -> np.ndarray:
+    """Each row's LoRA slot, in the order the input builder lays the rows out: decode rows, verify rows' queries,
+    padding rows (-1), then prompt chunks' rows. A step made without slots (a warm-up's) runs the base model."""
+    decode = np.frombuffer(step.decode_lora_slots, dtype=np.int64)
+    columns = [decode if len(decode) == step.num_decode_rows else np.full(step.num_decode_rows, -1, dtype=np.int64)]
+    columns += [np.full(len(chunk.token_ids), chunk.lora_slot, dtype=np.int64) for chunk in decode_chunks]
+    columns.append(np.full(num_padding, -1, dtype=np.int64))
+    columns += [np.full(len(chunk.token_ids), chunk.lora_slot, dtype=np.int64) for chunk in prefill_chunks]
+    return np.concatenate(columns)

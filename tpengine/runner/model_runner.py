@@ -17,7 +17,9 @@ from tpengine.platforms import platform_for
 from tpengine.runner.decode_path import EagerDecode, choose_decode_path
 from tpengine.runner.drafter import Drafter
 from tpengine.runner.inputs import ForwardInputs, InputBuilder
+from tpengine.runner.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from tpengine.runner.kv_cache import KVCache, attention_layers_of, num_kvcache_blocks
+from tpengine.runner.lora_adapters import LoRAAdapters
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
 from tpengine.runner.warmup import warm_up
 from tpengine.sampling_params import SamplingRecord
@@ -52,6 +54,7 @@ class ModelRunner:
         self.backend_name = self._attention_backend_name()
         self.attention_backend = make_backend(self.backend_name)
         self.model = self.load(config.model, hf_config, self.attention_backend)
+        self.lora = self._lora_adapters()
         self.attention_layers = attention_layers_of(self.model)
         if self.rank == 0 and is_fp8(self.kv_cache_dtype):
             self._log_fp8_kv_scales()
@@ -96,11 +99,23 @@ class ModelRunner:
             return None
         return Drafter(self.load(spec.model, load_hf_config(spec.model), make_backend(self.backend_name)), self.group)
 
+    def _lora_adapters(self) -> LoRAAdapters | None:
+        """The model's LoRA slots, with a row buffer for any step: its tokens, a decode batch's verify queries and
+        a decode bucket's padding."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        spec = config.speculative_config
+        max_decode_rows = config.max_num_seqs * (1 + (0 if spec is None else spec.num_speculative_tokens))
+        max_num_rows = (self.platform.row_bucket(self.max_num_batched_tokens + max_decode_rows)
+                        + MAX_GRAPH_BATCH_SIZE)
+        return LoRAAdapters(self.model, config, self.dtype, self.device, max_num_rows)
+
     def input_builder(self) -> InputBuilder:
         """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
-        cache wants them)."""
+        cache wants them; each row's adapter slot with LoRA)."""
         return InputBuilder(self.block_size, self.device, long_rope_threshold_of(self.hf_config),
-                            max_positions_of(self.hf_config))
+                            max_positions_of(self.hf_config), lora=self.lora is not None)
 
     def load(self, path: str, hf_config, attention_backend) -> torch.nn.Module:
         """This rank's shard of a checkpoint (the model, or a draft model): built for this rank's group and
@@ -192,12 +207,16 @@ class ModelRunner:
         step, vocab_parallel = envelope.step, envelope.vocab_parallel
         if step.block_copies:
             self.kv_cache.copy_blocks(step.block_copies)
+        if step.lora_loads:
+            self.lora.apply(step.lora_loads)
         if self.pipeline.size > 1:
             return self._execute_stage(step, vocab_parallel)
         if self.drafter is None:
             inputs, draft_token_ids = self.inputs.prepare(step), []
         else:  # between the tables' update and the inputs, the draft model proposes the verify rows' drafts
             step, inputs, draft_token_ids = self.drafter.prepare(step, self.inputs)
+        if inputs.lora_slots is not None:
+            self.lora.set_rows(inputs.lora_slots)
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
         forward = self.model if inputs.meta.is_prefill else self.decode_path.run
         hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
@@ -243,6 +262,8 @@ class ModelRunner:
         when vocab_parallel is given, else the logits, which rank 0 samples with its records. Sends do not
         wait, so a stage takes the next step while the next stage runs this one."""
         inputs = self.inputs.prepare(step)
+        if inputs.lora_slots is not None:
+            self.lora.set_rows(inputs.lora_slots)
         stage, pipeline = self.stage, self.pipeline
         from_previous_stage = None
         if not stage.is_first:
