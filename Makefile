@@ -46,6 +46,7 @@ build-kernels:
 	$(BIN)/python -c "from tpengine.kernels.cpu.token_bitmask import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.quant_linear import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.op_replay import available; available()"
+	$(BIN)/python -c "from tpengine.kernels.cpu.lora import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.shm_allreduce import load; load()" \
 		|| echo "could not build the CPU all-reduce kernel: CPU ranks on one host will all-reduce through gloo"
 

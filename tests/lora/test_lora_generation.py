@@ -6,8 +6,10 @@ import functools
 import pytest
 import torch
 
+from tests.quantization.checkpoints import CheckpointFormat, write_quantized_and_reference
 from tests.lora.adapters import ATTENTION, MLP, load_peft_model, make_peft_adapter, write_tiny_base
 from tpengine import LLM, SamplingParams
+from tpengine.sampling_params import StructuredOutputsParams
 from tpengine.lora.request import LoRARequest
 
 MAX_TOKENS = 10
@@ -65,7 +67,8 @@ def our_greedy(llm: LLM, prompts, loras) -> list[list[int]]:
     # to preempt
     dict(tensor_parallel_size=1, kvcache_block_size=16, max_num_batched_tokens=24, num_kvcache_blocks=10),
     dict(tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=32),
-], ids=["tp1-block16-preempting", "tp2-block256"])
+    dict(pipeline_parallel_size=2, kvcache_block_size=16),
+], ids=["tp1-block16-preempting", "tp2-block256", "pp2"])
 def test_a_batch_mixing_three_adapters_and_the_base_equals_peft(adapters, settings):
     base, loras = adapters
     prompts, choice = mixed_batch(loras)
@@ -79,7 +82,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_peft(adapters, settin
         hits = llm.prefix_cache_hits
         assert our_greedy(llm, prompts, choice) == expected
         assert llm.prefix_cache_hits > hits
-        if settings["tensor_parallel_size"] == 1:
+        if "num_kvcache_blocks" in settings:
             assert llm.num_preemptions > 0
         assert llm.lora_slots.num_loads > 3
     finally:
@@ -96,6 +99,35 @@ def test_speculation_and_the_base_rows_of_an_engine_with_adapters(adapters):
                                   "prompt_lookup_min": 1})
     try:
         assert our_greedy(llm, prompts, choice) == expected
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("fmt", [CheckpointFormat("gptq", bits=4, group_size=32, desc_act=True),
+                                 CheckpointFormat("awq", bits=4, group_size=32)], ids=["gptq-4bit", "awq-4bit"])
+def test_adapters_on_a_quantized_base_equal_peft_on_the_weights_it_stands_for(adapters, fmt, tmp_path):
+    """QLoRA serving: the adapters add to a GPTQ or AWQ base's linears; the oracle is peft on the float32
+    checkpoint of what the quantized weights stand for."""
+    base, loras = adapters
+    quantized, reference = str(tmp_path / "quantized"), str(tmp_path / "reference")
+    write_quantized_and_reference(base, quantized, reference, fmt)
+    prompts, choice = mixed_batch(loras)
+    expected = peft_greedy(reference, prompts, choice)
+    llm = LLM(quantized, enable_lora=True, max_loras=3, max_lora_rank=16, kvcache_block_size=16)
+    try:
+        assert our_greedy(llm, prompts, choice) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_structured_outputs_hold_on_an_adapter(adapters):
+    base, loras = adapters
+    llm = LLM(base, enable_lora=True, max_loras=1, max_lora_rank=16, kvcache_block_size=16)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))
+        outputs = llm.generate(["Is it?", "Is it not?"], params, use_tqdm=False, lora_request=loras[2])
+        assert all(out.outputs[0].text in ("yes", "no", "maybe") for out in outputs)
     finally:
         llm.shutdown()
 

@@ -547,14 +547,10 @@ class LLMEngine:
         half-run. Requests queued before with add_request keep running; their outputs wait for step().
         """
         prompts = prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        else:
+        if not (sampling_params is None or isinstance(sampling_params, (SamplingParams, list, tuple))):
             raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
                              f"got {type(sampling_params).__name__}")
+        sampling_params = per_prompt(sampling_params, len(prompts), "sampling_params")
         lora_requests = per_prompt(lora_request, len(prompts), "lora_request")
         requests = []
         try:

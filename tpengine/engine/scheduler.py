@@ -319,11 +319,7 @@ class Scheduler:
                 num_new_tokens = seq.num_tokens - match.num_cached_tokens
                 if scheduled and num_new_tokens > token_budget:
                     break  # only the first sequence of a batch may be chunked
-                block_manager.allocate(seq, match)
-                if seq.lora is not None:
-                    self.lora_slots.take(seq, seq.lora)
-                if seq.num_prompt_cached_tokens < 0:
-                    seq.num_prompt_cached_tokens = seq.num_cached_tokens
+                self._allocate(seq, match)
             elif block_manager.sliding_window is not None and not self._grow_for_chunk(seq, token_budget):
                 break
             num_new_tokens = seq.num_tokens - seq.num_cached_tokens
@@ -342,6 +338,15 @@ class Scheduler:
         if scheduled:
             self._requeue_head(head, chunked)
         return scheduled
+
+    def _allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+        """A waiting sequence's blocks (the cached prefix match found, fresh ones for the rest), and its adapter's
+        slot."""
+        self.block_manager.allocate(seq, match)
+        if seq.lora is not None:
+            self.lora_slots.take(seq, seq.lora)
+        if seq.num_prompt_cached_tokens < 0:
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
 
     def _fork_from_parent(self, seq: Sequence) -> bool | None:
         """Completion 1..n-1 of a request: fork its parent's prompt blocks once the parent has computed them

@@ -39,10 +39,8 @@ class Sequence:
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
         # of computing the prompt again. Cleared once they have blocks of their own.
         self.parent = parent
-        # its LoRA adapter (a LoRARequest; None: the base model) and the slot it holds while it has blocks
-        # (engine/lora_slots.py); its K/V is found only under its adapter's chain root (block_manager.chain_root)
-        self.lora = lora
-        self.lora_slot = -1
+        # its LoRA adapter (a LoRARequest; None: the base model) and, while it has blocks, its slot
+        self.lora, self.lora_slot = lora, -1
 
         # --- its tokens
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated

@@ -11,7 +11,7 @@ its share to the partial sums the all-reduce already adds up."""
 import torch
 
 from tpengine.layers.linear import FUSED, ColumnParallelLinear, LinearBase, RowParallelLinear
-from tpengine.platforms import platform_for, torch_ops
+from tpengine.platforms import platform_for
 
 # the linears an adapter may target: the attention's and the MLP's projections (not the router or the experts)
 LORA_LINEARS = (ColumnParallelLinear, RowParallelLinear)
@@ -48,7 +48,7 @@ class LoRAWeights:
         self.lora_a = torch.zeros(max_loras, input_size, rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, rank, output_size, dtype=dtype, device=device)
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
-        self.lora_add = getattr(platform_for(device), 'lora_add', torch_ops.lora_add_torch)  # TODO: platform op
+        self.lora_add = platform_for(device).lora_add
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.lora_add(y, x, self.lora_a, self.lora_b, self.scales, self.rows.of(x.size(0)))

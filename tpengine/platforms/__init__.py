@@ -58,6 +58,13 @@ class Platform(Protocol):
         """torch_ops.grouped_experts' sum, however the platform computes it; act_and_mul None: silu(gate) * up.
         w13, w2: the stacked float weights, or what pack_quantized_experts made of quantized ones."""
 
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 scales: torch.Tensor, slots: torch.Tensor) -> None:
+        """y[t] += scales[s] * (x[t] @ lora_a[s]) @ lora_b[s] for each row t of slot s = slots[t] >= 0, in place, in
+        float32 and rounded once (torch_ops.lora_add_torch's values). y [T, N] and x [T, K] with contiguous rows,
+        lora_a [S, K, R] and lora_b [S, R, N] contiguous, all of one dtype; scales float32 [S], slots int64 [T]
+        (-1: no adapter, the row left alone)."""
+
     def pack_linear_weight(self, weight: torch.Tensor, weight_dtype: torch.dtype | None = None):
         """After loading: a copy of an [out, in] weight that linear() multiplies faster, or None. weight_dtype
         (linear_weight_dtype's): the copy keeps the weights in it, and embedding_rows reads it too; None if this

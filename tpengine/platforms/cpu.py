@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tpengine.kernels.cpu import bf16_linear as bf16_kernel
 from tpengine.kernels.cpu import fused_ops
+from tpengine.kernels.cpu import lora as lora_kernel
 from tpengine.kernels.cpu import quant_linear as quant_kernel
 from tpengine.platforms import cpu_dtype, torch_ops
 from tpengine.platforms.packed import PackedWeight, packed_linear
@@ -127,6 +128,16 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
     return torch_ops.grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul or torch_ops.silu_and_mul,
                                      linear=packed_linear if isinstance(w13, list) else F.linear,
                                      w13_bias=w13_bias, w2_bias=w2_bias)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """The C++ op where this machine built it (rows of one slot in a row as a segment: matmuls for a prefill chunk,
+    loops for scattered decode rows), else the torch code, which takes every slot's product for every row."""
+    if y.dtype in lora_kernel.DTYPES and lora_kernel.available():
+        lora_kernel.lora_add(y, x, lora_a, lora_b, scales, slots)
+    else:
+        torch_ops.lora_add_torch(y, x, lora_a, lora_b, scales, slots)
 
 
 # --- linears on packed weights ---------------------------------------------------------------------

@@ -132,6 +132,17 @@ def moe_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: 
     return out
 
 
+def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Triton's kernel where Triton is installed (one program per row and column block, no host sync: decode stays
+    graph-capturable), else the torch code."""
+    if HAS_TRITON:
+        from tpengine.kernels.triton.lora import lora_add as triton_lora_add
+        triton_lora_add(y, x, lora_a, lora_b, scales, slots)
+    else:
+        torch_ops.lora_add_torch(y, x, lora_a, lora_b, scales, slots)
+
+
 # --- linears: linear and embedding_rows are packed.py's, each packed form multiplying itself ----------
 
 def pack_linear_weight(weight: torch.Tensor, weight_dtype: torch.dtype | None = None) -> None:

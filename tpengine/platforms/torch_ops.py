@@ -149,3 +149,25 @@ class DequantizedWeight(NamedTuple):
 
 def dequantized_weight(quantized, dtype: torch.dtype) -> DequantizedWeight:
     return DequantizedWeight(quantized.dequantize(dtype), quantized.activation)
+
+
+# --- LoRA ------------------------------------------------------------------------------------------
+
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """y[t] += scales[s] * (x[t] @ lora_a[s]) @ lora_b[s] for each row t of slot s = slots[t] >= 0, in place, in
+    float32 and rounded to y's dtype once; rows of slot -1 are left as they are. y [T, N], x [T, K], lora_a
+    [S, K, R], lora_b [S, R, N], scales float32 [S], slots int64 [T].
+
+    Every slot's product is taken for every row and the other slots' masked off (0/1 products, exact): ops whose
+    shapes never depend on the slots' values, so a CPU decode step that calls this can be recorded and replayed
+    (runner/cpu_replay.py's RECORDABLE_ATEN, which has no arange: the one-hot is S comparisons). The unused
+    slots' weights must be finite (zeros): 0 * inf would leak into other rows."""
+    num_slots, in_features, rank = lora_a.shape
+    one_hot = torch.stack([slots == s for s in range(num_slots)], dim=1).float()  # [T, S], a -1 row all zeros
+    shrunk = x.float() @ lora_a.float().permute(1, 0, 2).reshape(in_features, num_slots * rank)
+    masked = (shrunk.view(-1, num_slots, rank) * one_hot.unsqueeze(2)).view(-1, num_slots * rank)
+    expanded = masked @ lora_b.float().reshape(num_slots * rank, -1)
+    row_scale = one_hot @ scales.unsqueeze(1)  # [T, 1]: the row's slot's scale, 0 for -1
+    updated = (y.float() + expanded * row_scale).to(y.dtype)
+    y.copy_(torch.where((slots >= 0).unsqueeze(1), updated, y))
