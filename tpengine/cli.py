@@ -137,6 +137,14 @@ def _add_serve(commands, under_torchrun: bool) -> None:
                        help="how the model writes tool calls, for tool_choice auto: hermes (Qwen2.5, Qwen3: "
                             "<tool_call>{...}</tool_call>) or llama3_json (Llama 3.x: a JSON object)")
     serve.add_argument("--disable-access-log", action="store_true", help="no log line per HTTP request")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=[],
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) to serve beside the model, each NAME=PATH or vLLM's JSON "
+                            '{"name": ..., "path": ..., "base_model_name": ...}: a request whose model is NAME runs '
+                            "on it; needs --enable-lora (default: none)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="add vLLM's POST /v1/load_lora_adapter ({\"lora_name\", \"lora_path\"}) and "
+                            "/v1/unload_lora_adapter ({\"lora_name\"}) routes; needs --enable-lora")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="replicas of the engine, each its own --tp x --pp ranks on its own CPU cores (an equal "
                             "share) or its own GPUs, behind vLLM's router (vllm-router) on --host/--port (default 1: "
@@ -221,6 +229,14 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _lora_module(text: str):
+    from tpengine.entrypoints.lora_modules import parse_lora_module  # the server's modules load only when used
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _layer_counts(text: str) -> list[int]:
@@ -358,6 +374,7 @@ def _serve(args) -> int:
     data_parallel_size = getattr(args, "data_parallel_size", 1)
     if data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
+    _check_lora_flags(args, data_parallel_size)
     if data_parallel_size > 1:
         return _serve_data_parallel(args)
     engine_kwargs = _engine_kwargs(args)
@@ -367,7 +384,18 @@ def _serve(args) -> int:
                       host=args.host, port=args.port, api_key=args.api_key, chat_template=args.chat_template,
                       access_log=not args.disable_access_log, log_level="warning" if args.quiet else "info",
                       engine_kwargs=engine_kwargs, body_timeout_s=args.body_timeout, tool_parser=args.tool_call_parser,
-                      enable_auto_tool_choice=args.enable_auto_tool_choice)
+                      enable_auto_tool_choice=args.enable_auto_tool_choice, lora_modules=args.lora_modules,
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+
+
+def _check_lora_flags(args, data_parallel_size: int) -> None:
+    for flag, value in (("--lora-modules", args.lora_modules),
+                        ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating)):
+        if value and not args.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora (and --max-loras, --max-lora-rank to fit the adapters)")
+    if args.allow_runtime_lora_updating and data_parallel_size > 1:  # the router sends a load to one replica
+        raise ValueError("--allow-runtime-lora-updating would load an adapter on one replica only: not with "
+                         "--data-parallel-size; name the adapters with --lora-modules")
 
 
 def _bench(args) -> int:
@@ -422,9 +450,9 @@ def _argv_of(args: argparse.Namespace, actions: list[argparse.Action]) -> list[s
             argv.append(action.option_strings[0 if value else 1])
         elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
-        elif isinstance(action, argparse._AppendAction):
+        elif isinstance(action, argparse._AppendAction):  # --lora-modules' too (an _ExtendAction)
             for item in value:
-                argv += [flag, str(item)]
+                argv += [flag, msgspec.json.encode(item).decode() if isinstance(item, msgspec.Struct) else str(item)]
         elif isinstance(value, dict):
             argv += [flag, json.dumps(value)]
         elif isinstance(value, list):  # --pp-layer-partition's layer counts

@@ -5,7 +5,6 @@ import importlib.metadata
 import logging
 import secrets
 import sys
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -14,19 +13,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from tpengine.entrypoints.async_engine import AsyncEngine
+from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
+from tpengine.entrypoints.lora_modules import LoRAModulePath, ServedModels
 from tpengine.entrypoints.messages import AnthropicServingMessages, MessagesPrompt, MessagesRequest, error_body
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
 from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          TokenizeChatRequest, tokenize_request_kind)
+                                          LoadLoRAAdapterRequest, TokenizeChatRequest, UnloadLoRAAdapterRequest,
+                                          tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.responses import ResponsesRequest
 from tpengine.entrypoints.responses_serving import OpenAIServingResponses
-from tpengine.entrypoints.serving import ApiError
+from tpengine.entrypoints.serving import ApiError, engine_down
 from tpengine.entrypoints.warmup import Readiness, front_end_parts, warm_up_front_end
 
 logger = logging.getLogger("tpengine")
@@ -204,11 +205,15 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
               max_model_len: int, max_request_len: int, metrics: Metrics, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S,
               draining: Draining | None = None, tool_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None, warm_up: bool = False) -> FastAPI:
+              reasoning_parser: str | None = None, warm_up: bool = False, served_models: ServedModels | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The app; `draining`, once set (by the server's shutdown), answers bodies still arriving with a 503. With
-    warm_up, /health answers 503 until what the first requests would pay outside the engine is paid (warmup.py)."""
-    completions = OpenAIServingCompletion(engine, renderer, tokenizer, model_name, max_request_len)
-    chat = OpenAIServingChat(engine, renderer, tokenizer, model_name, max_request_len, tool_parser=tool_parser,
+    warm_up, /health answers 503 until what the first requests would pay outside the engine is paid (warmup.py).
+    served_models: model_name's LoRA adapters (default none); allow_runtime_lora_updating adds vLLM's routes that
+    load and unload them."""
+    models = served_models or ServedModels(model_name, model_path)
+    completions = OpenAIServingCompletion(engine, renderer, tokenizer, models, max_request_len)
+    chat = OpenAIServingChat(engine, renderer, tokenizer, models, max_request_len, tool_parser=tool_parser,
                              enable_auto_tool_choice=enable_auto_tool_choice, reasoning_parser=reasoning_parser)
 
     readiness = Readiness()
@@ -233,9 +238,9 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                        draining=draining)
     _add_error_handlers(app)
-    _add_status_routes(app, engine, draining, readiness, metrics, completions,
-                       {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "tpengine",
-                        "root": model_path, "max_model_len": max_model_len})
+    _add_status_routes(app, engine, draining, readiness, metrics, models, max_model_len)
+    if allow_runtime_lora_updating:  # else they are not routes at all (a 404), as in vLLM
+        _add_lora_routes(app, engine, models, max_request_len)
     _add_generation_routes(app, completions, chat, max_request_len)
     _add_responses_routes(app, OpenAIServingResponses(chat, max_request_len), max_request_len)
     _add_messages_routes(app, AnthropicServingMessages(chat, max_request_len), max_request_len)
@@ -265,7 +270,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, readiness: Readiness,
-                       metrics: Metrics, completions: OpenAIServingCompletion, model_card: dict) -> None:
+                       metrics: Metrics, models: ServedModels, max_model_len: int) -> None:
     """/health, /v1/models, /version and /metrics."""
     @app.get("/health")
     async def health():
@@ -282,13 +287,12 @@ def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, re
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card]}
+    async def list_models():
+        return {"object": "list", "data": models.cards(max_model_len)}
 
     @app.get("/v1/models/{model_id:path}")  # :path, as a served name may hold slashes ("org/model")
     async def retrieve_model(model_id: str):
-        completions.check_model(model_id)
-        return model_card
+        return models.card(model_id, max_model_len)
 
     @app.get("/version")
     async def version():
@@ -297,6 +301,33 @@ def _add_status_routes(app: FastAPI, engine: AsyncEngine, draining: Draining, re
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncEngine, models: ServedModels, max_request_len: int) -> None:
+    """vLLM's runtime adapter updates: POST /v1/load_lora_adapter and /v1/unload_lora_adapter, answered in its
+    words."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request):
+        request = parse_request(LoadLoRAAdapterRequest, await raw_request.body(), max_request_len)
+        try:
+            lora_request = models.new_lora_request(LoRAModulePath(request.lora_name, request.lora_path))
+            await engine.add_lora(lora_request)  # its weights checked against the model, before anyone uses it
+            models.register(lora_request)
+        except ValueError as e:  # the engine's own check names no field: its adapter's
+            raise ApiError(400, str(e), param=getattr(e, "param", None) or "lora_path") from None
+        except EngineDeadError as e:
+            raise engine_down(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request):
+        request = parse_request(UnloadLoRAAdapterRequest, await raw_request.body(), max_request_len)
+        lora_request = models.remove(request.lora_name, request.lora_int_id)
+        try:
+            await engine.remove_lora(lora_request.lora_int_id)  # its slot frees as its running requests finish
+        except EngineDeadError as e:
+            raise engine_down(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, chat: OpenAIServingChat,

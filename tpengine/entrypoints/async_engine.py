@@ -1,12 +1,12 @@
 """One thread owns the engine; the event loop talks to it through a queue and gets outputs back.
 
-Commands (add, abort, stop) cross to the engine thread through a thread-safe queue that the
-thread drains before every step, and blocks on while idle (an idle server sleeps). Each step's
-reports go to the loop in one call, unbuilt: the loop builds the outputs (a stream's text, its
-RequestOutput) while the engine thread runs the next step, and hands each to the HTTP request it
-belongs to, which keeps only the newest output of each prompt (or joins delta outputs): a client
-that reads slowly holds one output per prompt, never one per step. A step runs off the event loop,
-so the server answers during a long prefill.
+Commands (add, abort, stop; add or remove a LoRA adapter) cross to the engine thread through a
+thread-safe queue that the thread drains before every step, and blocks on while idle (an idle
+server sleeps). Each step's reports go to the loop in one call, unbuilt: the loop builds the
+outputs (a stream's text, its RequestOutput) while the engine thread runs the next step, and
+hands each to the HTTP request it belongs to, which keeps only the newest output of each prompt
+(or joins delta outputs): a client that reads slowly holds one output per prompt, never one per
+step. A step runs off the event loop, so the server answers during a long prefill.
 """
 import asyncio
 import itertools
@@ -20,6 +20,7 @@ from tpengine.engine.llm_engine import LLMEngine
 from tpengine.engine.request import StepReports
 from tpengine.entrypoints.metrics import Metrics, RequestTimes
 from tpengine.errors import InvalidRequestError
+from tpengine.lora.request import LoRARequest
 from tpengine.outputs import RequestOutput, merge_deltas
 from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -103,8 +104,10 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> Submission:
-        """Queue the prompts (all or none). Raises ValueError for a request the engine rejects,
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool,
+                     lora_request: LoRARequest | None = None) -> Submission:
+        """Queue the prompts (all or none), on lora_request's adapter if one is given. Raises ValueError for a
+        request the engine rejects (an adapter it cannot run among them),
         EngineDeadError when the engine is down. A streamed submission gets every step's outputs,
         another only the final ones (the engine then does no per-step work for it)."""
         if not self.is_healthy:
@@ -112,13 +115,28 @@ class AsyncEngine:
         submission = Submission(self, next(self._keys), len(prompts),
                                 delta=params.output_kind == RequestOutputKind.DELTA)
         accepted = self._loop.create_future()
-        self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic()))
+        self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic(), lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
             submission.abort()  # the add may still happen: the abort follows it in the queue
             raise
         return submission
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check an adapter on the engine thread: ValueError if it cannot run on this model."""
+        await self._lora_command("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter: its slot frees once the requests running on it finish."""
+        await self._lora_command("remove_lora", lora_int_id)
+
+    async def _lora_command(self, method: str, argument) -> None:
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running: {self.error}")
+        done = self._loop.create_future()
+        self._commands.put(("lora", method, argument, done))  # the engine is the engine thread's alone
+        await done
 
     def abort(self, submission: Submission) -> None:
         """Abort a submission's requests (thread-safe; the engine thread does it before its next step)."""
@@ -197,6 +215,8 @@ class AsyncEngine:
                         self._reject(command)
                     elif command[0] == "add":
                         self._add(*command[1:])
+                    elif command[0] == "lora":
+                        self._lora(*command[1:])
                     elif command[0] == "abort":
                         for request_id in command[1].request_ids:
                             engine.abort(request_id, build=False)
@@ -227,11 +247,12 @@ class AsyncEngine:
                 self.engine.check_health()
 
     def _add(self, submission: Submission, prompts, params, stream: bool, accepted: asyncio.Future,
-             arrival: float) -> None:
+             arrival: float, lora_request: LoRARequest | None) -> None:
         request_ids = []
         try:
             for prompt in prompts:
-                request_ids.append(self.engine.add_request(prompt, params, stream=stream, wait_for_grammar=False))
+                request_ids.append(self.engine.add_request(prompt, params, stream=stream, wait_for_grammar=False,
+                                                           lora_request=lora_request))
         except ValueError as e:
             for request_id in request_ids:  # its final output reaches the loop, which knows no such request
                 self.engine.abort(request_id, build=False)
@@ -241,6 +262,14 @@ class AsyncEngine:
             return
         submission.request_ids = request_ids
         self._loop.call_soon_threadsafe(self._accepted, submission, stream, arrival, accepted)
+
+    def _lora(self, method: str, argument, done: asyncio.Future) -> None:
+        try:
+            getattr(self.engine, method)(argument)
+        except ValueError as e:
+            self._loop.call_soon_threadsafe(_resolve, done, e)
+            return
+        self._loop.call_soon_threadsafe(_resolve, done, None)
 
     def _reject_until_stopped(self) -> None:
         while (command := self._commands.get())[0] != "stop":
@@ -255,8 +284,9 @@ class AsyncEngine:
                 return
 
     def _reject(self, command) -> None:
-        if command[0] == "add":  # nothing will run it
-            self._loop.call_soon_threadsafe(_resolve, command[5], EngineDeadError("the engine is not running"))
+        waiting = {"add": 5, "lora": 3}.get(command[0])  # where its future is: nothing will run it
+        if waiting is not None:
+            self._loop.call_soon_threadsafe(_resolve, command[waiting], EngineDeadError("the engine is not running"))
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

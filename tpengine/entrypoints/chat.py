@@ -132,9 +132,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw_request: Request):
         run = await self.start(request)
         if request.stream:
-            fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion.chunk"}
+            fields = {**new_response_fields("chatcmpl", self.response_model(request.model)),
+                      "object": "chat.completion.chunk"}
             return StreamingResponse(self._stream(request, run, fields), media_type="text/event-stream")
-        fields = {**new_response_fields("chatcmpl", self.model_name), "object": "chat.completion"}
+        fields = {**new_response_fields("chatcmpl", self.response_model(request.model)), "object": "chat.completion"}
         return await cancel_on_disconnect(raw_request, self._complete(request, run, fields))
 
     async def start(self, request: ChatCompletionRequest) -> ChatRun:
@@ -167,7 +168,8 @@ class OpenAIServingChat(OpenAIServing):
         """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating
         nothing. vLLM's router asks for them to route a request by its tokens' prefix (cache_aware)."""
         self.check_model(request.model)
-        return {"request_id": new_response_fields("chatcmpl", self.model_name)["id"], "model": self.model_name,
+        return {"request_id": new_response_fields("chatcmpl", self.model_name)["id"],
+                "model": self.response_model(request.model),
                 "token_ids": await self.render_prompt(request)}
 
     async def render_prompt(self, request: ChatCompletionRequest) -> list[int]:

@@ -23,7 +23,7 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = self.max_tokens(request.max_tokens, prompts, request)
         params = self.sampling_params(request, max_tokens, request.logprobs, spec)
         submission = await self.submit(prompts, params, request)
-        fields = {**new_response_fields("cmpl", self.model_name), "object": "text_completion"}
+        fields = {**new_response_fields("cmpl", self.response_model(request.model)), "object": "text_completion"}
         if request.stream:
             return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
@@ -33,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for them to route a request by its tokens' prefix (cache_aware); it routes blind without them."""
         self.check_model(request.model)
         request_id = new_response_fields("cmpl", self.model_name)["id"]
-        return [{"request_id": f"{request_id}-{i}", "model": self.model_name, "token_ids": token_ids}
+        return [{"request_id": f"{request_id}-{i}", "model": self.response_model(request.model), "token_ids": token_ids}
                 for i, token_ids in enumerate(await self._encode(request))]
 
     async def _encode(self, request: CompletionRequest) -> list[list[int]]:

@@ -415,7 +415,8 @@ class AnthropicServingMessages:
             raise ApiError(400, "thinking needs the server started with --reasoning-parser", param="thinking")
         run = await self.chat.start(chat_request(request, self.max_request_len))
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                   "model": self.chat.model_name, "content": [], "stop_reason": None, "stop_sequence": None}
+                   "model": self.chat.response_model(request.model), "content": [], "stop_reason": None,
+                   "stop_sequence": None}
         events = message_events(run, message, request.thinking_budget)
         if request.stream:
             return StreamingResponse(event_stream(events), media_type="text/event-stream")

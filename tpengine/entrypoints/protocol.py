@@ -456,3 +456,24 @@ class DetokenizeRequest(OpenAIBody):
         if not _is_token_ids(tokens):
             raise ValueError("must be a list of token ids (integers >= 0)")
         return tokens
+
+
+class LoadLoRAAdapterRequest(OpenAIBody):
+    """POST /v1/load_lora_adapter (vLLM's, with --allow-runtime-lora-updating): serve a PEFT adapter folder as a
+    model named lora_name."""
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+    load_inplace: bool = False
+
+    @field_validator("load_inplace")
+    @classmethod
+    def _not_in_place(cls, load_inplace: bool) -> bool:
+        if load_inplace:
+            raise ValueError("reloading an adapter in place is not supported: unload it, then load it")
+        return load_inplace
+
+
+class UnloadLoRAAdapterRequest(OpenAIBody):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving an adapter; its running requests finish."""
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_int_id: Annotated[int, Field(ge=1)] | None = None

@@ -202,8 +202,8 @@ class OpenAIServingResponses:
         text_format = request.text.format if request.text is not None else None
         return {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
                 "created_at": int(time.time()),
-                "model": self.chat.model_name, "status": "in_progress", "background": False, "error": None,
-                "incomplete_details": None, "instructions": request.instructions,
+                "model": self.chat.response_model(request.model), "status": "in_progress", "background": False,
+                "error": None, "incomplete_details": None, "instructions": request.instructions,
                 "max_output_tokens": request.max_output_tokens, "metadata": request.metadata or {}, "output": [],
                 "parallel_tool_calls": request.parallel_tool_calls is not False,
                 "previous_response_id": request.previous_response_id, "reasoning": {"effort": None, "summary": None},

@@ -10,7 +10,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tpengine.entrypoints.api_error import ApiError
 from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError, Submission
+from tpengine.entrypoints.lora_modules import ServedModels
 from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.errors import InvalidRequestError
@@ -20,18 +22,6 @@ from tpengine.sampling_params import RequestOutputKind, SamplingParams, Structur
 SSE_DONE = b"data: [DONE]\n\n"
 # JSON has no -inf: a token the model rules out gets this log-probability, as vLLM reports it
 MIN_LOGPROB = -9999.0
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def engine_down(error: BaseException) -> ApiError:
@@ -52,19 +42,23 @@ def clamp_logprob(logprob: float) -> float:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, renderer: PromptRenderer, tokenizer, model_name: str,
+    def __init__(self, engine: AsyncEngine, renderer: PromptRenderer, tokenizer, models: ServedModels,
                  max_request_len: int):
         self.engine = engine
         self.renderer = renderer    # prompts to token ids, off the event loop
         self.tokenizer = tokenizer  # the event loop's own instance (token texts); the engine thread has its own
-        self.model_name = model_name
+        self.models = models        # the served model's name and its LoRA adapters'
+        self.model_name = models.base_model_name
         self.max_request_len = max_request_len  # prompt + output: max_model_len, or less if the cache is smaller
         self._token_texts: dict[int, str] = {}
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model", "model_not_found")
+        """A 404 unless name is the served model's, an adapter's, or None."""
+        self.models.lora_request(name)
+
+    def response_model(self, name: str | None) -> str:
+        """What a response says it ran: the adapter or model its (checked) request named, as vLLM answers."""
+        return name or self.model_name
 
     def request_field(self, param: str | None, request: SamplingRequest) -> str | None:
         """The request's field for an input the engine names (SamplingParams' and the prompt's names)."""
@@ -121,9 +115,10 @@ class OpenAIServing:
         return await self.checked_grammar(spec, param, request)
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest) -> Submission:
-        """Queue the prompts; a streamed request's outputs come as deltas (only what each step added)."""
+        """Queue the prompts, on the LoRA adapter the request's model names, if any; a streamed request's outputs
+        come as deltas (only what each step added)."""
         try:
-            return await self.engine.submit(prompts, params, request.stream)
+            return await self.engine.submit(prompts, params, request.stream, self.models.lora_request(request.model))
         except ValueError as e:
             raise self.invalid(e, request) from None
         except EngineDeadError as e:
