@@ -200,7 +200,7 @@ def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
 
 # Every EngineConfig field, none at its default, and the flags users type for them: a new field is added to both.
 EVERY_SETTING = dict(
-    model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=128, seed=5, reasoning_parser="qwen3", device="cpu",
+    model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=128, seed=5, runner="pooling", reasoning_parser="qwen3", device="cpu",
     attention_backend="torch", enforce_eager=True, warm_up=True, tensor_parallel_size=2, pipeline_parallel_size=2,
     pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
     num_kvcache_blocks=7, kvcache_memory_gb=1.5, gpu_memory_utilization=0.5, enable_prefix_caching=False,
@@ -209,7 +209,8 @@ EVERY_SETTING = dict(
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, enable_lora=True, max_loras=3,
     max_lora_rank=32, max_cpu_loras=4)
 EVERY_FLAG = [
-    "--model", "/m", "--tokenizer", "/t", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--reasoning-parser", "qwen3",
+    "--model", "/m", "--tokenizer", "/t", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--runner", "pooling",
+    "--reasoning-parser", "qwen3",
     "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--warm-up", "--tp", "2", "--pp", "2",
     "--pp-layer-partition", "3,1", "--max-steps-in-flight", "1", "--step-timeout-s", "10", "--block-size", "32",
     "--kv-cache-dtype", "fp8", "--num-kvcache-blocks", "7", "--kvcache-memory-gb", "1.5", "--gpu-memory-utilization",

@@ -1,10 +1,11 @@
 """tpengine: a tensor-parallel LLM inference engine."""
 from tpengine.errors import WorkerFailedError
-from tpengine.outputs import CompletionOutput, RequestOutput
-from tpengine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tpengine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from tpengine.sampling_params import (BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams,
+                                      StructuredOutputsParams)
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "StructuredOutputsParams", "WorkerFailedError"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "PoolingParams", "RequestOutput",
+           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "WorkerFailedError"]
 
 
 def __getattr__(name: str):

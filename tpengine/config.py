@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # "auto": the model's dtype; "fp8" / "fp8_e4m3" (vLLM's names): e4m3 with per-layer K and V scales, twice the tokens
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
+RUNNERS = ("generate", "pooling")  # vLLM's names: a generative engine (that embeds too), or one that only embeds
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")  # a float checkpoint quantized at load (tpengine/models/loader.py)
 # the CPU has no FP8 matmul: online fp8 there would only round the weights and keep them float (as vLLM, refused)
@@ -202,6 +203,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: Annotated[int | None, Setting(
         "model", "seeds what unseeded sampled requests draw: the same command gives the same text",
         flag="--engine-seed")] = 0
+    runner: Annotated[str, Setting(
+        "model", "generate: completions (embedding requests run too, pooled as the checkpoint says); pooling: an "
+                 "embedding model, generation requests refused (LLM's task='embed')", choices=RUNNERS)] = "generate"
     # a reasoning model's parser: structured outputs constrain what follows its thinking (the server also
     # splits the thinking off as reasoning_content)
     reasoning_parser: Annotated[str | None, Setting(

@@ -1,5 +1,5 @@
-"""The offline API vLLM users call: LLM(model, ...).generate, .chat, .beam_search and .get_tokenizer. What vLLM's
-LLM has and tpengine does not (pooling models, sleep mode, ...) is a NotImplementedError that names it, never
+"""The offline API vLLM users call: LLM(model, ...).generate, .chat, .beam_search, .embed and .get_tokenizer. What
+vLLM's LLM has and tpengine does not (scoring, classification, sleep mode, ...) is a NotImplementedError that names it, never
 an AttributeError or an argument quietly ignored."""
 import dataclasses
 from itertools import islice
@@ -12,8 +12,8 @@ from tpengine.engine.inputs import prompt_list
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.entrypoints.chat_template import encode_chat_text, render_chat_text
 from tpengine.errors import InvalidRequestError
-from tpengine.outputs import RequestOutput
-from tpengine.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from tpengine.outputs import EmbeddingRequestOutput, RequestOutput
+from tpengine.sampling_params import MAX_LOGPROBS, BeamSearchParams, PoolingParams, SamplingParams
 
 # "auto" renders as the server does (text parts joined into one string); "openai" hands templates the parts
 CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
@@ -81,9 +81,33 @@ def template_conversation(conversation, content_format: str) -> list[dict[str, A
     return messages
 
 
+# vLLM's task names, as the runner each means (LLM(model, task="embed"))
+TASKS = {"generate": "generate", "embed": "pooling"}
+
+
 class LLM(LLMEngine):
     """`LLM(model, tensor_parallel_size=..., ...)`; `llm.generate(prompts, sampling_params)`, `llm.chat(messages)`,
-    `llm.beam_search(prompts, BeamSearchParams(...))`."""
+    `llm.beam_search(prompts, BeamSearchParams(...))`, `llm.embed(prompts)`."""
+
+    def __init__(self, model, task: str | None = None, **kwargs):
+        if task is not None:
+            if task not in TASKS:
+                raise ValueError(f"task must be one of {tuple(TASKS)}, got {task!r}")
+            if kwargs.setdefault("runner", TASKS[task]) != TASKS[task]:
+                raise ValueError(f"task={task!r} and runner={kwargs['runner']!r} disagree")
+        super().__init__(model, **kwargs)
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        """LLMEngine.embed; truncate_prompt_tokens (vLLM's argument) goes into every prompt's PoolingParams."""
+        if truncate_prompt_tokens is not None:
+            params = pooling_params if isinstance(pooling_params, (list, tuple)) else [pooling_params]
+            pooling_params = [dataclasses.replace(p or PoolingParams(), truncate_prompt_tokens=truncate_prompt_tokens)
+                              for p in params]
+            if len(pooling_params) == 1:
+                pooling_params = pooling_params[0]
+        return super().embed(prompts, pooling_params, use_tqdm, lora_request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, **vllm_only) -> list[RequestOutput]:
@@ -195,8 +219,7 @@ class LLM(LLMEngine):
         return results
 
     # vLLM's pooling-model tasks, and controls of its runtime tpengine has no counterpart for
-    encode = _not_supported("encode", "tpengine runs generative models, not pooling models")
-    embed = _not_supported("embed", "tpengine runs generative models, not embedding models")
+    encode = _not_supported("encode", "tpengine pools embeddings only: use embed()")
     classify = _not_supported("classify", "tpengine runs generative models, not classification models")
     score = _not_supported("score", "tpengine runs generative models, not cross-encoders or embedding models")
     reward = _not_supported("reward", "tpengine runs generative models, not reward models")

@@ -167,3 +167,16 @@ def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return RequestOutput(request_id=newer.request_id, prompt=newer.prompt, prompt_token_ids=newer.prompt_token_ids,
                          outputs=sorted(completions.values(), key=lambda c: c.index), finished=newer.finished,
                          num_cached_tokens=newer.num_cached_tokens)
+
+
+class EmbeddingOutput(msgspec.Struct, gc=False):
+    embedding: list[float]
+
+
+class EmbeddingRequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """An embedding request's one output (vLLM's): its prompt and the pooled, maybe normalized, vector."""
+    request_id: int
+    prompt: str | list[int] | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -276,6 +276,26 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request's settings (vLLM's PoolingParams): dimensions keeps a Matryoshka model's first that
+    many (before normalizing); normalize overrides the checkpoint's choice; truncate_prompt_tokens keeps the
+    prompt's last that many tokens (-1: max_model_len's worth) instead of refusing a longer one."""
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.dimensions is not None and _integer("dimensions", self.dimensions) < 1:
+            raise _invalid("dimensions", f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise _invalid("normalize", f"normalize must be True, False or None, got {self.normalize!r}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (_integer("truncate_prompt_tokens", truncate) < 1 and truncate != -1):
+            raise _invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or an integer >= 1, got "
+                                                     f"{truncate!r}")
+
+
+@dataclass(frozen=True)
 class BeamSearchParams:
     """LLM.beam_search's settings: vLLM's fields, and transformers' beam search (num_beams=beam_width,
     do_sample=False) as their meaning, early_stopping included (which vLLM's lacks)."""

@@ -25,6 +25,15 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     draft_context_start: int = 0
     draft_context: list[int] = []
     lora_slot: int = -1         # the sequence's LoRA adapter slot (-1: the base model alone)
+    pooling: "PoolChunk | None" = None  # an embedding request's chunk: its rows are pooled, none sampled
+
+
+class PoolChunk(msgspec.Struct, array_like=True, gc=False):
+    """How rank 0 pools an embedding request's rows (runner/pooler.py): the first `dimensions` of the vector kept (0:
+    all), normalized or not; final: the chunk reaches the prompt's end (the vector is made)."""
+    dimensions: int
+    normalize: bool
+    final: bool
 
 
 class BlockTable(msgspec.Struct, array_like=True, gc=False):

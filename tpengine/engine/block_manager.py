@@ -206,7 +206,7 @@ class BlockManager:
         chunk: later chunks grow the table)."""
         block_ids: list[int] = []
         copy_src, num_copied = -1, 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.reuses_prefix:
             block_size = self.block_size
             # The last block is never looked up as a whole: prefill must compute at least one token
             # to get the logits that sample the next one.

@@ -16,7 +16,7 @@ from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.inputs import parse_prompt, per_prompt, prompt_list
 from tpengine.engine.lora_slots import LoRASlots
 from tpengine.engine.proposer import make_proposer
-from tpengine.engine.request import Request, StepReports
+from tpengine.engine.request import POOLED, PoolingRequest, Request, StepReports
 from tpengine.engine.scheduler import Scheduler
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
@@ -27,8 +27,9 @@ from tpengine.lora.checks import LoRAAdapterChecks
 from tpengine.lora.request import LoRARequest
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
-from tpengine.outputs import NO_TOKEN, RequestOutput, merge_deltas
-from tpengine.sampling_params import SamplingParams
+from tpengine.outputs import NO_TOKEN, EmbeddingRequestOutput, RequestOutput, merge_deltas
+from tpengine.pooling import read_pooling_config
+from tpengine.sampling_params import PoolingParams, SamplingParams
 from tpengine.structured.limits import check_min_tokens_reachable
 from tpengine.thinking import THINK_END, THINK_START, thinking_open_after
 
@@ -113,6 +114,8 @@ class LLMEngine:
         self._num_constrained_requests = 0
         self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
         self._lora_adapters = LoRAAdapterChecks(config, hf_config)  # adapters requests may name, checked once
+        self.pooling = read_pooling_config(model)  # how embedding requests pool (pooling.py)
+        self.hidden_size = hf_config.hidden_size
 
     # --- metrics (cheap: read by a server every scrape) ---------------------------------------------
 
@@ -211,11 +214,16 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def _make_request(self, prompt, sampling_params: SamplingParams | None, stream: bool,
+    def _make_request(self, prompt, sampling_params: SamplingParams | PoolingParams | None, stream: bool,
                       wait_for_grammar: bool = True, lora_request: LoRARequest | None = None) -> Request:
         """Validate one request and build it; nothing is queued (so a bad one leaves no trace). wait_for_grammar:
         a grammar is compiled before this returns (a rejected or too slow one is this request's ValueError); else
-        the request waits unscheduled for it."""
+        the request waits unscheduled for it. PoolingParams: an embedding request."""
+        if isinstance(sampling_params, PoolingParams):
+            return self._make_pooling_request(prompt, sampling_params, lora_request)
+        if self.config.runner == "pooling":
+            raise InvalidRequestError("this engine was made with runner='pooling' (task='embed'): it embeds, it does "
+                                      "not generate", "model")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -268,6 +276,32 @@ class LLMEngine:
             if wait_for_grammar:
                 compiler.wait(request.grammar, params.structured_outputs)
         return request
+
+    def _make_pooling_request(self, prompt, params: PoolingParams, lora_request: LoRARequest | None) -> Request:
+        """An embedding request: its prompt (its last truncate_prompt_tokens, if asked) computed and pooled."""
+        if self.config.pipeline_parallel_size > 1:
+            raise InvalidRequestError("embeddings run on one pipeline stage: use pipeline_parallel_size=1", "model")
+        if lora_request is not None:
+            self._lora_adapters.check(lora_request)
+        spec = self.pooling.checked(params, self.hidden_size)
+        try:
+            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
+            if not token_ids:
+                raise ValueError("prompt is empty: it needs at least one token")
+            if params.truncate_prompt_tokens is not None:
+                keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+                token_ids = token_ids[-keep:]
+            for t in token_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+            self.scheduler.check_fits(len(token_ids), 0)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "prompt") from None
+        request_id = next(self._request_ids)
+        seq = Sequence(token_ids, POOLED, block_size=self.config.kvcache_block_size, request_id=request_id,
+                       lora=lora_request)
+        seq.pooling, seq.reuses_prefix = spec, not self.pooling.reads_every_token
+        return PoolingRequest(request_id, prompt, token_ids, POOLED, [seq], self.detokenizer, False)
 
     def _queue(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -474,6 +508,8 @@ class LLMEngine:
         if self._num_constrained_requests:
             finished = finished + self._advance_grammars(seqs)
         touched: dict[int, Request] = {}
+        if sampled.pooled:  # embeddings: their prompts ran to the end, no token
+            finished = self._take_pooled(finished, sampled.pooled, touched)
         reports: list[tuple[Request, object]] = []
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched, reports)
@@ -482,6 +518,18 @@ class LLMEngine:
                 self._process_finished(seq, touched)
         reports += [(request, request.report()) for request in touched.values() if request.stream or request.finished]
         return reports
+
+    def _take_pooled(self, finished: list[Sequence], pooled: dict[int, list[float]],
+                     touched: dict[int, Request]) -> list[Sequence]:
+        """Hand each pooled sequence's vector to its request (finished now); the other finished sequences."""
+        others = []
+        for seq in finished:
+            if seq.seq_id in pooled:
+                self._requests[seq.request_id].embedding = pooled[seq.seq_id]
+                self._process_finished(seq, touched)
+            else:
+                others.append(seq)
+        return others
 
     def _process_tokens(self, seqs: list[Sequence], logprobs, touched: dict[int, Request],
                         reports: list[tuple[Request, object]]) -> None:
@@ -542,32 +590,54 @@ class LLMEngine:
         """Generate for every prompt; outputs come back in prompt order. lora_request: one adapter for every
         prompt, or one (or None) per prompt.
 
-        A prompt is a string, a list of token ids, a 1-D integer torch/numpy array, or a dict with 'prompt' or 'prompt_token_ids'; prompts is one prompt or an iterable of them. Every prompt is
-        checked before any is queued: one bad prompt raises ValueError naming it, and nothing is left
-        half-run. Requests queued before with add_request keep running; their outputs wait for step().
+        A prompt is a string, a list of token ids, a 1-D integer torch/numpy array, or a dict with 'prompt' or
+        'prompt_token_ids'; prompts is one prompt or an iterable of them. Every prompt is checked before any is
+        queued: one bad prompt raises ValueError naming it, and nothing is left half-run. Requests queued before
+        with add_request keep running; their outputs wait for step().
         """
         prompts = prompt_list(prompts)
         if not (sampling_params is None or isinstance(sampling_params, (SamplingParams, list, tuple))):
             raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), "
                              f"got {type(sampling_params).__name__}")
-        sampling_params = per_prompt(sampling_params, len(prompts), "sampling_params")
-        lora_requests = per_prompt(lora_request, len(prompts), "lora_request")
+        requests = self._make_requests(prompts, per_prompt(sampling_params, len(prompts), "sampling_params"),
+                                       per_prompt(lora_request, len(prompts), "lora_request"))
+        return self._run_to_end(requests, use_tqdm, "Generating")
+
+    def embed(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in prompt order (prompts as generate takes them): its last hidden states
+        pooled as the checkpoint says (pooling.py), in steps shared with any generation running."""
+        prompts = prompt_list(prompts)
+        if not (pooling_params is None or isinstance(pooling_params, (PoolingParams, list, tuple))):
+            raise ValueError("pooling_params must be a PoolingParams or a list of them (one per prompt), "
+                             f"got {type(pooling_params).__name__}")
+        params = [p or PoolingParams() for p in per_prompt(pooling_params, len(prompts), "pooling_params")]
+        requests = self._make_requests(prompts, params, per_prompt(lora_request, len(prompts), "lora_request"))
+        return self._run_to_end(requests, use_tqdm, "Embedding")
+
+    def _make_requests(self, prompts: list, params: list, lora_requests: list) -> list[Request]:
+        """Every prompt's request, checked (grammars compiled); none queued. ValueError naming the prompt."""
         requests = []
         try:
-            for i, (prompt, params, lora) in enumerate(zip(prompts, sampling_params, lora_requests)):
+            for i, (prompt, prompt_params, lora) in enumerate(zip(prompts, params, lora_requests)):
                 # grammars compile side by side on the compiler's threads, each waited for below
-                requests.append(self._make_request(prompt, params, stream=False, wait_for_grammar=False,
+                requests.append(self._make_request(prompt, prompt_params, stream=False, wait_for_grammar=False,
                                                    lora_request=lora))
             for i, request in enumerate(requests):
                 if request.grammar is not None:
                     self.grammar_compiler.wait(request.grammar, request.params.structured_outputs)
         except ValueError as e:
             raise InvalidRequestError(f"prompt {i}: {e}", getattr(e, "param", None)) from None
+        return requests
+
+    def _run_to_end(self, requests: list[Request], use_tqdm: bool, what: str) -> list:
+        """Queue requests and step until each has its output (others' outputs wait for step()); in their order."""
         for request in requests:
             self._queue(request)
         own = {request.request_id for request in requests}
         outputs: dict[int, RequestOutput] = {}
-        progress = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        progress = tqdm(total=len(requests), desc=what, dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
             while len(outputs) < len(requests):

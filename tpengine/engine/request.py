@@ -2,7 +2,8 @@
 from tpengine.engine.detokenizer import Detokenizer, IncrementalText
 from tpengine.engine.sequence import Sequence
 from tpengine.engine.stop_strings import StopStrings
-from tpengine.outputs import CompletionOutput, RequestOutput, completion_snapshot, merge_deltas
+from tpengine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput,
+                              completion_snapshot, merge_deltas)
 from tpengine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -193,6 +194,27 @@ class Request:
         return completion_snapshot(i, new_text, seq.token_ids, start, num_tokens, seq.finish_reason,
                                    seq.stop_reason, self.logprobs[i], self.cumulative_logprobs[i],
                                    logprob_start=start - seq.num_prompt_tokens)
+
+
+# an embedding request's sequence samples nothing: its prompt, computed to the end, is all it runs
+POOLED = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+class PoolingRequest(Request):
+    """An embedding request: one sequence whose prompt runs to its end, then one output with its pooled vector."""
+    __slots__ = ("embedding",)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.embedding: list[float] | None = None  # rank 0's pooled vector, set when its prompt has run
+
+    def on_finish(self, seq: Sequence) -> None:
+        self.num_unfinished -= 1  # no text to complete
+
+    def output(self) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(request_id=self.request_id, prompt=self.prompt,
+                                      prompt_token_ids=self.prompt_token_ids,
+                                      outputs=EmbeddingOutput(self.embedding or []), finished=self.finished)
 
 
 class StepReports:

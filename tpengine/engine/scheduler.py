@@ -18,7 +18,7 @@ from collections import deque
 from itertools import islice
 
 from tpengine.config import SCHEDULING_POLICIES
-from tpengine.distributed.messages import BlockCopy, BlockTable, PrefillChunk, StepMessage, int_column
+from tpengine.distributed.messages import BlockCopy, BlockTable, PoolChunk, PrefillChunk, StepMessage, int_column
 from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.lora_slots import LoRASlots
@@ -176,7 +176,7 @@ class Scheduler:
         seq.sampling = SamplingRecord(seq.sampling_params, seq.eos_and_stop_token_ids, seq.token_ids,
                                       seq.num_prompt_tokens)
         seq.arrival_step = self.num_steps
-        seq.speculates = self.proposer is not None and speculates(seq.sampling_params)
+        seq.speculates = self.proposer is not None and seq.pooling is None and speculates(seq.sampling_params)
         self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
@@ -223,8 +223,10 @@ class Scheduler:
         for seq in prefill:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             sampled = end == seq.num_tokens
+            pooling = None if seq.pooling is None else PoolChunk(*seq.pooling, sampled)
+            sampled = sampled and pooling is None  # an embedding's prompt is pooled, no token sampled
             chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope,
-                                       lora_slot=seq.lora_slot))
+                                       lora_slot=seq.lora_slot, pooling=pooling))
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
@@ -553,14 +555,18 @@ class Scheduler:
         if block_manager.block_copies:
             block_manager.release_copy_sources()  # the step ran: its copies are done
         completed = []  # prompts whose last chunk ran: their rows were sampled
+        pooled = []  # embeddings whose prompt ran to its end: they are done
         for seq in prefill:
             self._cache_scheduled(seq)
             if seq.num_cached_tokens == seq.num_tokens:
-                completed.append(seq)
+                (completed if seq.pooling is None else pooled).append(seq)
         sampled = decode + completed if completed else decode
         assert len(sampled) + plan.num_verify_tokens == len(token_ids) == len(plan.sampling), \
             "tokens and sampled rows disagree"
         finished = []
+        for seq in pooled:
+            self.finish(seq, "stop")
+            finished.append(seq)
         if verify:
             if self.proposer.on_ranks:
                 self.speculation.take_drafts_made_on_ranks(verify, draft_token_ids, plan.num_verify_tokens)

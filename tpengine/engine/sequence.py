@@ -25,7 +25,7 @@ class Sequence:
         "sampling_params", "sampling", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "min_tokens", "status", "finish_reason", "stop_reason",
         "speculates", "draft_token_ids", "num_draft_cached_tokens",
-        "arrival_step", "virtual_engine", "lora", "lora_slot",
+        "arrival_step", "virtual_engine", "lora", "lora_slot", "pooling", "reuses_prefix",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
@@ -41,6 +41,9 @@ class Sequence:
         self.parent = parent
         # its LoRA adapter (a LoRARequest; None: the base model) and, while it has blocks, its slot
         self.lora, self.lora_slot = lora, -1
+        # an embedding request's (dimensions, normalize), None to generate; whether cached K/V may stand for its
+        # prompt's tokens (not where pooling reads every token's hidden state)
+        self.pooling, self.reuses_prefix = None, True
 
         # --- its tokens
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated

@@ -189,6 +189,12 @@ def _load_gguf(model: nn.Module, params: dict, path: str, online: OnlineQuantiza
     return chosen
 
 
+def _bare_model_prefix(names) -> str:
+    """"model." for a checkpoint saved from the decoder without its LM head (an embedding model such as
+    Qwen3-Embedding: "layers.0...." where the causal LM has "model.layers.0...."), else ""."""
+    return "model." if "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names) else ""
+
+
 def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
                online: OnlineQuantization | None = None, keep_fp8: bool = False) -> None:
     """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one;
@@ -204,13 +210,14 @@ def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
         with _open(file) as f:
             files_of.update((name, file) for name in f.keys())
     files_of = {name: file for name, file in files_of.items() if _served(model, name)}
+    prefix = _bare_model_prefix(files_of)
     quantized = _quantized_modules(quantization, files_of) if quantization is not None else {}
     in_quantized = {name for tensors in quantized.values() for name in tensors.values()}
     chosen = {}  # (parameter, loader arguments) -> (file, checkpoint name): each loads once
     for name, file in files_of.items():
         if name.endswith("rotary_emb.inv_freq") or name in in_quantized:  # older checkpoints save the rope buffer
             continue
-        target, args = model.checkpoint_target(name)
+        target, args = model.checkpoint_target(prefix + name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
         if quantization is not None:

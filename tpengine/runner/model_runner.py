@@ -13,6 +13,7 @@ from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.models.loader import load_and_prepack
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
+from tpengine.pooling import read_pooling_config
 from tpengine.platforms import platform_for
 from tpengine.runner.decode_path import EagerDecode, choose_decode_path
 from tpengine.runner.drafter import Drafter
@@ -20,6 +21,7 @@ from tpengine.runner.inputs import ForwardInputs, InputBuilder
 from tpengine.runner.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from tpengine.runner.kv_cache import KVCache, attention_layers_of, num_kvcache_blocks
 from tpengine.runner.lora_adapters import LoRAAdapters
+from tpengine.runner.pooler import Pooler
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
 from tpengine.runner.warmup import warm_up
 from tpengine.sampling_params import SamplingRecord
@@ -55,6 +57,8 @@ class ModelRunner:
         self.attention_backend = make_backend(self.backend_name)
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.lora = self._lora_adapters()
+        # embedding requests' vectors are made on rank 0 (each tensor-parallel rank holds whole hidden states)
+        self.pooler = Pooler(read_pooling_config(config.model)) if self.rank == 0 else None
         self.attention_layers = attention_layers_of(self.model)
         if self.rank == 0 and is_fp8(self.kv_cache_dtype):
             self._log_fp8_kv_scales()
@@ -220,7 +224,14 @@ class ModelRunner:
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
         forward = self.model if inputs.meta.is_prefill else self.decode_path.run
         hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
-        return self._sample(step, vocab_parallel, inputs, hidden_states, sampling, draft_token_ids)
+        output = self._sample(step, vocab_parallel, inputs, hidden_states, sampling, draft_token_ids)
+        pooler = self.pooler
+        if pooler is not None and (pooler.partial or inputs.meta.is_prefill):
+            pooler.forget(step.released)
+            if inputs.meta.is_prefill and any(chunk.pooling for chunk in step.prefill):
+                chunks = [chunk for chunk in step.prefill if not chunk.num_draft_tokens]  # the prompt rows' order
+                output = output._replace(pooled=pooler.pool(chunks, inputs.meta, hidden_states))
+        return output
 
     def _sample(self, step: StepMessage, vocab_parallel: VocabParallelSampling | None, inputs: ForwardInputs,
                 hidden_states: torch.Tensor, sampling: list[SamplingRecord] | None,

@@ -36,6 +36,8 @@ class SamplerOutput(NamedTuple):
     logprobs: list[dict[int, float] | None]       # per row: token id -> log-probability, None unless asked
     # the verify rows' drafts that a draft model proposed on the ranks this step, row after row
     draft_token_ids: list[int] = []
+    # embedding requests whose prompts ran to their ends this step: sequence id -> pooled vector (runner/pooler.py)
+    pooled: dict[int, list[float]] = {}
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
