@@ -84,6 +84,9 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_peft(adapters, settin
         assert llm.prefix_cache_hits > hits
         if "num_kvcache_blocks" in settings:
             assert llm.num_preemptions > 0
+        if "pipeline_parallel_size" not in settings:  # the adapters' rows replayed in recorded CPU decode steps
+            replays = llm.executor.runner.decode_path.replays
+            assert any(replay is not None for replay in replays.replays.values())
         assert llm.lora_slots.num_loads > 3
     finally:
         llm.shutdown()
