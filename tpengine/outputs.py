@@ -135,6 +135,9 @@ class RequestOutput(msgspec.Struct, kw_only=True, gc=False):
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int              # prompt tokens served from the prefix cache
+    # per prompt token: its logprob and the top alternatives (token id -> logprob); None for the first token and
+    # unless SamplingParams.prompt_logprobs asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Shortcuts to the first completion (what a request with n=1 has).
     @property
@@ -166,7 +169,8 @@ def merge_deltas(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
             cumulative_logprob=new.cumulative_logprob)
     return RequestOutput(request_id=newer.request_id, prompt=newer.prompt, prompt_token_ids=newer.prompt_token_ids,
                          outputs=sorted(completions.values(), key=lambda c: c.index), finished=newer.finished,
-                         num_cached_tokens=newer.num_cached_tokens)
+                         num_cached_tokens=newer.num_cached_tokens,
+                         prompt_logprobs=newer.prompt_logprobs or older.prompt_logprobs)
 
 
 class EmbeddingOutput(msgspec.Struct, gc=False):

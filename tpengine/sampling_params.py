@@ -51,6 +51,15 @@ def _integer(name: str, value) -> int:
     return int(value)
 
 
+def _logprob_count(name: str, value) -> int | None:
+    """logprobs' or prompt_logprobs': None, or how many top alternatives besides the token itself."""
+    if value is None:
+        return None
+    if not 0 <= _integer(name, value) <= MAX_LOGPROBS:
+        raise _invalid(name, f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
+    return int(value)
+
+
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -191,6 +200,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None             # 0..20: the sampled token plus that many top alternatives
+    # 0..20: each prompt token's logprob plus that many top alternatives (max_tokens=0 then scores the prompt alone)
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0           # -2..2, over generated tokens
     frequency_penalty: float = 0.0          # -2..2, over generated tokens
     repetition_penalty: float = 1.0         # > 0, over prompt and generated tokens (transformers' definition)
@@ -228,14 +239,14 @@ class SamplingParams:
             raise _invalid("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = None if self.seed is None else _integer("seed", self.seed)
         max_tokens = _integer("max_tokens", self.max_tokens)
-        if max_tokens < 1:
-            raise _invalid("max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens}")
+        prompt_logprobs = _logprob_count("prompt_logprobs", self.prompt_logprobs)
+        if max_tokens < (0 if prompt_logprobs is not None else 1):  # a prompt may be scored without a token
+            raise _invalid("max_tokens", f"max_tokens must be an integer >= 1 (0 with prompt_logprobs), got "
+                                         f"{max_tokens}")
         min_tokens = _integer("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
             raise _invalid("min_tokens", f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
-        logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise _invalid("logprobs", f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {logprobs}")
+        logprobs = _logprob_count("logprobs", self.logprobs)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
@@ -255,7 +266,7 @@ class SamplingParams:
                 raise _invalid(name, f"{name} must be True or False, got {getattr(self, name)!r:.60}")
         for name, value in (("n", n), ("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
                             ("min_p", min_p), ("seed", seed), ("max_tokens", max_tokens),
-                            ("min_tokens", min_tokens), ("logprobs", logprobs),
+                            ("min_tokens", min_tokens), ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs),
                             ("repetition_penalty", repetition_penalty), ("stop", _stop_strings(self.stop)),
                             ("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids)),
                             ("logit_bias", _logit_bias(self.logit_bias))):

@@ -26,6 +26,10 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     draft_context: list[int] = []
     lora_slot: int = -1         # the sequence's LoRA adapter slot (-1: the base model alone)
     pooling: "PoolChunk | None" = None  # an embedding request's chunk: its rows are pooled, none sampled
+    # prompt logprobs (runner/prompt_logprobs.py): every row scores the prompt token after it; the last row's is
+    # next_token (-1: the chunk ends the prompt)
+    prompt_logprobs: bool = False
+    next_token: int = -1
 
 
 class PoolChunk(msgspec.Struct, array_like=True, gc=False):

@@ -206,11 +206,11 @@ class BlockManager:
         chunk: later chunks grow the table)."""
         block_ids: list[int] = []
         copy_src, num_copied = -1, 0
-        if self.enable_prefix_caching and seq.reuses_prefix:
+        if self.enable_prefix_caching and seq.reuse_limit != 0:
             block_size = self.block_size
             # The last block is never looked up as a whole: prefill must compute at least one token
             # to get the logits that sample the next one.
-            num_full = seq.num_blocks - 1
+            num_full = seq.num_blocks - 1 if seq.reuse_limit is None else min(seq.num_blocks - 1, seq.reuse_limit)
             hashes = self.block_hashes(seq, num_full)[:num_full]
             if self.sliding_window is None:
                 for i, h in enumerate(hashes):
@@ -223,7 +223,7 @@ class BlockManager:
             parent = hashes[len(block_ids) - 1] if block_ids else chain_root(seq)
             start = len(block_ids) * block_size
             head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
-            if head:
+            if head and seq.reuse_limit is None:  # a limited reuse ends at its whole blocks
                 copy_src, num_copied = self.heads.longest_match(parent, head)
         num_cached_tokens = len(block_ids) * self.block_size + num_copied
         num_blocks = seq.num_blocks

@@ -15,6 +15,7 @@ from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.inputs import parse_prompt, per_prompt, prompt_list
 from tpengine.engine.lora_slots import LoRASlots
+from tpengine.engine.prompt_logprob_cache import PromptLogprobCache
 from tpengine.engine.proposer import make_proposer
 from tpengine.engine.request import POOLED, PoolingRequest, Request, StepReports
 from tpengine.engine.scheduler import Scheduler
@@ -83,21 +84,7 @@ class LLMEngine:
                 max_num_batched_tokens=self.executor.max_num_batched_tokens)
             for line in config.describe():
                 logger.info("config %s", line)
-            spec = config.speculative_config
-            self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
-            # a pipeline keeps steps in flight, each from its own scheduler (engine/virtual_engines.py); one stage:
-            # a single scheduler, one step at a time
-            self.scheduler = VirtualEngines(
-                config.max_steps_in_flight,
-                num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
-                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
-                enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
-                proposer=None if spec is None else make_proposer(spec),
-                num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
-                draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive),
-                sliding_window=self._ledger_window(hf_config), long_rope_threshold=long_rope_threshold_of(hf_config),
-                lora_slots=self.lora_slots)
+            self.scheduler = self._make_ledger(config, hf_config, eos_token_ids)
         except BaseException:  # workers run from here on: nothing may leave them behind
             self.executor.shutdown()
             raise
@@ -116,6 +103,25 @@ class LLMEngine:
         self._lora_adapters = LoRAAdapterChecks(config, hf_config)  # adapters requests may name, checked once
         self.pooling = read_pooling_config(model)  # how embedding requests pool (pooling.py)
         self.hidden_size = hf_config.hidden_size
+
+    def _make_ledger(self, config: EngineConfig, hf_config, eos_token_ids: frozenset[int]) -> VirtualEngines:
+        """The schedulers (a pipeline keeps steps in flight, each from its own: engine/virtual_engines.py; one stage:
+        a single scheduler, one step at a time) with what they share: the LoRA slots, the kept prompt logprobs (as
+        many blocks' as the KV cache holds)."""
+        spec = config.speculative_config
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        self.prompt_logprob_cache = PromptLogprobCache(config.num_kvcache_blocks)
+        return VirtualEngines(
+            config.max_steps_in_flight,
+            num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, eos_token_ids=eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching, scheduling_policy=config.scheduling_policy,
+            proposer=None if spec is None else make_proposer(spec),
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            draft_policy=None if spec is None else DraftPolicy(spec.disable_by_batch_size, spec.adaptive),
+            sliding_window=self._ledger_window(hf_config), long_rope_threshold=long_rope_threshold_of(hf_config),
+            lora_slots=self.lora_slots, prompt_logprobs=self.prompt_logprob_cache)
 
     # --- metrics (cheap: read by a server every scrape) ---------------------------------------------
 
@@ -229,33 +235,10 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         params = sampling_params
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and this model folder has none: use "
-                                      "stop_token_ids", "stop")
+        self._check_sampling_params(params)
         if lora_request is not None:
             self._lora_adapters.check(lora_request)
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}", "n")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise InvalidRequestError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} "
-                                      "tokens", "logprobs")
-        for name, what, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
-                                ("logit_bias", "logit_bias token id", params.logit_bias or ())):
-            for t in ids:
-                if t >= self.vocab_size:
-                    raise InvalidRequestError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})", name)
-        try:
-            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
-            if not token_ids:
-                raise ValueError("prompt is empty: it needs at least one token")
-            for t in token_ids:
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-            self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        except InvalidRequestError:
-            raise
-        except ValueError as e:  # the prompt, or its length with max_tokens, is at fault
-            raise InvalidRequestError(str(e), "prompt") from None
+        prompt, token_ids = self._prompt_tokens(prompt, params.max_tokens)
         block_size = self.config.kvcache_block_size
         request_id = next(self._request_ids)
         seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id, lora=lora_request)]
@@ -277,6 +260,44 @@ class LLMEngine:
                 compiler.wait(request.grammar, params.structured_outputs)
         return request
 
+    def _check_sampling_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: limits of this engine, its vocabulary and tokenizer."""
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this model folder has none: use "
+                                      "stop_token_ids", "stop")
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise InvalidRequestError("prompt_logprobs run on one pipeline stage: use pipeline_parallel_size=1",
+                                      "prompt_logprobs")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} is more than max_num_seqs={self.config.max_num_seqs}", "n")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} "
+                                      "tokens", "logprobs")
+        for name, what, ids in (("stop_token_ids", "stop token id", params.stop_token_ids),
+                                ("logit_bias", "logit_bias token id", params.logit_bias or ())):
+            for t in ids:
+                if t >= self.vocab_size:
+                    raise InvalidRequestError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})", name)
+
+    def _prompt_tokens(self, prompt, max_tokens: int, keep_last: int | None = None) -> tuple[str | list[int], list[int]]:
+        """A prompt as (what the user gave, its token ids: the last keep_last of them, if given), checked against the
+        vocabulary and, with max_tokens after it, the engine's limits. InvalidRequestError naming the prompt."""
+        try:
+            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
+            if not token_ids:
+                raise ValueError("prompt is empty: it needs at least one token")
+            if keep_last is not None:
+                token_ids = token_ids[-keep_last:]
+            for t in token_ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+            self.scheduler.check_fits(len(token_ids), max_tokens)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:  # the prompt, or its length with max_tokens, is at fault
+            raise InvalidRequestError(str(e), "prompt") from None
+        return prompt, token_ids
+
     def _make_pooling_request(self, prompt, params: PoolingParams, lora_request: LoRARequest | None) -> Request:
         """An embedding request: its prompt (its last truncate_prompt_tokens, if asked) computed and pooled."""
         if self.config.pipeline_parallel_size > 1:
@@ -284,23 +305,14 @@ class LLMEngine:
         if lora_request is not None:
             self._lora_adapters.check(lora_request)
         spec = self.pooling.checked(params, self.hidden_size)
-        try:
-            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
-            if not token_ids:
-                raise ValueError("prompt is empty: it needs at least one token")
-            if params.truncate_prompt_tokens is not None:
-                keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-                token_ids = token_ids[-keep:]
-            for t in token_ids:
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-            self.scheduler.check_fits(len(token_ids), 0)
-        except ValueError as e:
-            raise InvalidRequestError(str(e), "prompt") from None
+        keep = None if params.truncate_prompt_tokens is None else \
+            self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        prompt, token_ids = self._prompt_tokens(prompt, 0, keep)
         request_id = next(self._request_ids)
         seq = Sequence(token_ids, POOLED, block_size=self.config.kvcache_block_size, request_id=request_id,
                        lora=lora_request)
-        seq.pooling, seq.reuses_prefix = spec, not self.pooling.reads_every_token
+        seq.pooling, seq.prompt_only = spec, True
+        seq.reuse_limit = 0 if self.pooling.reads_every_token else None
         return PoolingRequest(request_id, prompt, token_ids, POOLED, [seq], self.detokenizer, False)
 
     def _queue(self, request: Request) -> None:
@@ -503,6 +515,8 @@ class LLMEngine:
         self.prompt_tokens_total += plan.num_prefill_tokens
         # seqs: decode rows and prompts, one sampled row each, then verify rows; logprobs[i] is seqs[i]'s row
         # for the first ones, and None for a verify row's sequence (no request with logprobs speculates)
+        if sampled.prompt_logprobs:  # before postprocess: the step's sequences are still its scheduled ones
+            self._take_prompt_logprobs(scheduler, sampled.prompt_logprobs)
         seqs, finished = scheduler.postprocess(plan, sampled.token_ids, sampled.draft_token_ids)
         scheduler.observe_step(plan, scheduler.num_output_tokens - num_output_tokens, time.perf_counter() - started)
         if self._num_constrained_requests:
@@ -518,6 +532,26 @@ class LLMEngine:
                 self._process_finished(seq, touched)
         reports += [(request, request.report()) for request in touched.values() if request.stream or request.finished]
         return reports
+
+    def _take_prompt_logprobs(self, scheduler: Scheduler, scored: dict[int, tuple[int, list]]) -> None:
+        """Each scored chunk's entries into its request (the first chunk's positions before it from the entries its
+        sequence took from the cache), and every whole prompt block now scored into the cache."""
+        block_size = self.config.kvcache_block_size
+        for seq in scheduler.scheduled:
+            if seq.seq_id not in scored:
+                continue
+            request = self._requests[seq.request_id]
+            first, entries = scored[seq.seq_id]
+            if seq.kept_prompt_logprobs:
+                request.add_prompt_logprobs(1, seq.kept_prompt_logprobs[1:first])
+            request.add_prompt_logprobs(first, entries)
+            known = request.scored_prompt
+            num_full = len(known) // block_size
+            hashes = scheduler.block_manager.block_hashes(seq, num_full)
+            for b in range(first // block_size, num_full):
+                block = known[b * block_size:(b + 1) * block_size]
+                if None not in block[1 if b == 0 else 0:]:
+                    self.prompt_logprob_cache.put(hashes[b], block)
 
     def _take_pooled(self, finished: list[Sequence], pooled: dict[int, list[float]],
                      touched: dict[int, Request]) -> list[Sequence]:

@@ -10,7 +10,8 @@ from tpengine.sampling_params import RequestOutputKind, SamplingParams
 class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "seqs", "stream", "delta", "per_step",
                  "detokenizer", "texts", "num_decoded", "logprobs", "cumulative_logprobs", "num_unfinished",
-                 "num_reported_tokens", "num_reported_chars", "reported_finished", "grammar", "plain_stream")
+                 "num_reported_tokens", "num_reported_chars", "reported_finished", "grammar", "plain_stream",
+                 "scored_prompt")
 
     def __init__(self, request_id: int, prompt, prompt_token_ids: list[int], params: SamplingParams,
                  seqs: list[Sequence], detokenizer: Detokenizer | None, stream: bool):
@@ -44,6 +45,8 @@ class Request:
         # a stream of one completion with no stop strings or logprobs (a server's usual request): the engine only
         # notes how many tokens it has each step (report, build); its text and output are made when built
         self.plain_stream = self.stream and len(seqs) == 1 and not params.stop and params.logprobs is None
+        # prompt logprobs: each prompt position's entry as it is scored (None: not yet; the first never is)
+        self.scored_prompt = None if params.prompt_logprobs is None else [None] * len(prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -152,7 +155,21 @@ class Request:
         num_cached = seqs[0].num_prompt_cached_tokens
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=completions, finished=self.num_unfinished == 0,
-                             num_cached_tokens=num_cached if num_cached > 0 else 0)
+                             num_cached_tokens=num_cached if num_cached > 0 else 0,
+                             prompt_logprobs=self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """Each prompt token's entry as the request asked for it (its token, then its top prompt_logprobs), once
+        every position is scored; None before (or unasked)."""
+        scored, k = self.scored_prompt, self.params.prompt_logprobs
+        if scored is None or None in scored[1:]:
+            return None
+        return [None] + [{token: logprob, **dict(zip(top_ids[:k], top_logprobs[:k]))}
+                         for token, logprob, top_ids, top_logprobs in scored[1:]]
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Entries of positions first, first + 1, ... (runner/prompt_logprobs.py)."""
+        self.scored_prompt[first:first + len(entries)] = entries
 
     def _completion(self, seq: Sequence, text: IncrementalText | None) -> CompletionOutput:
         if text is None:

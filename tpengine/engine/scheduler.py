@@ -23,6 +23,7 @@ from tpengine.engine.block_manager import BlockManager, PrefixMatch, chain_root
 from tpengine.engine.draft_policy import DraftPolicy
 from tpengine.engine.lora_slots import LoRASlots
 from tpengine.engine.prefix_index import HeadIndex
+from tpengine.engine.prompt_logprob_cache import PromptLogprobCache
 from tpengine.engine.proposer import Proposer, speculates
 from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.speculation import Speculation
@@ -63,7 +64,7 @@ class Scheduler:
                  proposer: Proposer | None = None, num_speculative_tokens: int = 0,
                  draft_policy: DraftPolicy | None = None, sliding_window: int | None = None,
                  long_rope_threshold: int | None = None, first_block_id: int = 0, virtual_engine: int = 0,
-                 lora_slots: LoRASlots | None = None):
+                 lora_slots: LoRASlots | None = None, prompt_logprobs: PromptLogprobCache | None = None):
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
         self.scheduling_policy = scheduling_policy
@@ -94,6 +95,8 @@ class Scheduler:
         self.num_output_tokens = 0  # tokens appended to sequences by postprocess (verify rows append several)
         # LoRA adapters (engine/lora_slots.py, shared by the engine's schedulers); None: the engine serves none
         self.lora_slots = lora_slots
+        # prompt logprobs kept by block hash beside the prefix cache (engine/prompt_logprob_cache.py)
+        self.prompt_logprobs = prompt_logprobs or PromptLogprobCache(0)
 
     # --- read-only counters, for metrics ----------------------------------------------------------
 
@@ -224,9 +227,12 @@ class Scheduler:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             sampled = end == seq.num_tokens
             pooling = None if seq.pooling is None else PoolChunk(*seq.pooling, sampled)
-            sampled = sampled and pooling is None  # an embedding's prompt is pooled, no token sampled
+            scored = seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens
+            sampled = sampled and not seq.prompt_only  # an embedding's or a scored prompt's: no token sampled
             chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope,
-                                       lora_slot=seq.lora_slot, pooling=pooling))
+                                       lora_slot=seq.lora_slot, pooling=pooling, prompt_logprobs=scored,
+                                       next_token=seq.token_ids[end] if scored and end < seq.num_prompt_tokens
+                                       else -1))
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
@@ -310,7 +316,7 @@ class Scheduler:
                 if not forked and seq.parent is not None:
                     continue  # its parent's prompt is being computed: wait for it, then fork it
             if not seq.block_table:
-                if seq.lora is not None and not self.lora_slots.can_take(seq.lora):
+                if not self._ready_to_admit(seq):
                     continue  # every adapter slot serves running requests: it waits, others may go
                 match = block_manager.can_allocate(seq, token_budget)
                 if match is None:
@@ -340,6 +346,21 @@ class Scheduler:
         if scheduled:
             self._requeue_head(head, chunked)
         return scheduled
+
+    def _ready_to_admit(self, seq: Sequence) -> bool:
+        """Whether seq may take blocks now: its adapter has a slot to go to. A scored prompt learns how much of the
+        prefix cache it may reuse: the blocks whose prompt logprobs are kept (engine/prompt_logprob_cache.py)."""
+        if seq.lora is not None and not self.lora_slots.can_take(seq.lora):
+            return False
+        if seq.sampling_params.prompt_logprobs is not None:
+            num_full = seq.num_blocks - 1
+            hashes = self.block_manager.block_hashes(seq, num_full)[:num_full]
+            seq.reuse_limit = self.prompt_logprobs.reusable_blocks(hashes)
+            # taken now: an entry evicted before the step's logprobs come back would leave a hole
+            seq.kept_prompt_logprobs = self.prompt_logprobs.entries(hashes[:seq.reuse_limit + 1],
+                                                                    (seq.reuse_limit + 1) * seq.block_size) \
+                if seq.reuse_limit else []
+        return True
 
     def _allocate(self, seq: Sequence, match: PrefixMatch) -> None:
         """A waiting sequence's blocks (the cached prefix match found, fresh ones for the rest), and its adapter's
@@ -555,17 +576,17 @@ class Scheduler:
         if block_manager.block_copies:
             block_manager.release_copy_sources()  # the step ran: its copies are done
         completed = []  # prompts whose last chunk ran: their rows were sampled
-        pooled = []  # embeddings whose prompt ran to its end: they are done
+        prompt_only = []  # embeddings and scored prompts whose prompt ran to its end: they are done
         for seq in prefill:
             self._cache_scheduled(seq)
             if seq.num_cached_tokens == seq.num_tokens:
-                (completed if seq.pooling is None else pooled).append(seq)
+                (prompt_only if seq.prompt_only else completed).append(seq)
         sampled = decode + completed if completed else decode
         assert len(sampled) + plan.num_verify_tokens == len(token_ids) == len(plan.sampling), \
             "tokens and sampled rows disagree"
         finished = []
-        for seq in pooled:
-            self.finish(seq, "stop")
+        for seq in prompt_only:
+            self.finish(seq, "stop" if seq.pooling is not None else "length")
             finished.append(seq)
         if verify:
             if self.proposer.on_ranks:

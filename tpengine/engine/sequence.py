@@ -25,15 +25,15 @@ class Sequence:
         "sampling_params", "sampling", "max_tokens", "ignore_eos", "eos_and_stop_token_ids", "max_num_tokens",
         "min_tokens", "status", "finish_reason", "stop_reason",
         "speculates", "draft_token_ids", "num_draft_cached_tokens",
-        "arrival_step", "virtual_engine", "lora", "lora_slot", "pooling", "reuses_prefix",
+        "arrival_step", "virtual_engine", "lora", "lora_slot", "pooling", "prompt_only", "reuse_limit",
+        "kept_prompt_logprobs",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
                  index: int = 0, parent: "Sequence | None" = None, request_id: int = -1, lora=None):
         # --- who it is
         self.seq_id = next(Sequence.counter)
-        # the engine's request it belongs to, by id: a reference back would make a cycle that only the
-        # cycle collector frees (request -> sequences -> request); the ledger never reads it
+        # its request, by id: a reference back would make a cycle only the cycle collector frees
         self.request_id = request_id
         self.index = index                  # which of its request's n completions
         # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
@@ -41,9 +41,6 @@ class Sequence:
         self.parent = parent
         # its LoRA adapter (a LoRARequest; None: the base model) and, while it has blocks, its slot
         self.lora, self.lora_slot = lora, -1
-        # an embedding request's (dimensions, normalize), None to generate; whether cached K/V may stand for its
-        # prompt's tokens (not where pooling reads every token's hidden state)
-        self.pooling, self.reuses_prefix = None, True
 
         # --- its tokens
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
@@ -59,9 +56,9 @@ class Sequence:
         self.num_released_blocks = 0      # its first blocks given back because no later token can see them
         self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
-        # LongRoPE: its K/V are computed with the long factors (the scheduler decides as it admits it; its chain
-        # of block hashes starts from its own root, block_manager.chain_root)
-        self.long_rope = False
+        # the most whole cached blocks it may reuse (None: any), and their kept prompt logprobs
+        self.reuse_limit, self.kept_prompt_logprobs = None, []
+        self.long_rope = False  # its K/V computed with LongRoPE's long factors (its chain has its own root)
         self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
 
         # --- how it is sampled and when it ends
@@ -77,6 +74,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # pooling: an embedding's (dimensions, normalize); prompt_only: it ends with its prompt, no token sampled
+        self.pooling, self.prompt_only = None, sampling_params.max_tokens == 0
 
         # --- speculative decoding (engine/speculation.py)
         self.speculates = False             # its tokens may be proposed ahead and verified (set by Scheduler.add)

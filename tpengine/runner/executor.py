@@ -41,7 +41,8 @@ class Executor:
         records = plan.sampling
         vocab_parallel = None
         if (records and self.runner.samples_vocab_parallel
-                and all(record.plain and not record.min_tokens_pending for record in records)):
+                and all(record.plain and not record.min_tokens_pending for record in records)
+                and not any(chunk.prompt_logprobs for chunk in plan.message.prefill)):  # those gather the logits
             vocab_parallel = self.sampler.vocab_parallel_rows(records, self.runner.hf_config.vocab_size)
         return StepEnvelope(plan.message, vocab_parallel)
 

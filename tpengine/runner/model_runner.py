@@ -22,6 +22,7 @@ from tpengine.runner.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from tpengine.runner.kv_cache import KVCache, attention_layers_of, num_kvcache_blocks
 from tpengine.runner.lora_adapters import LoRAAdapters
 from tpengine.runner.pooler import Pooler
+from tpengine.runner.prompt_logprobs import compute_prompt_logprobs
 from tpengine.runner.sampler import Sampler, SamplerOutput, sample_vocab_parallel
 from tpengine.runner.warmup import warm_up
 from tpengine.sampling_params import SamplingRecord
@@ -224,7 +225,13 @@ class ModelRunner:
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
         forward = self.model if inputs.meta.is_prefill else self.decode_path.run
         hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
+        scored = None
+        if inputs.meta.is_prefill and any(chunk.prompt_logprobs for chunk in step.prefill):
+            chunks = [chunk for chunk in step.prefill if not chunk.num_draft_tokens]  # the prompt rows' order
+            scored = compute_prompt_logprobs(self.model, chunks, inputs.meta, hidden_states)
         output = self._sample(step, vocab_parallel, inputs, hidden_states, sampling, draft_token_ids)
+        if scored:
+            output = output._replace(prompt_logprobs=scored)
         pooler = self.pooler
         if pooler is not None and (pooler.partial or inputs.meta.is_prefill):
             pooler.forget(step.released)

@@ -38,6 +38,8 @@ class SamplerOutput(NamedTuple):
     draft_token_ids: list[int] = []
     # embedding requests whose prompts ran to their ends this step: sequence id -> pooled vector (runner/pooler.py)
     pooled: dict[int, list[float]] = {}
+    # prompt logprobs computed this step: sequence id -> (first position scored, each position's entry)
+    prompt_logprobs: dict[int, tuple] = {}
 
 
 def _to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
