@@ -115,7 +115,8 @@ def _add_serve(commands, under_torchrun: bool) -> None:
     serve = commands.add_parser(
         "serve", help="serve the OpenAI API over HTTP",
         description="Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions (streamed as "
-                    "server-sent events when asked), /v1/models, vLLM's /tokenize, /detokenize and /version, "
+                    "server-sent events when asked), /v1/embeddings (any model; --runner pooling for an "
+                    "embedding-only one), /v1/models, vLLM's /tokenize, /detokenize and /version, "
                     "/health and Prometheus /metrics. "
                     "SIGTERM or Ctrl-C stops it cleanly.")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "

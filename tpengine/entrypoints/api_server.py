@@ -18,12 +18,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
+from tpengine.entrypoints.embeddings import OpenAIServingEmbedding
 from tpengine.entrypoints.lora_modules import LoRAModulePath, ServedModels
 from tpengine.entrypoints.messages import AnthropicServingMessages, MessagesPrompt, MessagesRequest, error_body
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
 from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          LoadLoRAAdapterRequest, TokenizeChatRequest, UnloadLoRAAdapterRequest,
-                                          tokenize_request_kind)
+                                          EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeChatRequest,
+                                          UnloadLoRAAdapterRequest, tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.responses import ResponsesRequest
 from tpengine.entrypoints.responses_serving import OpenAIServingResponses
@@ -242,6 +243,8 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     if allow_runtime_lora_updating:  # else they are not routes at all (a 404), as in vLLM
         _add_lora_routes(app, engine, models, max_request_len)
     _add_generation_routes(app, completions, chat, max_request_len)
+    _add_embedding_routes(app, OpenAIServingEmbedding(engine, renderer, tokenizer, models, max_request_len),
+                          max_request_len)
     _add_responses_routes(app, OpenAIServingResponses(chat, max_request_len), max_request_len)
     _add_messages_routes(app, AnthropicServingMessages(chat, max_request_len), max_request_len)
     _add_tokenizer_routes(app, engine, renderer, completions, chat, max_model_len, max_request_len)
@@ -351,6 +354,14 @@ def _add_generation_routes(app: FastAPI, completions: OpenAIServingCompletion, c
     @app.post("/v1/chat/completions/render")
     async def render_chat_completion(raw_request: Request):
         return await chat.render(parse_request(ChatCompletionRequest, await raw_request.body(), max_request_len))
+
+
+def _add_embedding_routes(app: FastAPI, embeddings: OpenAIServingEmbedding, max_request_len: int) -> None:
+    """POST /v1/embeddings: any engine embeds (a generating one in the same steps as its completions)."""
+    @app.post("/v1/embeddings")
+    async def create_embedding(raw_request: Request):
+        request = parse_request(EmbeddingRequest, await raw_request.body(), max_request_len)
+        return await embeddings.create(request, raw_request)
 
 
 def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, max_request_len: int) -> None:

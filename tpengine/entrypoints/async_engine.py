@@ -22,7 +22,7 @@ from tpengine.entrypoints.metrics import Metrics, RequestTimes
 from tpengine.errors import InvalidRequestError
 from tpengine.lora.request import LoRARequest
 from tpengine.outputs import RequestOutput, merge_deltas
-from tpengine.sampling_params import RequestOutputKind, SamplingParams
+from tpengine.sampling_params import PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tpengine")
 
@@ -104,16 +104,17 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool,
+    async def submit(self, prompts: list[list[int]], params: SamplingParams | PoolingParams, stream: bool,
                      lora_request: LoRARequest | None = None) -> Submission:
-        """Queue the prompts (all or none), on lora_request's adapter if one is given. Raises ValueError for a
+        """Queue the prompts (all or none), on lora_request's adapter if one is given; PoolingParams embeds them
+        (each one final output, an EmbeddingRequestOutput). Raises ValueError for a
         request the engine rejects (an adapter it cannot run among them),
         EngineDeadError when the engine is down. A streamed submission gets every step's outputs,
         another only the final ones (the engine then does no per-step work for it)."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        submission = Submission(self, next(self._keys), len(prompts),
-                                delta=params.output_kind == RequestOutputKind.DELTA)
+        delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
+        submission = Submission(self, next(self._keys), len(prompts), delta=delta)
         accepted = self._loop.create_future()
         self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic(), lora_request))
         try:

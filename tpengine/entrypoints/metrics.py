@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tpengine.outputs import NO_TOKEN, RequestOutput
+from tpengine.outputs import NO_TOKEN, EmbeddingRequestOutput, RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -107,7 +107,10 @@ class Metrics:
                 counter.inc(total - before)
         self._spec_decode_seen = stats
 
-    def record_output(self, output: RequestOutput, times: RequestTimes, now: float) -> None:
+    def record_output(self, output: RequestOutput | EmbeddingRequestOutput, times: RequestTimes, now: float) -> None:
+        if isinstance(output, EmbeddingRequestOutput):
+            self._record_embedding(output, times, now)
+            return
         if not times.seen:  # as vLLM counts them: the whole prompt, cached part included, once
             times.seen = True
             num_prompt_tokens = len(output.prompt_token_ids)
@@ -128,9 +131,19 @@ class Metrics:
         if output.finished:
             self.e2e_request_latency.observe(now - times.arrival)
 
-    def record_finished(self, output: RequestOutput) -> None:
+    def _record_embedding(self, output: EmbeddingRequestOutput, times: RequestTimes, now: float) -> None:
+        """An embedding's one output: its prompt tokens, its latency, and how it ended ("stop", as vLLM counts a
+        pooled request; "abort" without a vector). Not the prefix cache's counts: the output does not say its hits."""
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.request_success["stop" if output.outputs.embedding else "abort"].inc()
+        self.e2e_request_latency.observe(now - times.arrival)
+
+    def record_finished(self, output: RequestOutput | EmbeddingRequestOutput) -> None:
         """Count the completions that end in output: a final one ends them all; in a stream's delta
         outputs each completion's end comes once, in the output that holds it."""
+        if isinstance(output, EmbeddingRequestOutput):  # only an aborted submission's comes here
+            self.request_success["abort"].inc()
+            return
         for completion in output.outputs:
             if completion.finish_reason is not None or output.finished:
                 self.request_success[completion.finish_reason or "abort"].inc()

@@ -28,6 +28,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 # What a union-typed field takes, for the one error message its failed alternatives become.
 FIELD_KINDS = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0), or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids (integers >= 0), or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string, a list of text parts, or null",
 }
@@ -223,6 +224,39 @@ def _is_token_ids(value) -> bool:
     return type(value) is list and all(type(t) is int for t in value) and (not value or min(value) >= 0)
 
 
+def checked_prompts(prompt, limit: int | None, field: str = "prompt"):
+    """prompt, if it is a string, a list of strings, token ids, or a list of token-id lists (each within limit
+    tokens, when there is one); else a ValueError saying what it must be."""
+    if type(prompt) is str:
+        return prompt
+    if type(prompt) is not list:
+        raise ValueError(f"must be {FIELD_KINDS[field]}")
+    if not prompt:
+        raise ValueError(f"{field} is an empty list: give a string, token ids, or a list of either")
+    if type(prompt[0]) is int:
+        prompts = [prompt]
+    elif len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"has {len(prompt)} prompts, more than the limit of {MAX_PROMPTS} per request")
+    elif all(type(p) is str for p in prompt):
+        return prompt
+    else:
+        prompts = prompt
+    for ids in prompts:
+        if not _is_token_ids(ids):
+            raise ValueError(f"must be {FIELD_KINDS[field]}")
+        if limit is not None and len(ids) > limit:
+            raise ValueError(f"a prompt has {len(ids)} tokens, more than the server's limit of {limit} tokens "
+                             "per request (max_model_len, or the KV cache if smaller)")
+    return prompt
+
+
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """A checked prompt as a list of prompts (strings or token-id lists)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
 class CompletionRequest(SamplingRequest):
     # a string, a list of strings, token ids, or a list of token-id lists: checked by _prompt_shape, not a
     # pydantic union (whose validation of a long token list took seconds of the event loop)
@@ -249,35 +283,39 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, prompt, info: ValidationInfo):
-        if type(prompt) is str:
-            return prompt
-        if type(prompt) is not list:
-            raise ValueError(f"must be {FIELD_KINDS['prompt']}")
-        if not prompt:
-            raise ValueError("prompt is an empty list: give a string, token ids, or a list of either")
-        limit = max_request_len(info)
-        if type(prompt[0]) is int:
-            prompts = [prompt]
-        elif len(prompt) > MAX_PROMPTS:
-            raise ValueError(f"has {len(prompt)} prompts, more than the limit of {MAX_PROMPTS} per request")
-        elif all(type(p) is str for p in prompt):
-            return prompt
-        else:
-            prompts = prompt
-        for ids in prompts:
-            if not _is_token_ids(ids):
-                raise ValueError(f"must be {FIELD_KINDS['prompt']}")
-            if limit is not None and len(ids) > limit:
-                raise ValueError(f"a prompt has {len(ids)} tokens, more than the server's limit of {limit} tokens "
-                                 "per request (max_model_len, or the KV cache if smaller)")
-        return prompt
+        return checked_prompts(prompt, max_request_len(info))
 
     @property
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (strings or token-id lists)."""
-        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
-            return [self.prompt]
-        return list(self.prompt)
+        return prompt_list(self.prompt)
+
+
+class EmbeddingRequest(OpenAIBody):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens (keep each input's last that many
+    tokens, -1: max_model_len's worth, instead of refusing a longer one)."""
+    model: str | None = None
+    truncate_prompt_tokens: int | None = None  # before input: input's check reads it
+    # as CompletionRequest's prompt: checked by _input_shape, not a pydantic union
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None  # accepted, as OpenAI's; nothing here keys on it
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value, info: ValidationInfo):
+        # a truncated input may be longer than the limit: the body's size cap bounds it
+        truncated = info.data.get("truncate_prompt_tokens") is not None
+        return checked_prompts(value, None if truncated else max_request_len(info), "input")
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        return prompt_list(self.input)
+
+    @property
+    def stream(self) -> bool:
+        return False  # an embedding comes whole
 
 
 class TextPart(OpenAIBody):

@@ -36,10 +36,12 @@ class PromptRenderer:
                 f"{self.max_request_len} tokens per request (no token of this model covers more than "
                 f"{self.max_chars // self.max_request_len} characters)", param)
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text prompt, as LLM.generate encodes them."""
+    async def encode(self, texts: list[str], limit_length: bool = True) -> list[list[int]]:
+        """Token ids of each text prompt, as LLM.generate encodes them; limit_length=False: a text that cannot
+        fit is still tokenized (an embedding input that will be truncated)."""
         for text in texts:
-            self.check_length(len(text), "prompt")
+            if limit_length:
+                self.check_length(len(text), "prompt")
         return await self.run(self._encode_all, texts)
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:

@@ -16,7 +16,7 @@ from tpengine.entrypoints.lora_modules import ServedModels
 from tpengine.entrypoints.protocol import SamplingRequest
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.errors import InvalidRequestError
-from tpengine.outputs import NO_TOKEN, NO_TOKEN_MESSAGE, CompletionOutput, RequestOutput
+from tpengine.outputs import NO_TOKEN, NO_TOKEN_MESSAGE, CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from tpengine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -163,7 +163,7 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
+async def final_outputs(submission: Submission) -> dict[int, RequestOutput | EmbeddingRequestOutput]:
     """Wait for every prompt of a non-streamed request; aborts it if the wait is cancelled."""
     latest: dict[int, RequestOutput] = {}
     try:
@@ -173,7 +173,8 @@ async def final_outputs(submission: Submission) -> dict[int, RequestOutput]:
         raise engine_down(e) from None
     finally:
         submission.abort()
-    if any(c.finish_reason == NO_TOKEN for output in latest.values() for c in output.outputs):
+    if any(c.finish_reason == NO_TOKEN for output in latest.values() if isinstance(output, RequestOutput)
+           for c in output.outputs):  # an embedding's output has no completions
         raise no_token_sampled()
     return latest
 
