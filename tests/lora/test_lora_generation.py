@@ -92,14 +92,16 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_peft(adapters, settin
         llm.shutdown()
 
 
-def test_speculation_and_the_base_rows_of_an_engine_with_adapters(adapters):
-    """n-gram speculation verifies an adapter's drafts with the adapter: the tokens stay peft's."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_verifies_an_adapters_drafts_with_the_adapter(adapters, method):
+    """n-gram or a draft model (the base itself, which runs without adapters) proposes; the verify rows run on
+    each row's adapter: the tokens stay peft's."""
     base, loras = adapters
     prompts, choice = mixed_batch(loras)
     expected = peft_greedy(base, prompts, choice)
-    llm = LLM(base, enable_lora=True, max_loras=3, max_lora_rank=16, kvcache_block_size=16,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
-                                  "prompt_lookup_min": 1})
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"model": base, "num_speculative_tokens": 2}
+    llm = LLM(base, enable_lora=True, max_loras=3, max_lora_rank=16, kvcache_block_size=16, speculative_config=spec)
     try:
         assert our_greedy(llm, prompts, choice) == expected
     finally:
