@@ -57,11 +57,36 @@ def _greedy(path: str, prompts, **kwargs):
         return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("weight_type", ["F32", "F16", "Q8_0", "Q4_0", "Q5_0"])
 def test_qwen3_gguf_greedy_tokens_equal_transformers_reading_the_same_file(qwen3, tmp_path, weight_type):
     path = write_gguf(qwen3, str(tmp_path / f"model-{weight_type}.gguf"), weight_type)
     prompts = random_prompts(3, [5, 20], 320)
     assert _greedy(path, prompts) == transformers_greedy(path, prompts, 8)
+
+
+def test_q6_k_file_runs_as_6_bit_values_with_a_scale_per_16_and_equals_transformers_at_tp_1_and_2(tmp_path):
+    """K-quant super-blocks span 256 inputs: a model whose every input width is a multiple of 256 (o_proj's
+    per-rank half at tp 2 cuts a super-block, not a group of 16)."""
+    folder = write_tiny_model(str(tmp_path / "wide"), seed=5, **dict(QWEN3, hidden_size=256, intermediate_size=512,
+                                                                   num_attention_heads=2, num_key_value_heads=1))
+    path = write_gguf(folder, str(tmp_path / "model-Q6_K.gguf"), "Q6_K")
+    prompts = random_prompts(3, [5, 20], 320)
+    expected = transformers_greedy(path, prompts, 8)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+@pytest.mark.parametrize("weight_type", ["Q5_0", "Q6_K"])
+def test_block_types_unpack_to_what_gguf_dequantizes(weight_type):
+    from gguf import dequantize
+    from tests.gguf.writer import _quantized
+    from tpengine.gguf.tensors import _READERS
+    weights = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    kind = GGMLQuantizationType[weight_type]
+    blocks = _quantized(weights, kind)
+    unpacked = _READERS[weight_type](blocks).dequantize()
+    assert torch.equal(unpacked, torch.from_numpy(dequantize(blocks, kind)))
+    assert float((unpacked - torch.from_numpy(weights)).abs().max()) < 0.25  # the blocks stand for the weights
 
 
 def test_llama_gguf_with_permuted_qk_and_mixed_types_equals_transformers_at_tp_1_and_2(llama, tmp_path):

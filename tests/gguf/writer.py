@@ -123,7 +123,33 @@ def _gguf_tensors(tensors: dict[str, np.ndarray], layers: dict[str, str]) -> dic
     return named
 
 
+def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of weights [rows, n * 256] (gguf quantizes no K-quant), built from the block layout llama.cpp
+    documents: per 16 values an int8 scale, per 256 a float16 one, 6-bit values stored as 4 low and 2 high bits.
+    Round to nearest on a max-abs scale: any valid block serves, gguf.quants.dequantize reads it back."""
+    rows = weights.shape[0]
+    groups = weights.reshape(rows, -1, 16, 16)  # [rows, blocks, 16 groups, 16 values]
+    amax = np.abs(groups).max(axis=-1)
+    d = (amax.max(axis=-1) / (31 * 127)).astype(np.float16)  # the super-block's scale
+    safe_d = np.where(d == 0, 1, d).astype(np.float32)[..., None]
+    sc = np.clip(np.round(amax / (31 * safe_d)), 0, 127).astype(np.int8)
+    step = (safe_d * sc)[..., None]
+    q = np.where(step == 0, 0, np.clip(np.round(groups / np.where(step == 0, 1, step)), -32, 31))
+    u = (q.reshape(rows, -1, 256) + 32).astype(np.uint8)
+    low, high = [], []
+    for h in range(2):
+        part = u[..., 128 * h:128 * h + 128]
+        quarters = [part[..., 32 * i:32 * i + 32] for i in range(4)]
+        low += [(quarters[0] & 0x0F) | (quarters[2] & 0x0F) << 4, (quarters[1] & 0x0F) | (quarters[3] & 0x0F) << 4]
+        high.append(sum((quarters[i] >> 4) << (2 * i) for i in range(4)).astype(np.uint8))
+    blocks = np.concatenate([*low, *high, sc.view(np.uint8), d[..., None].view(np.uint8).reshape(rows, -1, 2)],
+                            axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def _quantized(weights: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    if kind == GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(weights)
     try:
         return quants.quantize(weights, kind)
     except (quants.QuantError, NotImplementedError):  # gguf quantizes no K-quant: zero blocks of the right size

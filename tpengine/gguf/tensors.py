@@ -2,8 +2,10 @@
 
 F32, F16 and BF16 are float tensors. Q8_0 and Q4_0 map exactly onto a QuantizedWeight: each block of 32 input
 features is one group with its float16 scale; Q8_0's values are int8, Q4_0's are 4-bit values less 8 (its
-w = d * (q - 8) is our symmetric int4 form). Every other type is a ValueError naming it and the tensor: it runs
-from no kernel of ours yet, and is never quietly dequantized to float.
+w = d * (q - 8) is our symmetric int4 form). Q5_0 (5-bit values less 16, a scale per 32) and Q6_K (6-bit values
+less 32, a scale per 16: the super-block's times the group's) run as int8 values with those scales, as exactly.
+Every other type is a ValueError naming it and the tensor: it runs from no kernel of ours yet, and is never quietly
+dequantized to float.
 
 llama.cpp's converter interleaves the two rotary halves of each q and k head for its LLaMA rope
 (convert_hf_to_gguf.py, LlamaModel.permute); unpermute_rows undoes it, on the rows of any type, whose blocks lie
@@ -78,6 +80,40 @@ def _q4_0(data: np.ndarray) -> QuantizedWeight:
                            zeros=None, group_size=GROUP)
 
 
+def _q5_0(data: np.ndarray) -> QuantizedWeight:
+    """A block: float16 scale, 32 high bits (little-endian), 16 bytes of low nibbles; value j (< 16) is byte j's low
+    nibble with high bit j, value j + 16 its high nibble with high bit j + 16; values less 16."""
+    scales, rest = _blocks(data, 2 + 4 + GROUP // 2)
+    high_bits = np.ascontiguousarray(rest[..., :4]).view("<u4")  # [out, blocks, 1]
+    bits = ((high_bits >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    low = np.concatenate([rest[..., 4:] & 0x0F, rest[..., 4:] >> 4], axis=-1)
+    values = (low | bits).astype(np.int8) - 16
+    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
+                           zeros=None, group_size=GROUP)
+
+
+def _q6_k(data: np.ndarray) -> QuantizedWeight:
+    """A super-block of 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16 values), a
+    float16 scale. Each half of 128 values takes 64 low-nibble bytes and 32 high-bit bytes: its quarters q read
+    low (q even) or high (q odd) nibbles of bytes q // 2 * 32 + l, and bit pair q of high byte l; values less 32.
+    Exact as 6-bit values with a scale per 16 (the super-block's times the group's)."""
+    blocks = data.reshape(data.shape[0], -1, K_BLOCK_BYTES["Q6_K"])
+    low, high = blocks[..., :128], blocks[..., 128:192]
+    group_scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    block_scales = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).astype(np.float32)
+    halves = []
+    for h in range(2):
+        lows, highs = low[..., 64 * h:64 * h + 64], high[..., 32 * h:32 * h + 32]
+        for quarter in range(4):
+            nibbles = lows[..., quarter % 2 * 32:quarter % 2 * 32 + 32]
+            nibbles = nibbles >> 4 if quarter >= 2 else nibbles & 0x0F
+            halves.append(nibbles | ((highs >> (2 * quarter)) & 3) << 4)
+    values = np.concatenate(halves, axis=-1).astype(np.int8) - 32
+    scales = (block_scales * group_scales).reshape(data.shape[0], -1)  # both exact in float32
+    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)),
+                           scales=torch.from_numpy(scales), zeros=None, group_size=16)
+
+
 def _float(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(data))
 
@@ -86,7 +122,9 @@ def _bf16(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
 
 
-_READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0}
+_READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q5_0": _q5_0,
+            "Q6_K": _q6_k}
+K_BLOCK_BYTES = {"Q6_K": 210}  # bytes of one super-block of 256 values
 assert tuple(_READERS) == RUNNABLE_TYPES
 
 
