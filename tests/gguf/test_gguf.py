@@ -76,6 +76,19 @@ def test_q6_k_file_runs_as_6_bit_values_with_a_scale_per_16_and_equals_transform
     assert _greedy(path, prompts, tensor_parallel_size=2) == expected
 
 
+@pytest.mark.parametrize("weight_type", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_blocks_of_any_bytes_unpack_to_what_gguf_dequantizes(weight_type):
+    """gguf quantizes no IQ type: every byte pattern is a valid block (a finite float16 scale set first)."""
+    from gguf import GGML_QUANT_SIZES, dequantize
+    from tpengine.gguf.tensors import _READERS
+    kind = GGMLQuantizationType[weight_type]
+    values_per_block, block_bytes = GGML_QUANT_SIZES[kind]
+    blocks = np.random.default_rng(1).integers(0, 256, size=(6, 512 // values_per_block, block_bytes), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    blocks = blocks.reshape(6, -1)
+    assert torch.equal(_READERS[weight_type](blocks).dequantize(), torch.from_numpy(dequantize(blocks, kind)))
+
+
 @pytest.mark.parametrize("weight_type", ["Q5_0", "Q6_K"])
 def test_block_types_unpack_to_what_gguf_dequantizes(weight_type):
     from gguf import dequantize

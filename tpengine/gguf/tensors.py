@@ -3,7 +3,8 @@
 F32, F16 and BF16 are float tensors. Q8_0 and Q4_0 map exactly onto a QuantizedWeight: each block of 32 input
 features is one group with its float16 scale; Q8_0's values are int8, Q4_0's are 4-bit values less 8 (its
 w = d * (q - 8) is our symmetric int4 form). Q5_0 (5-bit values less 16, a scale per 32) and Q6_K (6-bit values
-less 32, a scale per 16: the super-block's times the group's) run as int8 values with those scales, as exactly.
+less 32, a scale per 16: the super-block's times the group's), IQ4_NL and IQ4_XS (4-bit codes for 16 int8 levels,
+a scale per 32) run as int8 values with those scales, as exactly.
 Every other type is a ValueError naming it and the tensor: it runs from no kernel of ours yet, and is never quietly
 dequantized to float.
 
@@ -114,6 +115,36 @@ def _q6_k(data: np.ndarray) -> QuantizedWeight:
                            scales=torch.from_numpy(scales), zeros=None, group_size=16)
 
 
+# IQ4's 16 levels (llama.cpp's kvalues_iq4nl): a 4-bit code stands for one of these int8 values
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
+def _iq4_nl(data: np.ndarray) -> QuantizedWeight:
+    """Q4_0's layout (a float16 scale, 16 bytes of codes, low nibbles first) with each code read through IQ4_LEVELS:
+    int8 values, a scale per 32."""
+    scales, packed = _blocks(data, 2 + GROUP // 2)
+    values = IQ4_LEVELS[np.concatenate([packed & 0x0F, packed >> 4], axis=-1)]
+    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
+                           zeros=None, group_size=GROUP)
+
+
+def _iq4_xs(data: np.ndarray) -> QuantizedWeight:
+    """A super-block of 256: a float16 scale, 16 high and 4 bytes of low scale bits (a 6-bit scale, less 32, per
+    32 values), 128 bytes of IQ4 codes laid out as IQ4_NL's per 32. int8 values, a scale per 32 (the product of
+    the two, exact in float32)."""
+    blocks = data.reshape(data.shape[0], -1, K_BLOCK_BYTES["IQ4_XS"])
+    block_scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)
+    high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2").astype(np.int32)  # [out, blocks, 1]
+    low = blocks[..., 4:8].astype(np.int32)
+    sub = np.arange(8)
+    group_scales = ((low[..., sub // 2] >> (4 * (sub % 2))) & 0x0F) | (((high >> (2 * sub)) & 3) << 4)
+    scales = block_scales * (group_scales - 32).astype(np.float32)
+    codes = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)
+    values = IQ4_LEVELS[np.concatenate([codes & 0x0F, codes >> 4], axis=-1)]
+    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)),
+                           scales=torch.from_numpy(scales.reshape(data.shape[0], -1)), zeros=None, group_size=GROUP)
+
+
 def _float(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(data))
 
@@ -123,8 +154,8 @@ def _bf16(data: np.ndarray) -> torch.Tensor:
 
 
 _READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q5_0": _q5_0,
-            "Q6_K": _q6_k}
-K_BLOCK_BYTES = {"Q6_K": 210}  # bytes of one super-block of 256 values
+            "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+K_BLOCK_BYTES = {"Q6_K": 210, "IQ4_XS": 136}  # bytes of one super-block of 256 values
 assert tuple(_READERS) == RUNNABLE_TYPES
 
 
