@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.quantization.checkpoints import CheckpointFormat, write_quantized_and_reference
-from tests.lora.adapters import ATTENTION, MLP, load_peft_model, make_peft_adapter, write_tiny_base
+from tests.lora.adapters import ATTENTION, MLP, PHI3_FUSED, load_peft_model, make_peft_adapter, write_tiny_base
 from tpengine import LLM, SamplingParams
 from tpengine.sampling_params import StructuredOutputsParams
 from tpengine.lora.request import LoRARequest
@@ -121,6 +121,18 @@ def test_adapters_on_a_quantized_base_equal_peft_on_the_weights_it_stands_for(ad
     llm = LLM(quantized, enable_lora=True, max_loras=3, max_lora_rank=16, kvcache_block_size=16)
     try:
         assert our_greedy(llm, prompts, choice) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_phi3s_fused_qkv_and_gate_up_adapters_equal_peft_at_tp_2(tmp_path):
+    """One A for q, k and v (and for gate and up): each part's rows of B go to its own output columns."""
+    base = write_tiny_base(str(tmp_path / "phi3"), architecture="Phi3ForCausalLM")
+    loras = [LoRARequest("fused", 1, make_peft_adapter(base, str(tmp_path / "a"), r=8, targets=PHI3_FUSED, seed=6))]
+    prompts, choice = [[5, 6, 7, 8], [9, 10, 11], [12, 13]], [loras[0], None, loras[0]]
+    llm = LLM(base, enable_lora=True, max_lora_rank=8, kvcache_block_size=16, tensor_parallel_size=2)
+    try:
+        assert our_greedy(llm, prompts, choice) == peft_greedy(base, prompts, choice)
     finally:
         llm.shutdown()
 

@@ -2,12 +2,12 @@
 layer's output, by the row's slot (-1: the base alone), in one op per layer (the platform's lora_add: grouped as
 Punica's SGMV, kernels/cpu/lora.cpp and kernels/triton/lora.py).
 
-Each linear keeps max_loras slots: A as [slots, input features, rank] and B as [slots, rank, output features],
-zero beyond an adapter's rank and where it has no weights, so the sum over the padded rank is the adapter's own.
-A linear packing several projections (q/k/v, gate/up) stacks its parts' A along the rank and places each part's
-B in its rows of the output: one shrink and one expand serve every part. Sharded as the base weight: a
-column-parallel layer keeps all of A and its rows of B; a row-parallel one its columns of A and all of B, and adds
-its share to the partial sums the all-reduce already adds up."""
+Each linear keeps max_loras slots per projection: A as [slots, input features, rank] and B as [slots, rank, output
+features], zero beyond an adapter's rank, so the sum over the padded rank is the adapter's own. A linear packing
+several projections (q/k/v, gate/up) adds each one's into its own output columns (one op per part: a single
+block-diagonal B would multiply the other parts' zeros). Sharded as the base weight: a column-parallel layer keeps
+all of A and its rows of B; a row-parallel one its columns of A and all of B, and adds its share to the partial
+sums the all-reduce already adds up."""
 import torch
 
 from tpengine.layers.linear import FUSED, ColumnParallelLinear, LinearBase, RowParallelLinear
@@ -33,66 +33,78 @@ class LoRARows:
         return self.slots[:num_rows]
 
 
+class LoRAPart:
+    """One projection's slots within a linear (q, k or v of a packed q/k/v; the whole of a plain one): A as [slots,
+    input features, rank], B as [slots, rank, its output columns on this rank], each slot's scale."""
+
+    def __init__(self, offset: int, size: int, input_size: int, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.offset, self.size = offset, size      # its columns of the layer's output on this rank
+        self.lora_a = torch.zeros(max_loras, input_size, max_rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device)
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor, scale: float) -> None:
+        """This rank's A [in, rank] and B [rank, columns] of one adapter, zero past its rank."""
+        rank = a.size(1)
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_a[slot, :, :rank] = a
+        self.lora_b[slot, :rank] = b
+        self.scales[slot] = scale
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.scales[slot] = 0.0
+
+
 class LoRAWeights:
-    """One linear's adapter slots; add() is its share of the forward, write_slot() puts an adapter in a slot."""
+    """One linear's adapter slots, part by part (a packed linear's projections each add into their own output
+    columns, so no part multiplies another's zeros); add() is its share of the forward, write_slot() puts an
+    adapter in a slot."""
 
     def __init__(self, layer: LinearBase, rows: LoRARows, max_loras: int, max_rank: int, dtype: torch.dtype):
         self.layer = layer
         self.rows = rows
         self.row_parallel = isinstance(layer, RowParallelLinear)
-        self.parts = {None: None} if self.row_parallel else layer.output_parts()
-        self.max_rank = max_rank
-        input_size, output_size = layer.input_size, layer.output_size
         device = rows.slots.device
-        rank = max_rank * len(self.parts)  # each packed part's A in its own columns
-        self.lora_a = torch.zeros(max_loras, input_size, rank, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, rank, output_size, dtype=dtype, device=device)
-        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        shards = {None: (0, 0, layer.output_size)} if self.row_parallel else \
+            {shard_id: layer.output_shard(shard_id) for shard_id in layer.output_parts()}
+        self.parts = {shard_id: LoRAPart(offset, size, layer.input_size, max_loras, max_rank, dtype, device)
+                      for shard_id, (offset, _, size) in shards.items()}
+        self.whole = len(self.parts) == 1  # one part covering every output column: it adds into y itself
         self.lora_add = platform_for(device).lora_add
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.lora_add(y, x, self.lora_a, self.lora_b, self.scales, self.rows.of(x.size(0)))
+        slots = self.rows.of(x.size(0))
+        for part in self.parts.values():
+            out = y if self.whole else y[:, part.offset:part.offset + part.size]
+            self.lora_add(out, x, part.lora_a, part.lora_b, part.scales, slots)
 
     def write_slot(self, slot: int, parts: dict) -> None:
         """Put an adapter's weights for this layer in slot: parts maps the layer's shard id (None: the whole
-        layer; FUSED: every part in one, Phi-3's qkv_proj) to the checkpoint's (A [rank, in], B [out, rank],
-        scale), whole as saved; parts the adapter lacks stay zero. Each part's scale multiplies the slot's
-        product (peft's order) where every part has the same one, else is folded into its B."""
-        lora_a, lora_b = self.lora_a[slot], self.lora_b[slot]
-        lora_a.zero_()
-        lora_b.zero_()
-        scales = {scale for _, _, scale in parts.values()}
-        fold = len(scales) > 1
-        self.scales[slot] = 1.0 if fold or not scales else scales.pop()
-        column = 0
-        for shard_id, (a, b, scale) in parts.items():
-            if fold:
-                b = b * scale
-            column = self._write_part(lora_a, lora_b, column, shard_id, a, b)
-
-    def _write_part(self, lora_a: torch.Tensor, lora_b: torch.Tensor, column: int, shard_id, a: torch.Tensor,
-                    b: torch.Tensor) -> int:
-        """One checkpoint part's A into the rank columns from column on, its B into its output rows; returns the
-        next free column."""
-        layer, rank = self.layer, a.size(0)
-        if self.row_parallel:
-            size = lora_a.size(0)
-            lora_a[:, column:column + rank] = a[:, layer.tp_rank * size:(layer.tp_rank + 1) * size].t()
-            lora_b[column:column + rank] = b.t()
-            return column + rank
-        lora_a[:, column:column + rank] = a.t()
-        if shard_id == FUSED:  # one A for every part, B's rows in the parts' order
-            start = 0
-            for part, size in self.parts.items():
-                self._place_rows(lora_b, column, rank, part, b[start:start + size])
+        layer; FUSED: every part in one, Phi-3's qkv_proj, one A for all) to the checkpoint's (A [rank, in],
+        B [out, rank], scale), whole as saved; a part the adapter lacks is cleared."""
+        layer = self.layer
+        if FUSED in parts:  # one A for every part, B's rows in the parts' order
+            a, b, scale = parts[FUSED]
+            sizes, start = layer.output_parts(), 0
+            parts = {}
+            for shard_id, size in sizes.items():
+                parts[shard_id] = (a, b[start:start + size], scale)
                 start += size
-        else:
-            self._place_rows(lora_b, column, rank, shard_id, b)
-        return column + rank
-
-    def _place_rows(self, lora_b: torch.Tensor, column: int, rank: int, shard_id, b: torch.Tensor) -> None:
-        offset, start, size = self.layer.output_shard(shard_id)
-        lora_b[column:column + rank, offset:offset + size] = b[start:start + size].t()
+        for shard_id, part in self.parts.items():
+            if shard_id not in parts:
+                part.clear(slot)
+                continue
+            a, b, scale = parts[shard_id]
+            if self.row_parallel:  # this rank's input columns of A, all of B
+                size = layer.input_size
+                part.write(slot, a[:, layer.tp_rank * size:(layer.tp_rank + 1) * size].t(), b.t(), scale)
+            else:  # all of A, this rank's rows of B
+                _, start, size = layer.output_shard(shard_id)
+                part.write(slot, a.t(), b[start:start + size].t(), scale)
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, max_num_rows: int,
