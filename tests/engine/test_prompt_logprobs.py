@@ -62,6 +62,9 @@ def test_prompt_logprobs_equal_transformers_and_kept_blocks_spare_their_recomput
                              use_tqdm=False)
         check_against_reference(base, PROMPTS[0], out.prompt_logprobs, 1)
         assert len(out.outputs[0].token_ids) == 3
+        # a scored prompt ends without a token even where requests are processed every step (logprobs asked)
+        [out] = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=0, prompt_logprobs=1, logprobs=1), use_tqdm=False)
+        assert out.finished and out.outputs[0].token_ids == []
     finally:
         llm.shutdown()
 

@@ -527,6 +527,9 @@ class LLMEngine:
         reports: list[tuple[Request, object]] = []
         if self._num_per_step_requests:
             self._process_tokens(seqs, sampled.logprobs, touched, reports)
+            for seq in finished:
+                if seq.prompt_only:  # a scored prompt's end: no token, so not among seqs
+                    self._process_finished(seq, touched)
         else:  # no request reads anything before its end: only the finished ones need work
             for seq in finished:
                 self._process_finished(seq, touched)

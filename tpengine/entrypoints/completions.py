@@ -15,9 +15,6 @@ from tpengine.outputs import CompletionOutput, RequestOutput
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw_request: Request):
         self.check_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported: prompt logprobs are not computed",
-                           param="echo")
         spec = await self.request_grammar(request)
         prompts = await self._encode(request)
         max_tokens = self.max_tokens(request.max_tokens, prompts, request)
@@ -27,6 +24,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return StreamingResponse(self._stream(request, submission, fields), media_type="text/event-stream")
         return await cancel_on_disconnect(raw_request, self._complete(request, submission, fields))
+
+    def request_field(self, param: str | None, request: CompletionRequest) -> str | None:
+        return "echo" if param == "prompt_logprobs" else param  # echo is what asks for the prompt's logprobs
 
     async def render(self, request: CompletionRequest) -> list[dict]:
         """POST /v1/completions/render (vLLM's): each prompt's token ids, generating nothing. vLLM's router asks
@@ -59,16 +59,34 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt
         return "" if self.tokenizer is None else self.tokenizer.decode(output.prompt_token_ids)
 
-    def _logprobs(self, completion: CompletionOutput, text_offset: int) -> dict:
+    def _choice_logprobs(self, request: CompletionRequest, output: RequestOutput, completion: CompletionOutput,
+                         with_prompt: bool, text_offset: int) -> dict | None:
+        """A choice's logprobs (None unless asked): its completion's tokens, after the prompt's where echo puts the
+        prompt in front (as vLLM's: the prompt's first token has null ones, nothing before it scores it)."""
+        if request.logprobs is None:
+            return None
+        if not (request.echo and with_prompt):
+            return self._logprobs(completion.token_ids, completion.logprobs, text_offset)
+        assert output.prompt_logprobs is not None, "echo with logprobs asks the engine for the prompt's"
+        return self._logprobs(output.prompt_token_ids + completion.token_ids,
+                              output.prompt_logprobs + completion.logprobs, text_offset)
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], text_offset: int) -> dict:
+        """OpenAI's legacy logprobs of tokens, each with its {alternative id: logprob} entry (None: unscored)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for text, logprob, alternatives in self.token_logprobs(completion):
+        for token_id, alternatives in zip(token_ids, entries):
+            text = self.token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(logprob)
+            offsets.append(text_offset)
+            text_offset += len(text)
+            if alternatives is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(clamp_logprob(alternatives[token_id]))
             # ascending, so where two tokens read the same (partial UTF-8) the likelier one's value stays
             top_logprobs.append({self.token_text(t): clamp_logprob(lp)
                                  for t, lp in sorted(alternatives.items(), key=lambda item: item[1])})
-            offsets.append(text_offset)
-            text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
@@ -81,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append({
                     "index": prompt_index * request.n + completion.index,
                     "text": prefix + (completion.text or ""),
-                    "logprobs": None if request.logprobs is None else self._logprobs(completion, 0),
+                    "logprobs": self._choice_logprobs(request, output, completion, True, 0),
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                     **(token_id_fields(output, completion, True) if request.return_token_ids else {})})
         return {**fields, "choices": choices, "usage": usage(outputs.values())}
@@ -97,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
             offset = text_offsets.get(delta.index, 0)
             text_offsets[delta.index] = offset + len(text)
             choice = {"index": delta.index, "text": text,
-                      "logprobs": None if request.logprobs is None else self._logprobs(completion, offset),
+                      "logprobs": self._choice_logprobs(request, delta.output, completion, delta.is_first, offset),
                       "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
             if request.return_token_ids:
                 choice.update(token_id_fields(delta.output, completion, delta.is_first))

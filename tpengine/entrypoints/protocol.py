@@ -207,7 +207,12 @@ class SamplingRequest(OpenAIBody):
             stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, logprobs=logprobs,
             ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias, output_kind=output_kind,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, prompt_logprobs=self.asked_prompt_logprobs)
+
+    @property
+    def asked_prompt_logprobs(self) -> int | None:
+        """How many top alternatives each prompt token's logprob comes with (None: the prompt is not scored)."""
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -261,14 +266,23 @@ class CompletionRequest(SamplingRequest):
     # a string, a list of strings, token ids, or a list of token-id lists: checked by _prompt_shape, not a
     # pydantic union (whose validation of a long token list took seconds of the event loop)
     prompt: Any
-    # OpenAI's default; null means "as many as the context allows"
-    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False  # before max_tokens: its check reads it
+    # OpenAI's default; null means "as many as the context allows"; 0 with echo: the prompt alone (scored with
+    # logprobs: what lm-eval-harness asks), as vLLM takes it
+    max_tokens: int | None = Field(16, ge=0)
+    # with echo, the prompt's tokens get theirs too (the first token's null: nothing before it scores it)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: Any = None
 
     _suffix = field_validator("suffix")(_refuse_unsupported)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _no_tokens_only_with_echo(cls, max_tokens, info: ValidationInfo):
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1, or 0 with echo (the prompt alone, scored with logprobs)")
+        return max_tokens
 
     @field_validator("best_of")
     @classmethod
@@ -289,6 +303,14 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (strings or token-id lists)."""
         return prompt_list(self.prompt)
+
+    @property
+    def asked_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt as the completion is scored; echo with max_tokens 0 scores it too,
+        logprobs or not: a prompt alone is a scored prompt to the engine."""
+        if not self.echo:
+            return None
+        return 0 if self.logprobs is None and self.max_tokens == 0 else self.logprobs
 
 
 class EmbeddingRequest(OpenAIBody):
