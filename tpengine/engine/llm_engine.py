@@ -335,7 +335,7 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
             seq.sampling.grammar = SequenceGrammar(compiled, self.reasoning_tokens, request.prompt_token_ids,
-                                                   request.params.may_open_thinking)
+                                                   request.params.may_open_thinking, self.grammar_compiler.utf8_guard)
 
     def _admit_awaiting(self, wait_s: float) -> None:
         """Queue the requests whose grammars are compiled, waiting up to wait_s for one when nothing else runs."""

@@ -17,6 +17,7 @@ import xgrammar as xgr
 
 from tpengine.errors import InvalidRequestError
 from tpengine.sampling_params import StructuredOutputsParams
+from tpengine.structured.utf8_guard import SurrogateGuard
 
 # compiled grammars kept, by the bytes xgrammar says each holds (resident memory measures about 2.5 times that:
 # benchmarks/soak_structured.py); beyond it the least recently used go
@@ -77,6 +78,8 @@ class GrammarCompiler:
                  compile_timeout_s: float = COMPILE_TIMEOUT_S):
         self.tokenizer_info = tokenizer_info
         self.compile_timeout_s = compile_timeout_s
+        # every completion's matcher masks, besides its grammar, the surrogates xgrammar lets through
+        self.utf8_guard = SurrogateGuard(tokenizer_info.decoded_vocab, tokenizer_info.vocab_size)
         # xgrammar's own cache counts a fraction of what its entries hold: ours counts what each grammar says
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
         self._threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tpengine-grammar")

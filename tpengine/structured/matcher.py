@@ -3,6 +3,7 @@ import torch
 import xgrammar as xgr
 
 from tpengine.kernels.cpu import token_bitmask
+from tpengine.structured.utf8_guard import SurrogateGuard
 from tpengine.thinking import thinking_open_after
 
 
@@ -14,11 +15,14 @@ class SequenceGrammar:
     <think>, until </think>. Such a reply's first token is masked to the grammar's tokens and <think>.
     """
 
-    __slots__ = ("matcher", "think_end", "opening_token", "active")
+    __slots__ = ("matcher", "think_end", "opening_token", "active", "guard", "after_lead")
 
     def __init__(self, compiled_grammar, reasoning_tokens: tuple[int, int] | None = None,
-                 prompt_token_ids: list[int] = (), may_open_thinking: bool = False):
+                 prompt_token_ids: list[int] = (), may_open_thinking: bool = False,
+                 guard: SurrogateGuard | None = None):
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
+        self.guard = guard            # what the grammar lets through and UTF-8 does not (utf8_guard.py)
+        self.after_lead = False       # the last token ended on a lone ED: no surrogate may follow
         self.think_end = None
         self.opening_token = None  # <think>, which the first token may be instead of the grammar's
         self.active = True
@@ -38,6 +42,8 @@ class SequenceGrammar:
             if opened:
                 self.active = False
                 return True
+        if self.guard is not None:
+            self.after_lead = token_id in self.guard.leaves_lead
         return self.matcher.accept_token(token_id)
 
 
@@ -55,10 +61,13 @@ def fill_bitmask(num_rows: int, vocab_size: int, rows: list[int], grammars: list
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher()
         _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+    words = bitmask.numpy().view("uint32")
     for row, grammar in zip(rows, grammars):
+        if grammar.guard is not None and grammar.active:
+            grammar.guard.restrict(words[row], grammar.after_lead)
         if grammar.opening_token is not None:  # a chat reply's first token may open its thinking instead
             word, bit = divmod(grammar.opening_token, 32)
-            bitmask.numpy().view("uint32")[row, word] |= 1 << bit
+            words[row, word] |= 1 << bit
     return bitmask
 
 
