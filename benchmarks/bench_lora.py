@@ -55,6 +55,7 @@ from tpengine.bench.models import (CACHE, CACHED_MODEL_FOLDERS, LOW_BATCH_MODEL,
                                    write_model)
 from tpengine.bench.quick import parse_with_quick
 from tpengine.bench.results import Record, add_json_flag, load_average, machine_line
+from tpengine.bench.timing import prompts_decode_step_ms
 from tpengine.bench.workload import random_prompts
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -141,28 +142,6 @@ def make_engine(model: str, args, lora: bool, max_batch: int | None = None, dtyp
                max_model_len=args.context_len + args.warm_up_steps + args.steps + 16, **settings)
 
 
-def decode_step_ms(llm, prompts: list[list[int]], loras: list, args) -> float:
-    """Median ms of llm.step() over args.steps decode steps of the prompts, row i on loras[i] (None: no adapter),
-    after their prefill (which loads the adapters into their slots) and args.warm_up_steps decode steps."""
-    from tpengine import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=args.warm_up_steps + args.steps + 2, ignore_eos=True)
-    for prompt, lora in zip(prompts, loras):
-        llm.add_request(prompt, params, stream=False, lora_request=lora)
-    while llm.scheduler.waiting:  # the prefill steps
-        llm.step()
-    for _ in range(args.warm_up_steps):
-        llm.step()
-    times = []
-    for _ in range(args.steps):
-        started = time.perf_counter()
-        llm.step()
-        times.append(time.perf_counter() - started)
-    while llm.has_unfinished_requests():
-        llm.step()
-    return statistics.median(times) * 1e3
-
-
 def row_loras(name: str, batch: int, adapters: list) -> list:
     if name in (NO_LORA, BASE):
         return [None] * batch
@@ -189,7 +168,8 @@ def decode_rounds(engines: dict, adapters: list, vocab: int, args) -> dict[tuple
             for name in names[shift:] + names[:shift]:
                 llm = engines[NO_LORA if name == NO_LORA else BASE]
                 runs.setdefault((name, batch), []).append(
-                    decode_step_ms(llm, prompts[batch], row_loras(name, batch, adapters), args))
+                    prompts_decode_step_ms(llm, prompts[batch], args.steps, args.warm_up_steps,
+                                           row_loras(name, batch, adapters)))
         figures = ", ".join(f"{name} b{batch} {rounds[-1]:.2f} ms" for (name, batch), rounds in runs.items())
         print(f"[round {round_ + 1}/{args.repeat}] {figures}; load {load_average()}", file=sys.stderr)
     return runs

@@ -70,11 +70,17 @@ def time_calls(call: Callable[[], object], num_iters_warmup: int, num_iters: int
 def decode_step_ms(llm, rng, batch: int, context_len: int, steps: int, warm_up_steps: int) -> float:
     """Median ms of llm.step() over `steps` decode steps of `batch` sequences of context_len random prompt tokens
     (greedy, ignore_eos), after their prefill and warm_up_steps decode steps."""
+    return prompts_decode_step_ms(llm, random_prompts(rng, batch, context_len, llm.vocab_size), steps, warm_up_steps)
+
+
+def prompts_decode_step_ms(llm, prompts: list[list[int]], steps: int, warm_up_steps: int,
+                           lora_requests: list | None = None) -> float:
+    """decode_step_ms of given prompts, row i on lora_requests[i] if given (None: no adapter)."""
     from tpengine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=warm_up_steps + steps + 2, ignore_eos=True)
-    for prompt in random_prompts(rng, batch, context_len, llm.vocab_size):
-        llm.add_request(prompt, params, stream=False)
+    for prompt, lora in zip(prompts, lora_requests or [None] * len(prompts)):
+        llm.add_request(prompt, params, stream=False, lora_request=lora)
     while llm.scheduler.waiting:  # the prompts' prefill steps
         llm.step()
     for _ in range(warm_up_steps):
