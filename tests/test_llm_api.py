@@ -127,7 +127,7 @@ def test_vllm_generate_arguments_without_a_feature_here_are_refused_by_name(llm)
         llm.generate([[1, 2, 3]], ONE_TOKEN, temperature=0.5)
 
 
-@pytest.mark.parametrize("method", ["encode", "classify", "score", "reward", "sleep", "wake_up", "collective_rpc"])
+@pytest.mark.parametrize("method", ["encode", "reward", "sleep", "wake_up", "collective_rpc"])
 def test_vllm_methods_without_a_feature_here_raise_not_implemented(llm, method):
     with pytest.raises(NotImplementedError, match=rf"LLM\.{method}\(\) is not supported"):
         getattr(llm, method)("some text")

@@ -1,11 +1,13 @@
 """tpengine: a tensor-parallel LLM inference engine."""
 from tpengine.errors import WorkerFailedError
-from tpengine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from tpengine.outputs import (ClassificationRequestOutput, CompletionOutput, EmbeddingRequestOutput, RequestOutput,
+                              ScoringRequestOutput)
 from tpengine.sampling_params import (BeamSearchParams, PoolingParams, RequestOutputKind, SamplingParams,
                                       StructuredOutputsParams)
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "PoolingParams", "RequestOutput",
-           "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "WorkerFailedError"]
+__all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingRequestOutput",
+           "PoolingParams", "RequestOutput", "RequestOutputKind", "SamplingParams", "ScoringRequestOutput",
+           "StructuredOutputsParams", "WorkerFailedError"]
 
 
 def __getattr__(name: str):

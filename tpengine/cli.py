@@ -213,7 +213,8 @@ def _flag_parsing(field: EngineField) -> dict:
         return {"action": argparse.BooleanOptionalAction}
     if field.value_type == list[int]:
         parse = _layer_counts
-    elif isinstance(field.value_type, type) and issubclass(field.value_type, msgspec.Struct):
+    elif field.value_type is dict or isinstance(field.value_type, type) and issubclass(field.value_type,
+                                                                                      msgspec.Struct):
         parse = _json_object  # speculative_config: vLLM's JSON object
     else:
         parse = field.value_type

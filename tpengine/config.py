@@ -205,7 +205,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         flag="--engine-seed")] = 0
     runner: Annotated[str, Setting(
         "model", "generate: completions (embedding requests run too, pooled as the checkpoint says); pooling: an "
-                 "embedding model, generation requests refused (LLM's task='embed')", choices=RUNNERS)] = "generate"
+                 "embedding model or a classifier (a *ForSequenceClassification checkpoint, or hf_overrides' "
+                 "classifier_from_token: always pooling), generation requests refused (LLM's task='embed')", choices=RUNNERS)] = "generate"
+    # vLLM's hf_overrides: keys that replace config.json's on every rank (a reranker's classifier_from_token)
+    hf_overrides: Annotated[dict | None, Setting(
+        "model", 'JSON whose keys replace config.json\'s, as vLLM\'s: {"architectures": '
+                 '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]} scores with '
+                 'Qwen3-Reranker', default_help="none")] = None
     # a reasoning model's parser: structured outputs constrain what follows its thinking (the server also
     # splits the thinking off as reasoning_content)
     reasoning_parser: Annotated[str | None, Setting(
@@ -220,6 +226,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                   "first use), else torch, on the CPU", choices=ATTENTION_BACKENDS)] = "auto"
     enforce_eager: Annotated[bool, Setting(
         "device", "decode eagerly: no CUDA graphs, no replayed CPU decode steps")] = False
+    # every reduction in a fixed order and split, whatever the batch (layers/batch_invariant.py)
+    batch_invariant: Annotated[bool, Setting(
+        "device", "a request's tokens and logprobs are bit-identical whatever else shares its steps (batch size, "
+                  "chunking, its row, prefix hits): fixed reduction orders, at some speed")] = False
     # what the first requests would otherwise pay on their path (runner/warmup.py): serve's /health waits for it
     warm_up: Annotated[bool, Setting(
         "device", "before taking requests, run a dummy step of every decode batch size up to max_num_seqs and a few "
@@ -311,7 +321,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":  # the draft model's positions bound requests too
             max_model_len = max_model_len_of(load_hf_config(spec.model), max_model_len)
-        return msgspec.structs.replace(config, max_model_len=max_model_len,
+        # a classifier (a reranker) has no LM head to generate with: it runs as a pooling engine
+        runner = "pooling" if hf_config.is_classifier else config.runner
+        return msgspec.structs.replace(config, max_model_len=max_model_len, runner=runner,
                                        max_steps_in_flight=config.max_steps_in_flight or config.pipeline_parallel_size)
 
     def validate(self, hf_config: HFConfig) -> None:
@@ -339,7 +351,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def pipeline_layers(self) -> list[tuple[int, int]]:
         """Each pipeline stage's layers of the model, [start, end)."""
-        num_layers = load_hf_config(self.model).num_hidden_layers
+        num_layers = load_hf_config(self.model, self.hf_overrides).num_hidden_layers
         return layer_partition(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
 
     def _check_positive(self, *names: str) -> None:
@@ -359,6 +371,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def _validate_model(self) -> None:
         self._check_positive("max_model_len")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict of config.json keys, got {type(self.hf_overrides).__name__}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 

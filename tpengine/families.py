@@ -127,3 +127,14 @@ FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRA
                                                      GEMMA3, PHI3, GPT_OSS)}
 ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values())  # the architectures[0] values served
 assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
+# a family's causal LM with a classification head on its last token in place of the LM head (a cross-encoder
+# reranker such as Qwen3ForSequenceClassification): the same decoder, loaded for scoring
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def causal_architecture(architecture: str) -> str:
+    """The causal LM a classifier architecture is built on (Qwen3ForSequenceClassification -> Qwen3ForCausalLM);
+    any other architecture is its own."""
+    if architecture.endswith(CLASSIFIER_SUFFIX):
+        return architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+    return architecture

@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from tpengine.families import ARCHITECTURES, FAMILIES, Family
+from tpengine.families import ARCHITECTURES, CLASSIFIER_SUFFIX, FAMILIES, Family, causal_architecture
 from tpengine.gguf import is_gguf
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -61,6 +61,27 @@ class HFConfig:
     # up to [-swiglu_limit, swiglu_limit]; None for the families whose MLPs are plain SiLU-gated
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # a classifier (architectures[0] *ForSequenceClassification): its head's outputs, len(id2label) as transformers
+    # counts them (2 where config.json names none)
+    num_labels: int = 2
+    # vLLM's hf_overrides key: a causal LM scored as a classifier from these tokens' LM-head rows (Qwen3-Reranker's
+    # ["no", "yes"]: one label, the probability of the second against the first)
+    classifier_from_token: list[str] | None = None
+
+    @property
+    def is_classifier(self) -> bool:
+        """It scores (its head classifies the last token) rather than generates."""
+        return self.classifier_from_token is not None or (
+            bool(self.architectures) and self.architectures[0].endswith(CLASSIFIER_SUFFIX))
+
+    @property
+    def num_classifier_outputs(self) -> int:
+        """The classifier head's outputs: a two-token classifier is one label (the second token's logit less the
+        first's), any other one per token; a classification checkpoint's num_labels."""
+        tokens = self.classifier_from_token
+        if tokens is not None:
+            return 1 if len(tokens) == 2 else len(tokens)
+        return self.num_labels
 
 
 def _is_int(value) -> bool:
@@ -109,11 +130,12 @@ FIELD_KINDS = {
     "query_pre_attn_scalar": "number or null", "attn_logit_softcapping": "positive number or null",
     "final_logit_softcapping": "positive number or null", "use_bidirectional_attention": "bool or null",
     "swiglu_alpha": "positive number or null", "swiglu_limit": "positive number or null",
+    "num_labels": "count", "classifier_from_token": "texts or null",
 }
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
                  "rope_local_base_freq": "number", "text_config": "object or null",
-                 "original_max_position_embeddings": "count"}
+                 "original_max_position_embeddings": "count", "id2label": "object or null"}
 assert list(FIELD_KINDS) == [f.name for f in fields(HFConfig)]
 
 
@@ -226,6 +248,8 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["layer_types"] = [LEGACY_LAYER_TYPES.get(t, t) for t in values["layer_types"]]
     if values.get("mlp_only_layers") is None:
         values["mlp_only_layers"] = []
+    if raw.get("id2label"):  # transformers counts the labels it names; num_labels is only a fallback
+        values["num_labels"] = len(raw["id2label"])
     values["rope_parameters"] = _rope_parameters(raw, values, family, source)
     return HFConfig(**{f.name: values[f.name] for f in fields(HFConfig) if f.name in values})
 
@@ -255,11 +279,16 @@ def _read_json(path: str):
         raise ValueError(f"{path} is not a valid model config: {e}") from None
 
 
-def load_hf_config(model: str | os.PathLike) -> HFConfig:
-    """The checkpoint folder's config.json (or a GGUF file's metadata); ValueError naming the file and the field at
-    fault, or the architecture or setting the shared decoder does not implement."""
+def load_hf_config(model: str | os.PathLike, overrides: dict | None = None) -> HFConfig:
+    """The checkpoint folder's config.json (or a GGUF file's metadata), its keys replaced by overrides (vLLM's
+    hf_overrides); ValueError naming the file and the field at fault, or the architecture or setting the shared
+    decoder does not implement."""
     model = os.fspath(model)
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {type(overrides).__name__}")
     if is_gguf(model):
+        if overrides:
+            raise ValueError("hf_overrides apply to a config.json; a GGUF file's settings come from its metadata")
         return _load_gguf_config(model)
     if not os.path.isdir(model):
         raise ValueError(f"model must be a local folder with config.json and safetensors weights, or a .gguf file, "
@@ -269,6 +298,7 @@ def load_hf_config(model: str | os.PathLike) -> HFConfig:
         raise ValueError(f"model folder {model!r} has no config.json")
     raw = _read_json(config_file)
     if isinstance(raw, dict):  # a model we do not have is the first thing to tell
+        raw = {**raw, **(overrides or {})}
         architecture_of(raw.get("architectures"))
     config = parse_hf_config(raw, config_file)
     check_supported(config)
@@ -311,8 +341,9 @@ def architecture_of(architectures: list[str] | None) -> str:
     supported = ", ".join(ARCHITECTURES)
     if not architectures or not isinstance(architectures, list):
         raise ValueError(f"config.json names no architectures; supported: {supported}")
-    if architectures[0] not in ARCHITECTURES:
-        raise ValueError(f"architecture {architectures[0]!r} is not supported; supported: {supported}")
+    if causal_architecture(architectures[0]) not in ARCHITECTURES:
+        raise ValueError(f"architecture {architectures[0]!r} is not supported; supported: {supported} (and each "
+                         f"one's {CLASSIFIER_SUFFIX})")
     return architectures[0]
 
 
@@ -503,6 +534,8 @@ def check_supported(config: HFConfig) -> None:
         raise ValueError("use_bidirectional_attention=True is not supported; only causal attention is")
     if config.quantization_config:  # a format or layout tpengine does not read is refused by name
         quantization_config_of(config)
+    if config.classifier_from_token is not None and not config.classifier_from_token:
+        raise ValueError("classifier_from_token is empty: it names the tokens whose LM-head rows classify")
     unknown = sorted(set(config.layer_types or ()) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")

@@ -1,6 +1,6 @@
-"""The offline API vLLM users call: LLM(model, ...).generate, .chat, .beam_search, .embed and .get_tokenizer. What
-vLLM's LLM has and tpengine does not (scoring, classification, sleep mode, ...) is a NotImplementedError that names it, never
-an AttributeError or an argument quietly ignored."""
+"""The offline API vLLM users call: LLM(model, ...).generate, .chat, .beam_search, .embed, .classify, .score and
+.get_tokenizer. What vLLM's LLM has and tpengine does not (reward models, sleep mode, ...) is a NotImplementedError
+that names it, never an AttributeError or an argument quietly ignored."""
 import dataclasses
 from itertools import islice
 from typing import Any
@@ -12,7 +12,8 @@ from tpengine.engine.inputs import prompt_list
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.entrypoints.chat_template import encode_chat_text, render_chat_text
 from tpengine.errors import InvalidRequestError
-from tpengine.outputs import EmbeddingRequestOutput, RequestOutput
+from tpengine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
+                              ScoringRequestOutput)
 from tpengine.sampling_params import MAX_LOGPROBS, BeamSearchParams, PoolingParams, SamplingParams
 
 # "auto" renders as the server does (text parts joined into one string); "openai" hands templates the parts
@@ -82,12 +83,12 @@ def template_conversation(conversation, content_format: str) -> list[dict[str, A
 
 
 # vLLM's task names, as the runner each means (LLM(model, task="embed"))
-TASKS = {"generate": "generate", "embed": "pooling"}
+TASKS = {"generate": "generate", "embed": "pooling", "classify": "pooling", "score": "pooling"}
 
 
 class LLM(LLMEngine):
     """`LLM(model, tensor_parallel_size=..., ...)`; `llm.generate(prompts, sampling_params)`, `llm.chat(messages)`,
-    `llm.beam_search(prompts, BeamSearchParams(...))`, `llm.embed(prompts)`."""
+    `llm.beam_search(prompts, BeamSearchParams(...))`, `llm.embed(prompts)`, `llm.score(query, documents)`."""
 
     def __init__(self, model, task: str | None = None, **kwargs):
         if task is not None:
@@ -108,6 +109,19 @@ class LLM(LLMEngine):
             if len(pooling_params) == 1:
                 pooling_params = pooling_params[0]
         return super().embed(prompts, pooling_params, use_tqdm, lora_request)
+
+    def classify(self, prompts, *, use_tqdm: bool = True, pooling_params: PoolingParams | list | None = None,
+                 lora_request=None) -> list[ClassificationRequestOutput]:
+        """LLMEngine.classify, with vLLM's keyword arguments."""
+        return super().classify(prompts, pooling_params, use_tqdm, lora_request)
+
+    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, lora_request=None) -> list[ScoringRequestOutput]:
+        """LLMEngine.score, with vLLM's keyword arguments; truncate_prompt_tokens goes into the PoolingParams."""
+        if truncate_prompt_tokens is not None:
+            pooling_params = dataclasses.replace(pooling_params or PoolingParams(),
+                                                 truncate_prompt_tokens=truncate_prompt_tokens)
+        return super().score(data_1, data_2, pooling_params, use_tqdm, lora_request)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None, **vllm_only) -> list[RequestOutput]:
@@ -220,8 +234,6 @@ class LLM(LLMEngine):
 
     # vLLM's pooling-model tasks, and controls of its runtime tpengine has no counterpart for
     encode = _not_supported("encode", "tpengine pools embeddings only: use embed()")
-    classify = _not_supported("classify", "tpengine runs generative models, not classification models")
-    score = _not_supported("score", "tpengine runs generative models, not cross-encoders or embedding models")
     reward = _not_supported("reward", "tpengine runs generative models, not reward models")
     sleep = _not_supported("sleep", "tpengine has no sleep mode; shutdown() frees the model and its KV cache")
     wake_up = _not_supported("wake_up", "tpengine has no sleep mode")

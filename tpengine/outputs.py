@@ -184,3 +184,29 @@ class EmbeddingRequestOutput(msgspec.Struct, kw_only=True, gc=False):
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+class ClassificationOutput(msgspec.Struct, gc=False):
+    probs: list[float]  # per label: softmax (sigmoid for one label), or logits where use_activation=False
+
+
+class ClassificationRequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """A classification request's one output (vLLM's): its prompt and its classifier's label scores."""
+    request_id: int
+    prompt: str | list[int] | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+class ScoringOutput(msgspec.Struct, gc=False):
+    score: float
+
+
+class ScoringRequestOutput(msgspec.Struct, kw_only=True, gc=False):
+    """One (query, document) pair's score (vLLM's): a classifier's probability for the pair's prompt, or the cosine
+    similarity of an embedding model's two vectors; prompt_token_ids: the pair's prompt, or the two joined."""
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -19,12 +19,30 @@ UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_toke
 class PoolingConfig(msgspec.Struct, frozen=True):
     method: str = "last"
     normalize: bool = True
+    # a classifier's outputs per prompt (its head on the last token: the vector is its logits, or with the
+    # request's activation their sigmoid, one label, or softmax); 0: an embedding model
     # Matryoshka: a request may keep the first `dimensions` of the vector (any, or only these when listed)
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    num_labels: int = 0
 
-    def checked(self, params, hidden_size: int) -> tuple[int, bool]:
-        """A PoolingParams' (dimensions kept, 0 for all; normalize), or ValueError naming what the model refuses."""
+    def checked(self, params, hidden_size: int) -> tuple[int, bool, bool]:
+        """A PoolingParams' (dimensions kept, 0 for all; normalize; the classifier's activation), or ValueError naming
+        what the model refuses."""
+        if params.task != ("classify" if self.classifies else "embed"):
+            raise InvalidRequestError(
+                "this model is a classifier (a reranker): it classifies and scores (classify(), score(), /score, "
+                "/rerank), it does not embed" if self.classifies else "this model embeds: it has no classifier "
+                "head to classify with (score() compares its embeddings)", "model")
+        if self.classifies:
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(f"{name}={getattr(params, name)!r}: this model is a classifier, whose "
+                                              f"outputs are label scores, not an embedding", name)
+            return 0, False, params.use_activation is not False
+        if params.use_activation is not None:
+            raise InvalidRequestError("use_activation applies to a classifier's scores; this model embeds",
+                                      "use_activation")
         dimensions = params.dimensions
         if dimensions is not None:
             if not self.matryoshka:
@@ -37,7 +55,11 @@ class PoolingConfig(msgspec.Struct, frozen=True):
             if dimensions > hidden_size:
                 raise InvalidRequestError(f"dimensions={dimensions} is more than the model's {hidden_size}",
                                           "dimensions")
-        return dimensions or 0, self.normalize if params.normalize is None else params.normalize
+        return dimensions or 0, self.normalize if params.normalize is None else params.normalize, False
+
+    @property
+    def classifies(self) -> bool:
+        return self.num_labels > 0
 
     @property
     def reads_every_token(self) -> bool:
@@ -45,9 +67,12 @@ class PoolingConfig(msgspec.Struct, frozen=True):
         return self.method != "last"
 
 
-def read_pooling_config(model: str) -> PoolingConfig:
+def read_pooling_config(model: str, hf_config=None) -> PoolingConfig:
     """The checkpoint folder's pooling (a GGUF file, or a folder without sentence-transformers' files: the
-    default); ValueError for a pooling a decoder's embedding does not use."""
+    default); a classifier's (hf_config.is_classifier) is its last token's, unnormalized, through its head.
+    ValueError for a pooling a decoder's embedding does not use."""
+    if hf_config is not None and hf_config.is_classifier:
+        return PoolingConfig(method="last", normalize=False, num_labels=hf_config.num_classifier_outputs)
     folder = model if os.path.isdir(model) else os.path.dirname(model)
     matryoshka, dimensions = _matryoshka(folder)
     modules = _read_json(folder, "modules.json")
@@ -82,3 +107,14 @@ def _read_json(folder: str, name: str):
         return None
     with open(path) as f:
         return json.load(f)
+
+
+def classifier_token_ids(tokenizer_folder: str, tokens: list[str]) -> list[int]:
+    """The ids of classifier_from_token's tokens in the tokenizer's vocabulary (as written there: Qwen's "yes");
+    ValueError naming those it lacks."""
+    from transformers import AutoTokenizer
+    vocab = AutoTokenizer.from_pretrained(tokenizer_folder).get_vocab()
+    missing = [token for token in tokens if token not in vocab]
+    if missing:
+        raise ValueError(f"classifier_from_token {missing} are not tokens of the tokenizer in {tokenizer_folder!r}")
+    return [vocab[token] for token in tokens]

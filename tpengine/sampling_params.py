@@ -286,20 +286,32 @@ class SamplingParams:
         return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
 
 
+POOLING_TASKS = ("embed", "classify")
+
+
 @dataclass(frozen=True)
 class PoolingParams:
-    """An embedding request's settings (vLLM's PoolingParams): dimensions keeps a Matryoshka model's first that
-    many (before normalizing); normalize overrides the checkpoint's choice; truncate_prompt_tokens keeps the
-    prompt's last that many tokens (-1: max_model_len's worth) instead of refusing a longer one."""
+    """An embedding or classification request's settings (vLLM's PoolingParams): dimensions keeps a Matryoshka
+    model's first that many (before normalizing); normalize overrides the checkpoint's choice; truncate_prompt_tokens
+    keeps the prompt's last that many tokens (-1: max_model_len's worth) instead of refusing a longer one;
+    use_activation=False keeps a classifier's raw logits."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # a classifier's scores through the sigmoid (one label) or softmax (None: yes, vLLM's default); False: logits
+    use_activation: bool | None = None
+    # what the caller wants of the model (vLLM's, set by embed / classify / score): an embedding model embeds, a
+    # classifier classifies; the other is a ValueError
+    task: str = "embed"
 
     def __post_init__(self):
         if self.dimensions is not None and _integer("dimensions", self.dimensions) < 1:
             raise _invalid("dimensions", f"dimensions must be an integer >= 1, got {self.dimensions!r}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise _invalid("normalize", f"normalize must be True, False or None, got {self.normalize!r}")
+        if self.task not in POOLING_TASKS:
+            raise _invalid("task", f"task must be one of {POOLING_TASKS}, got {self.task!r}")
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise _invalid(name, f"{name} must be True, False or None, got {getattr(self, name)!r}")
         truncate = self.truncate_prompt_tokens
         if truncate is not None and (_integer("truncate_prompt_tokens", truncate) < 1 and truncate != -1):
             raise _invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or an integer >= 1, got "

@@ -75,7 +75,8 @@ def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, a
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")):
                 param.normal_(0.0, config.initializer_range)
-    model.generation_config.eos_token_id = config.eos_token_id
+    if getattr(model, "generation_config", None) is not None:  # a classifier (no generate) has none
+        model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(path, safe_serialization=True)
     return path
 

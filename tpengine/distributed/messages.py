@@ -33,10 +33,12 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
 
 
 class PoolChunk(msgspec.Struct, array_like=True, gc=False):
-    """How rank 0 pools an embedding request's rows (runner/pooler.py): the first `dimensions` of the vector kept (0:
-    all), normalized or not; final: the chunk reaches the prompt's end (the vector is made)."""
+    """How rank 0 pools an embedding or classification request's rows (runner/pooler.py): the first `dimensions` of
+    the vector kept (0: all), normalized or not; a classifier's logits through their activation (sigmoid for one
+    label, else softmax) or not; final: the chunk reaches the prompt's end (the vector is made)."""
     dimensions: int
     normalize: bool
+    activation: bool
     final: bool
 
 

@@ -28,9 +28,11 @@ from tpengine.lora.checks import LoRAAdapterChecks
 from tpengine.lora.request import LoRARequest
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
-from tpengine.outputs import NO_TOKEN, EmbeddingRequestOutput, RequestOutput, merge_deltas
-from tpengine.pooling import read_pooling_config
+from tpengine.outputs import (NO_TOKEN, ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
+                              RequestOutput, ScoringRequestOutput, merge_deltas)
+from tpengine.pooling import classifier_token_ids, read_pooling_config
 from tpengine.sampling_params import PoolingParams, SamplingParams
+from tpengine.scoring import classifier_scores, cosine_scores, pair_prompt, score_pairs
 from tpengine.structured.limits import check_min_tokens_reachable
 from tpengine.thinking import THINK_END, THINK_START, thinking_open_after
 
@@ -59,7 +61,7 @@ class LLMEngine:
     def __init__(self, model: str | os.PathLike, **kwargs):
         model = os.fspath(model)
         config = EngineConfig(model=model, **kwargs)
-        hf_config = load_hf_config(model)
+        hf_config = load_hf_config(model, config.hf_overrides)
         # what the model decides (max_model_len, ...) is resolved once here: the ledger and every rank read it
         config = config.resolve(hf_config)
         self.config = config
@@ -71,6 +73,8 @@ class LLMEngine:
         # before any worker starts: it may raise
         # (<think>, </think>): where structured outputs start in a reasoning model's completions (tpengine/thinking.py)
         self.reasoning_tokens = None if config.reasoning_parser is None else self._reasoning_tokens()
+        if hf_config.classifier_from_token is not None:  # every rank reads them: a missing one is told here, once
+            classifier_token_ids(config.tokenizer or model, hf_config.classifier_from_token)
         if config.world_size > 1:
             from tpengine.runner.multiproc_executor import MultiprocExecutor
             self.executor = MultiprocExecutor(config)
@@ -101,7 +105,7 @@ class LLMEngine:
         self._num_constrained_requests = 0
         self.prompt_tokens_total = 0        # prompt tokens computed (prefix-cache hits excluded)
         self._lora_adapters = LoRAAdapterChecks(config, hf_config)  # adapters requests may name, checked once
-        self.pooling = read_pooling_config(model)  # how embedding requests pool (pooling.py)
+        self.pooling = read_pooling_config(model, hf_config)  # how embedding requests pool (pooling.py)
         self.hidden_size = hf_config.hidden_size
 
     def _make_ledger(self, config: EngineConfig, hf_config, eos_token_ids: frozenset[int]) -> VirtualEngines:
@@ -645,13 +649,42 @@ class LLMEngine:
               ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, in prompt order (prompts as generate takes them): its last hidden states
         pooled as the checkpoint says (pooling.py), in steps shared with any generation running."""
+        return self._pool(prompts, pooling_params, "embed", use_tqdm, lora_request)
+
+    def classify(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label scores from a classifier (a *ForSequenceClassification checkpoint, or one read with
+        classifier_from_token), its head on the prompt's last token, in prompt order."""
+        return [ClassificationRequestOutput(request_id=output.request_id, prompt=output.prompt,
+                                            prompt_token_ids=output.prompt_token_ids,
+                                            outputs=ClassificationOutput(output.outputs.embedding),
+                                            finished=output.finished)
+                for output in self._pool(prompts, pooling_params, "classify", use_tqdm, lora_request)]
+
+    def score(self, data_1, data_2, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """Each (query, document) pair's score, as vLLM's LLM.score: data_1 one query (a text or token ids) or one
+        per document of data_2. A classifier scores the pair's prompt (scoring.py's pair_prompt); an embedding
+        model, the cosine similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        if self.pooling.classifies:
+            prompts = [pair_prompt(self.tokenizer, query, document) for query, document in pairs]
+            return classifier_scores(self.classify(prompts, pooling_params=pooling_params, use_tqdm=use_tqdm,
+                                                  lora_request=lora_request))
+        embedded = self.embed([query for query, _ in pairs] + [document for _, document in pairs],
+                              pooling_params=pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return cosine_scores(embedded[:len(pairs)], embedded[len(pairs):])
+
+    def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool, lora_request) -> list[EmbeddingRequestOutput]:
         prompts = prompt_list(prompts)
         if not (pooling_params is None or isinstance(pooling_params, (PoolingParams, list, tuple))):
             raise ValueError("pooling_params must be a PoolingParams or a list of them (one per prompt), "
                              f"got {type(pooling_params).__name__}")
-        params = [p or PoolingParams() for p in per_prompt(pooling_params, len(prompts), "pooling_params")]
+        params = [dataclasses.replace(p or PoolingParams(), task=task)
+                  for p in per_prompt(pooling_params, len(prompts), "pooling_params")]
         requests = self._make_requests(prompts, params, per_prompt(lora_request, len(prompts), "lora_request"))
-        return self._run_to_end(requests, use_tqdm, "Embedding")
+        return self._run_to_end(requests, use_tqdm, "Embedding" if task == "embed" else "Classifying")
 
     def _make_requests(self, prompts: list, params: list, lora_requests: list) -> list[Request]:
         """Every prompt's request, checked (grammars compiled); none queued. ValueError naming the prompt."""

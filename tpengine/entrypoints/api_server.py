@@ -19,12 +19,13 @@ from tpengine.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from tpengine.entrypoints.chat import OpenAIServingChat
 from tpengine.entrypoints.completions import OpenAIServingCompletion
 from tpengine.entrypoints.embeddings import OpenAIServingEmbedding
+from tpengine.entrypoints.score import OpenAIServingScore
 from tpengine.entrypoints.lora_modules import LoRAModulePath, ServedModels
 from tpengine.entrypoints.messages import AnthropicServingMessages, MessagesPrompt, MessagesRequest, error_body
 from tpengine.entrypoints.metrics import CONTENT_TYPE, Metrics
 from tpengine.entrypoints.protocol import (FIELD_KINDS, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          EmbeddingRequest, LoadLoRAAdapterRequest, TokenizeChatRequest,
-                                          UnloadLoRAAdapterRequest, tokenize_request_kind)
+                                          EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
+                                          TokenizeChatRequest, UnloadLoRAAdapterRequest, tokenize_request_kind)
 from tpengine.entrypoints.renderer import PromptRenderer
 from tpengine.entrypoints.responses import ResponsesRequest
 from tpengine.entrypoints.responses_serving import OpenAIServingResponses
@@ -245,6 +246,7 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
     _add_generation_routes(app, completions, chat, max_request_len)
     _add_embedding_routes(app, OpenAIServingEmbedding(engine, renderer, tokenizer, models, max_request_len),
                           max_request_len)
+    _add_score_routes(app, OpenAIServingScore(engine, renderer, tokenizer, models, max_request_len), max_request_len)
     _add_responses_routes(app, OpenAIServingResponses(chat, max_request_len), max_request_len)
     _add_messages_routes(app, AnthropicServingMessages(chat, max_request_len), max_request_len)
     _add_tokenizer_routes(app, engine, renderer, completions, chat, max_model_len, max_request_len)
@@ -362,6 +364,23 @@ def _add_embedding_routes(app: FastAPI, embeddings: OpenAIServingEmbedding, max_
     async def create_embedding(raw_request: Request):
         request = parse_request(EmbeddingRequest, await raw_request.body(), max_request_len)
         return await embeddings.create(request, raw_request)
+
+
+def _add_score_routes(app: FastAPI, scoring: OpenAIServingScore, max_request_len: int) -> None:
+    """vLLM's POST /score and /rerank (Jina's and Cohere's shape, under /v1 and /v2 too): any pooling-capable engine
+    scores, a classifier by its head, an embedding model by cosine similarity."""
+    async def score(raw_request: Request):
+        return await scoring.create_score(parse_request(ScoreRequest, await raw_request.body(), max_request_len),
+                                          raw_request)
+
+    async def rerank(raw_request: Request):
+        return await scoring.create_rerank(parse_request(RerankRequest, await raw_request.body(), max_request_len),
+                                           raw_request)
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
 
 
 def _add_responses_routes(app: FastAPI, responses: OpenAIServingResponses, max_request_len: int) -> None:

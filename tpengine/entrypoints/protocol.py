@@ -340,6 +340,94 @@ class EmbeddingRequest(OpenAIBody):
         return False  # an embedding comes whole
 
 
+def _score_inputs(value, field: str):
+    """A query or document list: a text, token ids, or a list of texts or of token-id lists (vLLM's score inputs)."""
+    if type(value) is str or _is_token_ids(value) and value:
+        return value
+    if type(value) is not list or not value or not all(type(v) is str or _is_token_ids(v) and v for v in value):
+        raise ValueError(f"{field} must be a text, token ids, or a non-empty list of texts or of token-id lists")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"{field} has {len(value)} items, more than the limit of {MAX_PROMPTS} per request")
+    return value
+
+
+class ScoreRequest(OpenAIBody):
+    """POST /score (and /v1/score): vLLM's. text_1 (queries: one, or one per document) against text_2 (the
+    documents); queries/documents and data_1/data_2 as its other spellings."""
+    model: str | None = None
+    text_1: Any = None
+    text_2: Any = None
+    queries: Any = None
+    documents: Any = None
+    data_1: Any = None
+    data_2: Any = None
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    user: str | None = None
+
+    def pair_inputs(self) -> tuple:
+        """(queries, documents) from whichever spelling the body used; ValueError naming the fields."""
+        spellings = [(a, b) for a, b in (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2"))
+                     if getattr(self, a) is not None or getattr(self, b) is not None]
+        if len(spellings) != 1:
+            raise InvalidRequestError("give the queries and documents once: text_1 and text_2 (or queries and "
+                                      "documents, or data_1 and data_2)", "text_1")
+        first, second = spellings[0]
+        return tuple(_score_inputs_named(getattr(self, name), name) for name in (first, second))
+
+    @property
+    def stream(self) -> bool:
+        return False
+
+
+def _score_inputs_named(value, field: str):
+    try:
+        return _score_inputs(value, field)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), field) from None
+
+
+class RerankDocument(OpenAIBody):
+    text: str
+
+
+class RerankRequest(OpenAIBody):
+    """POST /rerank, /v1/rerank and /v2/rerank: Jina's and Cohere's shape (vLLM's): the documents ranked by their
+    score against the query, the top_n best (all when 0 or absent), with their text unless return_documents=false."""
+    model: str | None = None
+    query: str | list[int]
+    documents: list[str | RerankDocument | list[int]]
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    max_tokens_per_doc: int | None = None  # Cohere's: refused unless absent (use truncate_prompt_tokens)
+    user: str | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, value):
+        if not value:
+            raise ValueError("documents is empty: there is nothing to rerank")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"has {len(value)} documents, more than the limit of {MAX_PROMPTS} per request")
+        return value
+
+    @field_validator("max_tokens_per_doc")
+    @classmethod
+    def _no_max_tokens_per_doc(cls, value):
+        if value is not None:
+            raise ValueError("max_tokens_per_doc is not supported: truncate_prompt_tokens bounds each pair's prompt")
+        return value
+
+    def document_inputs(self) -> list[str | list[int]]:
+        return [document.text if isinstance(document, RerankDocument) else document for document in self.documents]
+
+    @property
+    def stream(self) -> bool:
+        return False
+
+
 class TextPart(OpenAIBody):
     type: Literal["text"]
     text: str

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
-from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized, packed_as_loaded
+from tpengine.layers.load_state import (Loaded, attach, check_weight_shape, keep_quantized, load_state,
+                                        packed_as_loaded)
 from tpengine.platforms import current_platform
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
@@ -42,11 +43,24 @@ class VocabParallelEmbedding(nn.Module):
             if padding:
                 zero = lambda t: None if t is None else t.new_zeros(padding, t.size(1))  # noqa: E731
                 shard = cat_rows([shard, replace(shard, qweight=zero(shard.qweight), scales=zero(shard.scales),
-                                                 zeros=zero(shard.zeros))])
+                                                 zeros=zero(shard.zeros), minimums=zero(shard.minimums))])
             keep_quantized(param, shard)
             return
         param.data.zero_()
         param.data[:real].copy_(loaded_weight[start:start + real])
+
+    def gathered_rows(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 rows of the whole table for token_ids on every rank (an all-reduce: every rank calls it), read
+        after loading and before prepack, from the float shard or a quantized one's dequantized rows."""
+        rows = torch.zeros(len(token_ids), self.weight.size(1), dtype=torch.float32, device=self.weight.device)
+        quantized = load_state(self.weight).quantized_parts.get(())
+        for i, token_id in enumerate(token_ids):
+            local = token_id - self.vocab_start_idx
+            if 0 <= local < self.vocab_end_idx - self.vocab_start_idx:
+                rows[i] = self.weight[local].float() if quantized is None else quantized.rows(local, 1).dequantize()[0]
+        if self.tp_size > 1:
+            self.tp_group.all_reduce(rows)
+        return rows
 
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: a quantized table stays packed; its rows are dequantized as tokens gather them. So does a

@@ -3,6 +3,9 @@
     embed -> N x [RMSNorm -> attention (q/k/v, rotary, o; the layer's sliding window) -> + residual
                   RMSNorm -> gated SiLU MLP (or experts)   -> + residual] -> RMSNorm -> LM head
 
+A classifier (*ForSequenceClassification, or a causal LM read with classifier_from_token) ends in a classification
+head instead, which rank 0's pooler applies to each prompt's last hidden state.
+
 The families differ in a few properties (DecoderFamily); each model file states its own and
 documents its architecture, and may bring its own decoder layer (Gemma's norms around attention and MLP).
 """
@@ -19,7 +22,8 @@ from tpengine.layers.activation import SiluAndMul
 from tpengine.layers.attention import Attention, kv_scale_target
 from tpengine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from tpengine.layers.layernorm import RMSNorm
-from tpengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpengine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                    RowParallelLinear)
 from tpengine.layers.rotary_embedding import get_rope
 
 
@@ -162,9 +166,16 @@ class DecoderForCausalLM(nn.Module):
         self.final_logit_softcap = family.final_logit_softcap
         self.stage = stage = self.model.stage
         self.tie_word_embeddings = config.tie_word_embeddings
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else None
-        if config.tie_word_embeddings and stage.is_first and stage.is_last:
+        # a classification checkpoint has no LM head; classifier_from_token reads the head's rows (classify_from_tokens)
+        classifier_checkpoint = config.is_classifier and config.classifier_from_token is None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) \
+            if stage.is_last and not classifier_checkpoint else None
+        if self.lm_head is not None and config.tie_word_embeddings and stage.is_first:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor: the checkpoint's embedding serves both
+        # transformers' XForSequenceClassification.score: [num_labels, hidden], no bias, on every rank
+        self.score = ReplicatedLinear(config.hidden_size, config.num_labels) \
+            if classifier_checkpoint and stage.is_last else None
+        self.token_classifier: torch.Tensor | None = None  # classify_from_tokens' rows
 
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
@@ -205,6 +216,19 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata,
                 from_previous_stage: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, from_previous_stage)
+
+    def classify_from_tokens(self, token_ids: list[int]) -> None:
+        """The classifier as vLLM reads classifier_from_token: two tokens make one label, the second token's LM-head
+        row less the first's (its sigmoid is the softmax of the pair: Qwen3-Reranker's P(yes)); otherwise one
+        label per token, its row. Every rank calls it after loading, before prepack (it gathers the rows)."""
+        rows = self.lm_head.gathered_rows(token_ids)
+        self.token_classifier = (rows[1:] - rows[:1]) if len(token_ids) == 2 else rows
+
+    def classify(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, num_labels]: the classifier head's logits for these last hidden states."""
+        if self.score is not None:
+            return self.score(hidden_states).float()
+        return hidden_states.float() @ self.token_classifier.T
 
     def compute_logits(self, hidden_states: torch.Tensor, gather: bool = True,
                        num_rows: int | None = None) -> torch.Tensor | None:

@@ -51,7 +51,7 @@ class OnlineQuantization:
     def applies_to(self, target: str, param: nn.Parameter) -> bool:
         if not load_state(param).takes_form(Fp8Weight if self.fp8 else QuantizedWeight) or target.endswith(".bias"):
             return False
-        if _is_moe_router(target):
+        if _is_moe_router(target) or target.startswith("score."):  # a classifier head's outputs are the scores
             return False
         return self.lm_head or not _is_head_or_embedding(target)
 
@@ -274,6 +274,9 @@ def load_and_prepack(model: nn.Module, path: str, hf_config, config: EngineConfi
     if weight_dtype is not None:
         keep_weights_in(model, weight_dtype)
     load_model(model, path, quantization, online, keep_fp8)
+    if getattr(hf_config, "classifier_from_token", None) is not None:  # from the head's rows, before prepack
+        from tpengine.pooling import classifier_token_ids
+        model.classify_from_tokens(classifier_token_ids(config.tokenizer or path, hf_config.classifier_from_token))
     if log and quantization is not None:
         fp8 = ("FP8 W8A8 linears" if keep_fp8 else "FP8 weights converted to float at load: no FP8 matmul here")
         logger.info("%s: quantized checkpoint: %s%s", path, quantization.describe(),

@@ -5,13 +5,14 @@ a family's model module is imported only when a model is built.
 """
 import importlib
 
-from tpengine.families import FAMILIES
+from tpengine.families import FAMILIES, causal_architecture
 from tpengine.hf_config import HFConfig, architecture_of
 
 FAMILY_OF_ARCHITECTURE = {family.architecture: family for family in FAMILIES.values()}
 
 
 def model_class(config: HFConfig):
-    """The class named as the checkpoint's architecture, from its family's model module."""
-    family = FAMILY_OF_ARCHITECTURE[architecture_of(config.architectures)]
+    """The class named as the checkpoint's architecture, from its family's model module (a classifier's: its causal
+    LM's class, which builds a classifier head for such a config)."""
+    family = FAMILY_OF_ARCHITECTURE[causal_architecture(architecture_of(config.architectures))]
     return getattr(importlib.import_module(family.model_module), family.architecture)

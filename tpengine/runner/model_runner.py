@@ -43,7 +43,7 @@ class ModelRunner:
         self.stage = pipeline.stage
         self.rank = pipeline.rank  # global: stage * tp + rank in the stage
         self.block_size = config.kvcache_block_size
-        self.hf_config = hf_config = load_hf_config(config.model)
+        self.hf_config = hf_config = load_hf_config(config.model, config.hf_overrides)
         self.device = device
         self.platform = platform_for(device)
         self.platform.set_up_rank(device, config.world_size)  # every stage's ranks share the host
@@ -59,7 +59,8 @@ class ModelRunner:
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.lora = self._lora_adapters()
         # embedding requests' vectors are made on rank 0 (each tensor-parallel rank holds whole hidden states)
-        self.pooler = Pooler(read_pooling_config(config.model)) if self.rank == 0 else None
+        self.pooler = Pooler(read_pooling_config(config.model, hf_config), self.model.classify) \
+            if self.rank == 0 else None
         self.attention_layers = attention_layers_of(self.model)
         if self.rank == 0 and is_fp8(self.kv_cache_dtype):
             self._log_fp8_kv_scales()

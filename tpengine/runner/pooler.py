@@ -1,7 +1,10 @@
 """Embedding requests' vectors, on rank 0 (every tensor-parallel rank holds the whole last hidden states): each
 pooled prompt chunk's rows pooled as the checkpoint says (the last token's, the mean, or the first token's), then
 shortened (Matryoshka) and normalized as its request asks, when the chunk reaches the prompt's end. A mean over a
-prompt in several chunks is summed chunk by chunk."""
+prompt in several chunks is summed chunk by chunk. A classifier's vector is its head's logits for the last token,
+through the sigmoid (one label) or the softmax where the request keeps the activation."""
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -11,8 +14,11 @@ from tpengine.pooling import PoolingConfig
 
 
 class Pooler:
-    def __init__(self, config: PoolingConfig):
+    def __init__(self, config: PoolingConfig, classify: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """classify: the model's classifier head (hidden states -> float32 logits), for a classifier's config."""
+        assert not config.classifies or classify is not None
         self.method = config.method
+        self.classify = classify if config.classifies else None
         # a prompt's pooled rows so far (mean: their float32 sum; CLS: its first row), by sequence
         self.partial: dict[int, torch.Tensor] = {}
 
@@ -44,6 +50,8 @@ class Pooler:
             self.partial[seq_id] = rows[0].float()
         if not chunk.pooling.final:
             return None
+        if self.classify is not None:
+            return self._classified(rows[-1:], chunk.pooling.activation)
         if self.method == "last":
             vector = rows[-1].float()
         else:
@@ -55,3 +63,9 @@ class Pooler:
         if chunk.pooling.normalize:
             vector = F.normalize(vector, p=2, dim=-1)  # sentence-transformers' Normalize
         return vector.tolist()
+
+    def _classified(self, last_row: torch.Tensor, activation: bool) -> list[float]:
+        logits = self.classify(last_row)[0]
+        if not activation:
+            return logits.tolist()
+        return (torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=-1)).tolist()

@@ -51,19 +51,19 @@ class _DummySteps:
         self.next_seq_id += 1
         return BlockTable(self.next_seq_id - 1, blocks)
 
-    def step(self, num_decode_rows: int, num_prompt_tokens: int = 0) -> tuple[StepMessage, int]:
+    def step(self, num_decode_rows: int, num_prompt_tokens: int = 0, sampled: bool = True) -> tuple[StepMessage, int]:
         """num_decode_rows decode rows (each its sequence's second token) and num_prompt_tokens of prompts in chunks
-        of at most max_model_len; and how many rows it samples."""
+        of at most max_model_len, sampled or not; and how many rows it samples."""
         tables = [self._table(2) for _ in range(num_decode_rows)]
         chunks = []
         for start in range(0, num_prompt_tokens, self.max_model_len):
             length = min(self.max_model_len, num_prompt_tokens - start)
             tables.append(self._table(length))
-            chunks.append(PrefillChunk(tables[-1].seq_id, [0] * length, 0, True))
+            chunks.append(PrefillChunk(tables[-1].seq_id, [0] * length, 0, sampled))
         decode_ids = [table.seq_id for table in tables[:num_decode_rows]]
         step = StepMessage(decode_seq_ids=int_column(decode_ids), decode_tokens=int_column([0] * num_decode_rows),
                            decode_context_lens=int_column([2] * num_decode_rows), prefill=chunks, new_tables=tables)
-        return step, num_decode_rows + len(chunks)
+        return step, num_decode_rows + (len(chunks) if sampled else 0)
 
 
 @torch.inference_mode()
@@ -86,12 +86,14 @@ def warm_up(runner) -> None:
     steps = _DummySteps(runner.num_kvcache_blocks, runner.block_size, config.max_model_len)
     real_inputs, runner.inputs = runner.inputs, runner.input_builder()  # the dummy tables stay in the scratch one
     try:
-        for num_rows in decode:
+        samples = runner.model.lm_head is not None  # a classification checkpoint never decodes or samples
+        for num_rows in decode if samples else ():
             _run(runner, *steps.step(num_rows))
         for num_tokens in prompts:
-            _run(runner, *steps.step(0, num_tokens))
-        _run(runner, *steps.step(1, prompts[0]))  # decode rows and a prompt in one step: the mixed path
-        if runner.sampler is not None:  # every option's first draw (the generator is restored after)
+            _run(runner, *steps.step(0, num_tokens, sampled=samples))
+        if samples:
+            _run(runner, *steps.step(1, prompts[0]))  # decode rows and a prompt in one step: the mixed path
+        if runner.sampler is not None and samples:  # every option's first draw (the generator is restored after)
             runner.sampler.warm_up(torch.zeros(1, runner.hf_config.vocab_size, device=runner.device))
     finally:
         runner.inputs = real_inputs
