@@ -147,12 +147,81 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)[..., None].view(np.uint8)
+
+
+def _pack_bits(values: np.ndarray, bits: int) -> np.ndarray:
+    """Runs of n values, 8 // bits of them, into n bytes, the first run in the lowest bits (a K-quant's bit planes;
+    with bits 4, a run of nibbles)."""
+    runs = values.reshape(*values.shape[:-1], 8 // bits, -1).astype(np.uint8)
+    return sum(runs[..., i, :] << (bits * i) for i in range(8 // bits)).astype(np.uint8)
+
+
+def _scales_minimums(groups: np.ndarray, levels: int, scale_max: int):
+    """Round to nearest on each group's [min(w, 0), max(w)] (groups [rows, blocks, n, size]): (float16 d, dmin
+    [rows, blocks], integer scales and minimums [rows, blocks, n] up to scale_max, values 0..levels)."""
+    low, high = np.minimum(groups.min(-1), 0), groups.max(-1)
+    d = ((high - low).max(-1) / (levels * scale_max)).astype(np.float16)
+    dmin = ((-low).max(-1) / scale_max).astype(np.float16)
+    safe = lambda t: np.where(t == 0, 1, t).astype(np.float32)[..., None]  # noqa: E731
+    sc = np.clip(np.round((high - low) / levels / safe(d)), 0, scale_max)
+    m = np.clip(np.round(-low / safe(dmin)), 0, scale_max)
+    step, offset = (safe(d) * sc)[..., None], (dmin.astype(np.float32)[..., None] * m)[..., None]
+    q = np.where(step == 0, 0, np.clip(np.round((groups + offset) / np.where(step == 0, 1, step)), 0, levels))
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8), q.astype(np.uint8)
+
+
+def _k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and minimums (llama.cpp's get_scale_min_k4 read backwards)."""
+    return np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+                           (sc[..., 4:] & 0x0F) | (m[..., 4:] & 0x0F) << 4], axis=-1)
+
+
+def quantize_k(weights: np.ndarray, kind: str) -> np.ndarray:
+    """Q2_K, Q3_K, Q4_K or Q5_K blocks of weights [rows, n * 256] (gguf quantizes no K-quant), built from the block
+    layouts llama.cpp documents, rounding to nearest: any valid block serves, gguf.quants.dequantize reads it back."""
+    rows = weights.shape[0]
+    if kind == "Q3_K":
+        return _quantize_q3_k(weights.reshape(rows, -1, 16, 16))
+    group = 16 if kind == "Q2_K" else 32
+    levels = {"Q2_K": 3, "Q4_K": 15, "Q5_K": 31}[kind]
+    d, dmin, sc, m, q = _scales_minimums(weights.reshape(rows, -1, 256 // group, group), levels,
+                                         15 if kind == "Q2_K" else 63)
+    q = q.reshape(rows, -1, 256)
+    if kind == "Q2_K":
+        parts = [sc | m << 4, _pack_bits(q.reshape(rows, -1, 2, 128), 2).reshape(rows, -1, 64), _f16_bytes(d),
+                 _f16_bytes(dmin)]
+    else:  # Q4_K, Q5_K: per 64 values 32 bytes of nibbles; Q5_K's fifth bits first, a plane per group of 32
+        nibbles = _pack_bits(q.reshape(rows, -1, 4, 64) & 0x0F, 4).reshape(rows, -1, 128)
+        high = [_pack_bits(q >> 4, 1)] if kind == "Q5_K" else []
+        parts = [_f16_bytes(d), _f16_bytes(dmin), _k4_scales(sc, m), *high, nibbles]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _quantize_q3_k(groups: np.ndarray) -> np.ndarray:
+    """groups [rows, blocks, 16, 16]: signed 3-bit values on a max-abs scale per 16 (6-bit, less 32), a float16 d."""
+    rows = groups.shape[0]
+    amax = np.abs(groups).max(-1)
+    d = (amax.max(-1) / (4 * 31)).astype(np.float16)
+    sc = np.clip(np.round(amax / (4 * np.where(d == 0, 1, d).astype(np.float32)[..., None])), 0, 31)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = np.where(step == 0, 0, np.clip(np.round(groups / np.where(step == 0, 1, step)), -4, 3)) + 4
+    q = q.reshape(rows, -1, 256).astype(np.uint8)  # a value plus 4: low bits, and the high bit set when >= 0
+    scales = (sc + 32).astype(np.uint8)
+    parts = [_pack_bits(q >> 2, 1), _pack_bits(q.reshape(rows, -1, 2, 128) & 3, 2).reshape(rows, -1, 64),
+             _pack_bits(scales & 0x0F, 4), _pack_bits(scales >> 4, 2), _f16_bytes(d)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def _quantized(weights: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
     if kind == GGMLQuantizationType.Q6_K:
         return quantize_q6_k(weights)
+    if kind.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K"):
+        return quantize_k(weights, kind.name)
     try:
         return quants.quantize(weights, kind)
-    except (quants.QuantError, NotImplementedError):  # gguf quantizes no K-quant: zero blocks of the right size
+    except (quants.QuantError, NotImplementedError):  # a type nobody quantizes here: zero blocks of the right size
         return np.zeros(quants.quant_shape_to_byte_shape(weights.shape, kind), dtype=np.uint8)
 
 

@@ -1,12 +1,16 @@
 """Each form a CPU platform packs a weight in multiplies itself and gathers its own rows: the values of the float
 weight it stands for, through the one linear and embedding_rows every platform shares."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.conftest import relative_error
 from tpengine.kernels.cpu import bf16_linear as bf16_kernel
+from tpengine.kernels.cpu import quant_linear as quant_kernel
 from tpengine.platforms import cpu, torch_ops
+from tpengine.platforms.packed import MinimumCorrected
 from tpengine.quantization.online import quantize_weight
 
 
@@ -16,6 +20,9 @@ def forms():
     quantized = cpu.pack_quantized_weight(weight, torch.float32)
     if type(quantized) is cpu.QuantizedLinear:
         made["quantized"] = (quantized, weight.dequantize())
+    # a float minimum per group (GGUF's Q4_K, ...), which no kernel reads: subtracted around the kernel's product
+    with_minimums = replace(quantize_weight(torch.randn(48, 64), 4, group_size=32), minimums=torch.randn(48, 2))
+    made["minimum corrected"] = (cpu.pack_quantized_weight(with_minimums, torch.float32), with_minimums.dequantize())
     if bf16_kernel.float_rows_available():
         floats = torch.randn(48, 64).bfloat16().float()
         made["bf16 blocks"] = (cpu.pack_linear_weight(floats, torch.bfloat16), floats)
@@ -29,3 +36,30 @@ def test_each_packed_form_multiplies_and_gathers_rows_as_its_float_weight(name):
     assert relative_error(cpu.linear(x, torch.empty(0), bias, packed), F.linear(x, weight, bias)) < 1e-4
     token_ids = torch.tensor([[0, 47], [5, 5]])
     assert torch.equal(cpu.embedding_rows(token_ids, packed, torch.float32), weight[token_ids])
+
+
+def test_minimums_are_subtracted_around_the_cpu_kernels_product_in_float32_and_bfloat16():
+    weight = replace(quantize_weight(torch.randn(48, 64), 4, group_size=32), minimums=torch.randn(48, 2))
+    packed = cpu.pack_quantized_weight(weight, torch.float32)
+    if quant_kernel.available():
+        assert type(packed) is MinimumCorrected and type(packed.inner) is cpu.QuantizedLinear
+    x = torch.randn(5, 64)
+    assert relative_error(cpu.linear(x, torch.empty(0), None, packed), x @ weight.dequantize().T) < 1e-5
+    half = x.bfloat16()
+    assert relative_error(cpu.linear(half, torch.empty(0), None, packed).float(),
+                          half.float() @ weight.dequantize().T) < 1e-2
+
+
+def test_minimums_are_subtracted_around_tritons_gemm_too():
+    """CUDA's packing (cuda.py, Triton's GEMM: in its interpreter without a GPU) wraps the same way."""
+    pytest.importorskip("triton")
+    from tpengine.platforms import cuda
+    from tpengine.platforms.cuda_quant import TritonQuantLinear
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weight = replace(quantize_weight(torch.randn(48, 64), 4, group_size=32), minimums=torch.randn(48, 2)).to(device)
+    packed = cuda.pack_quantized_weight(weight, torch.float32)
+    assert type(packed) is MinimumCorrected and type(packed.inner) is TritonQuantLinear
+    x = torch.randn(5, 64, device=device)
+    assert relative_error(packed.matmul(x, None), x @ weight.dequantize().T) < 1e-3
+    token_ids = torch.tensor([[0, 47], [5, 5]], device=device)
+    assert torch.equal(packed.rows(token_ids, torch.float32), weight.dequantize()[token_ids])

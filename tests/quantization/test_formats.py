@@ -1,6 +1,7 @@
 """Checkpoint formats read into QuantizedWeight, measured against the producing library's own decompression
 (compressed-tensors) or a plain unpacking of the documented layout written here (GPTQ, AWQ), bit for bit."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -388,6 +389,17 @@ def test_cat_rows_joins_projections_each_with_its_scales():
         cat_rows(parts)
     with pytest.raises(ValueError, match="quantized differently"):
         cat_rows([parts[0], quantize_weight(_weight(), 8)])
+
+
+def test_cat_rows_joins_groups_of_different_sizes_widths_zeros_and_minimums_exactly():
+    """A GGUF layer's Q4_K q (int4 over zero points, a minimum per 32) beside its Q6_K v (int8, a scale per 16)."""
+    q = quantize_weight(_weight(), 4, group_size=32)
+    q = replace(q, zeros=torch.full_like(q.scales, -8.0), minimums=torch.randn_like(q.scales))
+    v = quantize_weight(_weight(), 8, group_size=16)
+    joined = cat_rows([q, v])
+    assert (joined.bits, joined.group_size) == (8, 16)
+    assert torch.equal(joined.dequantize(), torch.cat([q.dequantize(), v.dequantize()]))
+    assert torch.equal(joined.columns(64, 64, 2).dequantize(), joined.dequantize()[:, 64:])
 
 
 # --- whole checkpoints --------------------------------------------------------------------------------------

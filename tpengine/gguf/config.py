@@ -47,7 +47,8 @@ ARCHITECTURES = {
 }
 
 # the tensor types that run from their own form (gguf/tensors.py reads each); any other is a ValueError
-RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q6_K", "IQ4_NL", "IQ4_XS")
+RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_NL", "IQ4_XS")
 
 # config.json key -> the metadata key that gives it, after "{arch}."; every one required
 _REQUIRED = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",

@@ -1,10 +1,13 @@
 """A GGUF checkpoint's tensors under the Hugging Face checkpoint's names, each in the form it runs from.
 
-F32, F16 and BF16 are float tensors. Q8_0 and Q4_0 map exactly onto a QuantizedWeight: each block of 32 input
-features is one group with its float16 scale; Q8_0's values are int8, Q4_0's are 4-bit values less 8 (its
-w = d * (q - 8) is our symmetric int4 form). Q5_0 (5-bit values less 16, a scale per 32) and Q6_K (6-bit values
-less 32, a scale per 16: the super-block's times the group's), IQ4_NL and IQ4_XS (4-bit codes for 16 int8 levels,
-a scale per 32) run as int8 values with those scales, as exactly.
+F32, F16 and BF16 are float tensors. Every block type maps exactly onto a QuantizedWeight, a block (or a K-quant
+super-block's sub-block) one group of input features with its float32 scale, gguf.quants.dequantize's values bit for
+bit: Q8_0 as int8 and Q4_0 as int4 values less 8 (its w = d * (q - 8) is our symmetric int4 form), a scale per 32;
+Q5_0 (5-bit values less 16) and IQ4_NL and IQ4_XS (4-bit codes for 16 int8 levels) as int8, a scale per 32; Q6_K (6-bit
+values less 32) as int8 and Q3_K (signed 3-bit values) as int4, a scale per 16 (the super-block's times the group's).
+The types with a minimum, w = d * q - m, keep it as QuantizedWeight.minimums, a float per group: Q4_1 (as int4 values
+less 8 over zero points -8) and Q5_1 (as int8) per 32; Q4_K (as Q4_1) and Q5_K (as int8) per 32, scale and minimum the
+super-block's d and dmin times the group's 6-bit ones; Q2_K (2-bit values as int4) per 16, times 4-bit ones.
 Every other type is a ValueError naming it and the tensor: it runs from no kernel of ours yet, and is never quietly
 dequantized to float.
 
@@ -30,7 +33,7 @@ _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
 # a mixture of experts' projections, every expert's stacked in one [experts, out, in] tensor
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-GROUP = 32  # input features per Q8_0 and Q4_0 block
+GROUP = 32  # input features per block of the 32-value types (Q8_0, Q4_0, ...) and group of most
 # llama 3's rope scaling as per-frequency factors: config.py reads it as the config's rope_scaling, no weight holds it
 ROPE_ONLY = ("rope_freqs.weight",)
 
@@ -59,38 +62,141 @@ def unpermute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.reshape(num_heads, pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _blocks(data: np.ndarray, block_bytes: int) -> tuple[torch.Tensor, np.ndarray]:
+def _blocks(data: np.ndarray, block_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     """(float32 scales [out, blocks], each block's value bytes [out, blocks, block_bytes - 2]) of a block type
     whose blocks start with a float16 scale."""
     blocks = data.reshape(data.shape[0], -1, block_bytes)
-    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
-    return torch.from_numpy(scales), blocks[..., 2:]
+    return _f16(blocks, 0), blocks[..., 2:]
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """float32 [out, blocks]: the float16 each block holds at byte start."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """A run of bytes' values, low nibbles first (byte j: value j low, value j + len high), as in every 4-bit type."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _bit_fields(packed: np.ndarray, bits: int) -> np.ndarray:
+    """[..., 8 // bits * n]: a run of n bytes' values of `bits` bits, the lowest bits of every byte first (2-bit and
+    1-bit planes of the K-quants)."""
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)[:, None]
+    return ((packed[..., None, :] >> shifts) & ((1 << bits) - 1)).reshape(*packed.shape[:-1], -1)
+
+
+def _weight(values: np.ndarray, scales, group_size: int = GROUP, bits: int = 8, minimums=None,
+            shift: int = 0) -> QuantizedWeight:
+    """A QuantizedWeight of values [out, ...] (bits: the width they fit signed, after less shift) and float32 scales
+    and minimums [out, ...]; shift stored as zeros -shift, so (q - shift) - (-shift) gives back q exactly."""
+    out = values.shape[0]
+    as_tensor = lambda t: None if t is None else \
+        torch.from_numpy(np.ascontiguousarray(t).reshape(out, -1))  # noqa: E731
+    scales = as_tensor(scales)
+    qweight = torch.from_numpy((values.astype(np.int16) - shift).astype(np.int8).reshape(out, -1))
+    return QuantizedWeight(bits=bits, qweight=qweight, scales=scales,
+                           zeros=torch.full_like(scales, -float(shift)) if shift else None, group_size=group_size,
+                           minimums=as_tensor(minimums))
 
 
 def _q8_0(data: np.ndarray) -> QuantizedWeight:
     scales, values = _blocks(data, 2 + GROUP)
-    qweight = torch.from_numpy(np.ascontiguousarray(values).view(np.int8).reshape(data.shape[0], -1))
-    return QuantizedWeight(bits=8, qweight=qweight, scales=scales, zeros=None, group_size=GROUP)
+    return _weight(np.ascontiguousarray(values).view(np.int8), scales)
 
 
 def _q4_0(data: np.ndarray) -> QuantizedWeight:
     scales, packed = _blocks(data, 2 + GROUP // 2)
-    # byte j of a block holds value j in its low nibble and value j + 16 in its high one
-    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int8) - 8
-    return QuantizedWeight(bits=4, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
-                           zeros=None, group_size=GROUP)
+    return _weight(_nibbles(packed).astype(np.int8) - 8, scales, bits=4)
+
+
+def _q4_1(data: np.ndarray) -> QuantizedWeight:
+    """A block: float16 scale d, float16 minimum m, 16 bytes of nibbles; w = d * q + m. 4-bit values less 8 over zero
+    points -8, minimums -m."""
+    scales, rest = _blocks(data, 2 + 2 + GROUP // 2)
+    return _weight(_nibbles(rest[..., 2:]), scales, bits=4, minimums=-_f16(rest, 0), shift=8)
+
+
+def _five_bits(rest: np.ndarray) -> np.ndarray:
+    """Values 0..31 of a Q5 block's 32 high bits (little-endian) and 16 bytes of low nibbles: value j (< 16) is byte
+    j's low nibble with high bit j, value j + 16 its high nibble with high bit j + 16."""
+    high_bits = np.ascontiguousarray(rest[..., :4]).view("<u4")  # [out, blocks, 1]
+    bits = ((high_bits >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    return _nibbles(rest[..., 4:]) | bits
 
 
 def _q5_0(data: np.ndarray) -> QuantizedWeight:
-    """A block: float16 scale, 32 high bits (little-endian), 16 bytes of low nibbles; value j (< 16) is byte j's low
-    nibble with high bit j, value j + 16 its high nibble with high bit j + 16; values less 16."""
+    """A block: float16 scale, then _five_bits' 20 bytes; values less 16."""
     scales, rest = _blocks(data, 2 + 4 + GROUP // 2)
-    high_bits = np.ascontiguousarray(rest[..., :4]).view("<u4")  # [out, blocks, 1]
-    bits = ((high_bits >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    low = np.concatenate([rest[..., 4:] & 0x0F, rest[..., 4:] >> 4], axis=-1)
-    values = (low | bits).astype(np.int8) - 16
-    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
-                           zeros=None, group_size=GROUP)
+    return _weight(_five_bits(rest).astype(np.int8) - 16, scales)
+
+
+def _q5_1(data: np.ndarray) -> QuantizedWeight:
+    """A block: float16 scale d, float16 minimum m, then _five_bits' 20 bytes; w = d * q + m. Values 0..31 as int8,
+    minimums -m."""
+    scales, rest = _blocks(data, 2 + 2 + 4 + GROUP // 2)
+    return _weight(_five_bits(rest[..., 2:]), scales, minimums=-_f16(rest, 0))
+
+
+def _k_blocks(data: np.ndarray, kind: str) -> np.ndarray:
+    return data.reshape(data.shape[0], -1, K_BLOCK_BYTES[kind])
+
+
+def _k_scales_minimums(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ([out, blocks, 8] scales, minimums) of a Q4_K/Q5_K super-block: float16 d and dmin, then 12 bytes of
+    eight 6-bit scales and eight 6-bit minimums (llama.cpp's get_scale_min_k4: bytes 0-3 hold scales 0-3 and the top
+    bits of 4-7, bytes 4-7 minimums 0-3 and the top bits of 4-7, bytes 8-11 the low nibbles of 4-7); each the
+    product with d or dmin, rounded once in float32 as llama.cpp rounds it."""
+    d, m, low = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    scales = np.concatenate([d & 0x3F, (low & 0x0F) | ((d >> 2) & 0x30)], axis=-1).astype(np.float32)
+    minimums = np.concatenate([m & 0x3F, (low >> 4) | ((m >> 2) & 0x30)], axis=-1).astype(np.float32)
+    return _f16(blocks, 0)[..., None] * scales, _f16(blocks, 2)[..., None] * minimums
+
+
+def _q4_k(data: np.ndarray) -> QuantizedWeight:
+    """A super-block of 256: d, dmin, 6-bit scales and minimums (_k_scales_minimums), 128 bytes of nibbles, each 32
+    bytes two groups of 32 (low nibbles, then high); w = d * sc * q - dmin * m per 32. 4-bit values less 8 over zero
+    points -8, a scale and a minimum per 32."""
+    blocks = _k_blocks(data, "Q4_K")
+    scales, minimums = _k_scales_minimums(blocks)
+    values = _nibbles(blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32))
+    return _weight(values, scales, bits=4, minimums=minimums, shift=8)
+
+
+def _q5_k(data: np.ndarray) -> QuantizedWeight:
+    """Q4_K's super-block with 32 bytes of high bits before the nibbles: group g's value l takes bit g of byte l.
+    Values 0..31 as int8, a scale and a minimum per 32."""
+    blocks = _k_blocks(data, "Q5_K")
+    scales, minimums = _k_scales_minimums(blocks)
+    low = _nibbles(blocks[..., 48:].reshape(*blocks.shape[:2], 4, 32)).reshape(*blocks.shape[:2], 8, 32)
+    high = _bit_fields(blocks[..., 16:48], 1).reshape(low.shape)
+    return _weight(low | high << 4, scales, minimums=minimums)
+
+
+def _q2_k(data: np.ndarray) -> QuantizedWeight:
+    """A super-block of 256: 16 bytes of 4-bit scales (low) and minimums (high), one each per 16 values, 64 bytes
+    of 2-bit values (each half of 128 takes 32 bytes, lowest bits first), float16 d and dmin; w = d * sc * q -
+    dmin * m. Values 0..3 as int4, a scale and a minimum per 16."""
+    blocks = _k_blocks(data, "Q2_K")
+    scales = _f16(blocks, 80)[..., None] * (blocks[..., :16] & 0x0F).astype(np.float32)
+    minimums = _f16(blocks, 82)[..., None] * (blocks[..., :16] >> 4).astype(np.float32)
+    values = _bit_fields(blocks[..., 16:80].reshape(*blocks.shape[:2], 2, 32), 2)
+    return _weight(values, scales, group_size=16, bits=4, minimums=minimums)
+
+
+def _q3_k(data: np.ndarray) -> QuantizedWeight:
+    """A super-block of 256: 32 bytes of high bits (value 32 i + l: bit i of byte l), 64 bytes of 2-bit low values
+    (as Q2_K's), 12 bytes of sixteen 6-bit scales (low nibbles in bytes 0-7, low then high; top bit pairs in bytes
+    8-11, lowest first), less 32, a float16 d. A value is its low bits less 4 where its high bit is unset. Values
+    -4..3 as int4, a scale per 16 (d times the group's, exact)."""
+    blocks = _k_blocks(data, "Q3_K")
+    low_scales = _nibbles(blocks[..., 96:104])
+    high_scales = _bit_fields(blocks[..., 104:108], 2)
+    group_scales = ((low_scales | high_scales << 4).astype(np.int8) - 32).astype(np.float32)
+    low = _bit_fields(blocks[..., 32:96].reshape(*blocks.shape[:2], 2, 32), 2).reshape(*blocks.shape[:2], 256)
+    high = _bit_fields(blocks[..., :32], 1)
+    values = low.astype(np.int8) - ((high ^ 1) << 2).astype(np.int8)
+    return _weight(values, _f16(blocks, 108)[..., None] * group_scales, group_size=16, bits=4)
 
 
 def _q6_k(data: np.ndarray) -> QuantizedWeight:
@@ -98,10 +204,9 @@ def _q6_k(data: np.ndarray) -> QuantizedWeight:
     float16 scale. Each half of 128 values takes 64 low-nibble bytes and 32 high-bit bytes: its quarters q read
     low (q even) or high (q odd) nibbles of bytes q // 2 * 32 + l, and bit pair q of high byte l; values less 32.
     Exact as 6-bit values with a scale per 16 (the super-block's times the group's)."""
-    blocks = data.reshape(data.shape[0], -1, K_BLOCK_BYTES["Q6_K"])
+    blocks = _k_blocks(data, "Q6_K")
     low, high = blocks[..., :128], blocks[..., 128:192]
     group_scales = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
-    block_scales = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).astype(np.float32)
     halves = []
     for h in range(2):
         lows, highs = low[..., 64 * h:64 * h + 64], high[..., 32 * h:32 * h + 32]
@@ -110,9 +215,7 @@ def _q6_k(data: np.ndarray) -> QuantizedWeight:
             nibbles = nibbles >> 4 if quarter >= 2 else nibbles & 0x0F
             halves.append(nibbles | ((highs >> (2 * quarter)) & 3) << 4)
     values = np.concatenate(halves, axis=-1).astype(np.int8) - 32
-    scales = (block_scales * group_scales).reshape(data.shape[0], -1)  # both exact in float32
-    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)),
-                           scales=torch.from_numpy(scales), zeros=None, group_size=16)
+    return _weight(values, _f16(blocks, 208)[..., None] * group_scales, group_size=16)  # both exact in float32
 
 
 # IQ4's 16 levels (llama.cpp's kvalues_iq4nl): a 4-bit code stands for one of these int8 values
@@ -123,26 +226,21 @@ def _iq4_nl(data: np.ndarray) -> QuantizedWeight:
     """Q4_0's layout (a float16 scale, 16 bytes of codes, low nibbles first) with each code read through IQ4_LEVELS:
     int8 values, a scale per 32."""
     scales, packed = _blocks(data, 2 + GROUP // 2)
-    values = IQ4_LEVELS[np.concatenate([packed & 0x0F, packed >> 4], axis=-1)]
-    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)), scales=scales,
-                           zeros=None, group_size=GROUP)
+    return _weight(IQ4_LEVELS[_nibbles(packed)], scales)
 
 
 def _iq4_xs(data: np.ndarray) -> QuantizedWeight:
     """A super-block of 256: a float16 scale, 16 high and 4 bytes of low scale bits (a 6-bit scale, less 32, per
     32 values), 128 bytes of IQ4 codes laid out as IQ4_NL's per 32. int8 values, a scale per 32 (the product of
     the two, exact in float32)."""
-    blocks = data.reshape(data.shape[0], -1, K_BLOCK_BYTES["IQ4_XS"])
-    block_scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)
+    blocks = _k_blocks(data, "IQ4_XS")
     high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2").astype(np.int32)  # [out, blocks, 1]
     low = blocks[..., 4:8].astype(np.int32)
     sub = np.arange(8)
     group_scales = ((low[..., sub // 2] >> (4 * (sub % 2))) & 0x0F) | (((high >> (2 * sub)) & 3) << 4)
-    scales = block_scales * (group_scales - 32).astype(np.float32)
+    scales = _f16(blocks, 0)[..., None] * (group_scales - 32).astype(np.float32)
     codes = blocks[..., 8:].reshape(*blocks.shape[:2], 8, 16)
-    values = IQ4_LEVELS[np.concatenate([codes & 0x0F, codes >> 4], axis=-1)]
-    return QuantizedWeight(bits=8, qweight=torch.from_numpy(values.reshape(data.shape[0], -1)),
-                           scales=torch.from_numpy(scales.reshape(data.shape[0], -1)), zeros=None, group_size=GROUP)
+    return _weight(IQ4_LEVELS[_nibbles(codes)], scales)
 
 
 def _float(data: np.ndarray) -> torch.Tensor:
@@ -153,9 +251,11 @@ def _bf16(data: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
 
 
-_READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q5_0": _q5_0,
-            "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
-K_BLOCK_BYTES = {"Q6_K": 210, "IQ4_XS": 136}  # bytes of one super-block of 256 values
+_READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1,
+            "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+# bytes of one super-block of 256 values
+K_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 assert tuple(_READERS) == RUNNABLE_TYPES
 
 

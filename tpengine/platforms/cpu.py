@@ -20,7 +20,7 @@ from tpengine.kernels.cpu import fused_ops
 from tpengine.kernels.cpu import lora as lora_kernel
 from tpengine.kernels.cpu import quant_linear as quant_kernel
 from tpengine.platforms import cpu_dtype, torch_ops
-from tpengine.platforms.packed import PackedWeight, packed_linear
+from tpengine.platforms.packed import MinimumCorrected, PackedWeight, packed_linear, with_minimums
 from tpengine.platforms.packed import embedding_rows  # noqa: F401 (the Platform's: each form gathers its own rows)
 
 logger = logging.getLogger("tpengine")
@@ -230,15 +230,16 @@ class QuantizedLinear(NamedTuple):
         return quant_kernel.dequantize_rows(self.packed, token_ids.flatten()).view(*token_ids.shape, -1).to(dtype)
 
 
-def pack_quantized_weight(quantized, dtype: torch.dtype) -> QuantizedLinear | torch_ops.DequantizedWeight:
+def pack_quantized_weight(quantized, dtype: torch.dtype
+                          ) -> QuantizedLinear | MinimumCorrected | torch_ops.DequantizedWeight:
     """A QuantizedWeight as linear() multiplies it: packed for the C++ linear where it is built and takes the
-    weight, else its float value."""
+    weight (its minimums, if any, subtracted around it: packed.py's MinimumCorrected), else its float value."""
     if dtype in (torch.float32, torch.bfloat16) and quant_kernel.available():
         contiguous, input_order = quantized.with_contiguous_groups()
         try:
-            return QuantizedLinear(quant_kernel.pack(contiguous.qweight, contiguous.scales, contiguous.zeros,
-                                                     contiguous.bits, contiguous.group_size, contiguous.activation),
-                                   input_order)
+            return with_minimums(quantized, QuantizedLinear(quant_kernel.pack(
+                contiguous.qweight, contiguous.scales, contiguous.zeros, contiguous.bits, contiguous.group_size,
+                contiguous.activation), input_order))
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)

@@ -13,7 +13,7 @@ import torch
 
 from tpengine.platforms import cuda_fp8, torch_ops
 from tpengine.platforms.packed import embedding_rows, linear  # noqa: F401 (the Platform's: each form multiplies itself)
-from tpengine.platforms.packed import packed_linear
+from tpengine.platforms.packed import packed_linear, with_minimums
 from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation
 
 logger = logging.getLogger("tpengine")
@@ -158,13 +158,14 @@ ONLINE_QUANTIZATION_ACTIVATION = "float"
 
 def pack_quantized_weight(quantized, dtype: torch.dtype):
     """A QuantizedWeight as linear() multiplies it: packed for Triton's GEMM (cuda_quant.py) where it takes the
-    weight, an FP8 one for cuda_fp8.py's GEMMs, else its float value in dtype."""
+    weight (its minimums, if any, subtracted around it: packed.py's MinimumCorrected), an FP8 one for cuda_fp8.py's
+    GEMMs, else its float value in dtype."""
     if isinstance(quantized, Fp8Weight):
         return cuda_fp8.pack_fp8_weight(quantized, dtype, quantize_fp8_activation_compiled)
     if HAS_TRITON and dtype in (torch.float16, torch.bfloat16, torch.float32):
         from tpengine.platforms.cuda_quant import pack_quant_weight
         try:
-            return pack_quant_weight(quantized)
+            return with_minimums(quantized, pack_quant_weight(quantized))
         except ValueError as error:  # a group size or zero point the kernel does not take
             logger.warning("a quantized linear runs on its float weights: %s", error)
     return torch_ops.dequantized_weight(quantized, dtype)

@@ -5,8 +5,11 @@ Readers (compressed-tensors, GPTQ, AWQ, online quantization) turn a checkpoint's
 `rows` or `columns` and joins packed projections (q/k/v, gate/up) with `cat_rows`; a platform packs the
 result of `with_contiguous_groups` once, for its kernels.
 
-The value it stands for: w[o, i] = scales[o, g(i)] * (qweight[o, i] - zeros[o, g(i)]) (zeros 0 when None),
-with g(i) = group_index[i], or i // group_size when group_index is None.
+The value it stands for: w[o, i] = scales[o, g(i)] * (qweight[o, i] - zeros[o, g(i)]) - minimums[o, g(i)] (zeros and
+minimums 0 when None), with g(i) = group_index[i], or i // group_size when group_index is None. The float minimum per
+group is GGUF's (Q4_1, Q5_1 and the K-quants with a min: w = d * q - m); no kernel reads it: a platform packs the
+weight without it and subtracts each row's group sums of x times the minimums (platforms/packed.py's
+MinimumCorrected).
 """
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -27,6 +30,7 @@ class QuantizedWeight:
     group_size: int  # columns per group; `in` for one group per output channel
     group_index: torch.Tensor | None = None  # int64 [in]: column i's group, where groups are not runs (act order)
     activation: Activation = "float"
+    minimums: torch.Tensor | None = None  # float32 [out, num_groups], subtracted after scaling; None: 0
 
     def __post_init__(self):
         out_features, in_features = self.qweight.shape
@@ -34,6 +38,9 @@ class QuantizedWeight:
         assert self.scales.dtype == torch.float32 and self.scales.size(0) == out_features
         assert self.zeros is None or self.zeros.shape == self.scales.shape
         assert self.group_index is not None or self.scales.size(1) == -(-in_features // self.group_size)
+        # minimums come from GGUF files, whose groups are runs: act order with minimums is no form we read
+        assert self.minimums is None or (self.minimums.shape == self.scales.shape and self.group_index is None
+                                         and self.minimums.dtype == torch.float32)
 
     @property
     def shape(self) -> torch.Size:
@@ -42,7 +49,7 @@ class QuantizedWeight:
     def to(self, device: torch.device) -> "QuantizedWeight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, qweight=move(self.qweight), scales=move(self.scales), zeros=move(self.zeros),
-                       group_index=move(self.group_index))
+                       group_index=move(self.group_index), minimums=move(self.minimums))
 
     def column_groups(self) -> torch.Tensor:
         """int64 [in]: the group of each column."""
@@ -57,12 +64,16 @@ class QuantizedWeight:
         q = self.qweight.float()
         if self.zeros is not None:
             q = q - self.zeros[:, groups]
-        return (q * self.scales[:, groups]).to(dtype)
+        weight = q * self.scales[:, groups]
+        if self.minimums is not None:  # scaled first, then less the minimum: GGUF's d * q - m, rounded as there
+            weight = weight - self.minimums[:, groups]
+        return weight.to(dtype)
 
     def rows(self, start: int, length: int) -> "QuantizedWeight":
         """Output features start..start+length (a column-parallel shard): each row keeps its own scales."""
-        return replace(self, qweight=self.qweight.narrow(0, start, length), scales=self.scales.narrow(0, start, length),
-                       zeros=None if self.zeros is None else self.zeros.narrow(0, start, length))
+        narrow = lambda t: None if t is None else t.narrow(0, start, length)  # noqa: E731
+        return replace(self, qweight=narrow(self.qweight), scales=narrow(self.scales), zeros=narrow(self.zeros),
+                       minimums=narrow(self.minimums))
 
     def columns(self, start: int, length: int, num_shards: int) -> "QuantizedWeight":
         """Input features start..start+length, one of num_shards equal shards (a row-parallel shard). Groups in
@@ -70,15 +81,28 @@ class QuantizedWeight:
         if self.group_index is not None:  # act order: the shard keeps every group's scales, its columns their groups
             return replace(self, qweight=self.qweight.narrow(1, start, length),
                            group_index=self.group_index.narrow(0, start, length))
-        if self.scales.size(1) == 1:  # one group per output channel: every shard shares it
+        if self.scales.size(1) == 1:  # one group per output channel: every shard shares it (a minimum too: each
+            # shard subtracts it times its own columns' sum of x, and the shards' results are summed)
             return replace(self, qweight=self.qweight.narrow(1, start, length), group_size=length)
         if start % self.group_size or length % self.group_size:
             raise ValueError(f"tensor parallel size {num_shards} splits a quantization group: each rank takes "
                              f"{length} input features, not a multiple of the group size {self.group_size}")
         first, count = start // self.group_size, length // self.group_size
-        return replace(self, qweight=self.qweight.narrow(1, start, length),
-                       scales=self.scales.narrow(1, first, count),
-                       zeros=None if self.zeros is None else self.zeros.narrow(1, first, count))
+        narrow = lambda t: None if t is None else t.narrow(1, first, count)  # noqa: E731
+        return replace(self, qweight=self.qweight.narrow(1, start, length), scales=narrow(self.scales),
+                       zeros=narrow(self.zeros), minimums=narrow(self.minimums))
+
+    def regrouped(self, group_size: int) -> "QuantizedWeight":
+        """The same weight in groups of group_size columns, which divides this one's: each group's scale, zero and
+        minimum repeated over its smaller groups (exact). Groups in runs only."""
+        assert self.group_index is None and self.group_size % group_size == 0
+        if group_size == self.group_size:
+            return self
+        num_groups = -(-self.qweight.size(1) // group_size)  # a short last group may need fewer
+        repeat = lambda t: None if t is None else \
+            t.repeat_interleave(self.group_size // group_size, dim=1)[:, :num_groups].contiguous()  # noqa: E731
+        return replace(self, scales=repeat(self.scales), zeros=repeat(self.zeros), minimums=repeat(self.minimums),
+                       group_size=group_size)
 
     def with_contiguous_groups(self) -> tuple["QuantizedWeight", torch.Tensor | None]:
         """(this weight with every group one run of group_size columns, the input column each of its columns
@@ -114,24 +138,34 @@ class QuantizedWeight:
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """Packed projections (q/k/v, gate/up) as one weight, each part keeping its own scales. They must agree on
-    groups and activation; act-order parts must share one group_index (GPTQ quantizes them alike). Parts of 4 and
-    8 bits (a GGUF file's Q4_0 q beside its Q8_0 k and v) join as 8 bits: an int4 value is an int8 one, exactly."""
+    """Packed projections (q/k/v, gate/up) as one weight, each part keeping its own scales, all exactly. They must
+    agree on activation; act-order parts must share one group_index (GPTQ quantizes them alike). Groups in runs of
+    different sizes join in the smallest, where it divides the others (a GGUF file's Q4_K q, groups of 32, beside
+    its Q6_K v, groups of 16); parts of 4 and 8 bits join as 8 bits (an int4 value is an int8 one); a part without
+    zero points or minimums takes zeros beside one with them."""
     first = parts[0]
+    group_size = min(p.group_size for p in parts)
     for part in parts[1:]:
-        # symmetric values are signed at any width; with zero points a width is its own unsigned range
-        widths_join = part.bits == first.bits or first.zeros is None
-        if (part.group_size, part.activation, part.zeros is None) != \
-                (first.group_size, first.activation, first.zeros is None) or not widths_join:
+        regroups = first.group_index is None and part.group_index is None and \
+            all(p.group_size % group_size == 0 for p in parts)
+        if part.activation != first.activation or part.group_size != first.group_size and not regroups:
             raise ValueError("the packed projections of one layer are quantized differently: "
                              f"{(first.bits, first.group_size, first.activation)} and "
                              f"{(part.bits, part.group_size, part.activation)}")
         if (part.group_index is None) != (first.group_index is None) or (
                 part.group_index is not None and not torch.equal(part.group_index, first.group_index)):
             raise ValueError("the packed projections of one layer have different act-order group indices (g_idx)")
-    return replace(first, bits=max(p.bits for p in parts), qweight=torch.cat([p.qweight for p in parts]),
-                   scales=torch.cat([p.scales for p in parts]),
-                   zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts]))
+    if first.group_index is None:
+        parts = [p.regrouped(group_size) for p in parts]
+
+    def joined(name: str) -> torch.Tensor | None:
+        tensors = [getattr(p, name) for p in parts]
+        if all(t is None for t in tensors):
+            return None
+        return torch.cat([torch.zeros_like(p.scales) if t is None else t for p, t in zip(parts, tensors)])
+
+    return replace(parts[0], bits=max(p.bits for p in parts), qweight=torch.cat([p.qweight for p in parts]),
+                   scales=joined("scales"), zeros=joined("zeros"), minimums=joined("minimums"))
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
