@@ -54,8 +54,9 @@ def test_prompt_logprobs_equal_transformers_and_kept_blocks_spare_their_recomput
             computed.append(llm.prompt_tokens_total - before)
             check_against_reference(base, prompt, out.prompt_logprobs, 3)
             assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"
-        # the context's first block (K/V and logprobs) served the later continuations: only the rest ran
-        assert computed[1] == len(PROMPTS[1]) - 16 and computed[2] == len(PROMPTS[2]) - 16
+        # the context's two whole blocks (K/V and logprobs) served the later continuations but for their last token,
+        # whose row scores the first position after them: only it and the rest ran
+        assert computed[1] == len(PROMPTS[1]) - 31 and computed[2] == len(PROMPTS[2]) - 31
         assert llm.prompt_logprob_cache.num_hits > 0
         # with generation after the prompt, and a smaller k served from the kept top alternatives
         [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1),

@@ -210,7 +210,8 @@ class BlockManager:
             block_size = self.block_size
             # The last block is never looked up as a whole: prefill must compute at least one token
             # to get the logits that sample the next one.
-            num_full = seq.num_blocks - 1 if seq.reuse_limit is None else min(seq.num_blocks - 1, seq.reuse_limit)
+            limit = seq.reuse_limit  # tokens: a scored prompt's kept logprobs, less the row that scores the next
+            num_full = seq.num_blocks - 1 if limit is None else min(seq.num_blocks - 1, limit // block_size)
             hashes = self.block_hashes(seq, num_full)[:num_full]
             if self.sliding_window is None:
                 for i, h in enumerate(hashes):
@@ -222,8 +223,9 @@ class BlockManager:
                 block_ids = self._match_in_window(seq, hashes)
             parent = hashes[len(block_ids) - 1] if block_ids else chain_root(seq)
             start = len(block_ids) * block_size
-            head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
-            if head and seq.reuse_limit is None:  # a limited reuse ends at its whole blocks
+            end = min(start + block_size, seq.num_tokens - 1)
+            head = seq.token_ids[start:end if limit is None else min(end, limit)]
+            if head:
                 copy_src, num_copied = self.heads.longest_match(parent, head)
         num_cached_tokens = len(block_ids) * self.block_size + num_copied
         num_blocks = seq.num_blocks

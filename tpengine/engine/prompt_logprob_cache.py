@@ -17,15 +17,15 @@ class PromptLogprobCache:
         """Positions kept (the memory it holds: each a token's logprob and its top alternatives)."""
         return sum(len(entries) for entries in self.blocks.values())
 
-    def reusable_blocks(self, hashes: list[int]) -> int:
-        """How many of a prompt's whole blocks (by chain hash) it may take from the prefix cache: those with kept
-        entries but the last of them, which runs again so that its last row scores the first position after it."""
+    def kept_run(self, hashes: list[int]) -> int:
+        """How many of a prompt's first whole blocks (by chain hash) have kept entries. It may take their K/V from
+        the prefix cache but for their last token, which runs again so that its row scores the position after."""
         run = 0
         for h in hashes:
             if h not in self.blocks:
                 break
             run += 1
-        return max(run - 1, 0)
+        return run
 
     def entries(self, hashes: list[int], num_positions: int) -> list:
         """The kept entries of a prompt's first num_positions positions (its first blocks', by chain hash)."""

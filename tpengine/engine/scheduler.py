@@ -355,11 +355,10 @@ class Scheduler:
         if seq.sampling_params.prompt_logprobs is not None:
             num_full = seq.num_blocks - 1
             hashes = self.block_manager.block_hashes(seq, num_full)[:num_full]
-            seq.reuse_limit = self.prompt_logprobs.reusable_blocks(hashes)
+            run = self.prompt_logprobs.kept_run(hashes)
+            seq.reuse_limit = max(run * seq.block_size - 1, 0)  # tokens: the kept blocks' but the last one's row
             # taken now: an entry evicted before the step's logprobs come back would leave a hole
-            seq.kept_prompt_logprobs = self.prompt_logprobs.entries(hashes[:seq.reuse_limit + 1],
-                                                                    (seq.reuse_limit + 1) * seq.block_size) \
-                if seq.reuse_limit else []
+            seq.kept_prompt_logprobs = self.prompt_logprobs.entries(hashes[:run], run * seq.block_size) if run else []
         return True
 
     def _allocate(self, seq: Sequence, match: PrefixMatch) -> None:

@@ -56,7 +56,7 @@ class Sequence:
         self.num_released_blocks = 0      # its first blocks given back because no later token can see them
         self.num_prompt_cached_tokens = -1  # prefix-cache hit of the first allocation, for the user
         self.block_hashes: list[int] = []  # chain hashes of its full blocks, memoized by the BlockManager
-        # the most whole cached blocks it may reuse (None: any), and their kept prompt logprobs
+        # the most prompt tokens whose cached K/V it may reuse (None: any), and their kept prompt logprobs
         self.reuse_limit, self.kept_prompt_logprobs = None, []
         self.long_rope = False  # its K/V computed with LongRoPE's long factors (its chain has its own root)
         self.on_workers = False             # every rank holds its block table (sent when it was scheduled)
