@@ -225,7 +225,7 @@ constexpr int64_t kMinRunKeys = 64;
 template <typename scalar_t>
 void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, int64_t window,
-                   float softcap, const float* sink_ptr) {
+                   float softcap, const float* sink_ptr, int64_t max_splits) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
@@ -263,8 +263,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   const int64_t num_threads = at::get_num_threads();
   const int64_t longest = batch ? *std::max_element(lens, lens + batch) : 0;
   // runs of at least kMinRunKeys: a shorter one costs more in starting threads than it saves
-  const int64_t num_splits = batch >= num_threads ? 1 : std::clamp<int64_t>(longest / kMinRunKeys, 1,
-                                                                           (num_threads + batch - 1) / batch);
+  // max_splits 1: each sequence one run, whatever the batch (batch-invariant results)
+  const int64_t most_splits = max_splits > 0 ? max_splits : (num_threads + batch - 1) / batch;
+  const int64_t num_splits = batch >= num_threads ? 1 : std::clamp<int64_t>(longest / kMinRunKeys, 1, most_splits);
   std::vector<float> part_max, part_sum, part_acc;  // per (sequence, run): each head's max, sum and sums of V
   if (num_splits > 1) {
     part_max.resize(batch * num_splits * num_heads);
@@ -356,7 +357,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window, double softcap,
-                            const c10::optional<at::Tensor>& sinks) {
+                            const c10::optional<at::Tensor>& sinks, int64_t max_splits) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [batch, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
@@ -372,6 +373,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "one block table and context length per sequence");
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(max_splits >= 0, "max_splits must be >= 0 (0: as many runs as help)");
   const float* sink_ptr = nullptr;
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == q.size(1),
@@ -380,7 +382,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale),
-                            window, static_cast<float>(softcap), sink_ptr);
+                            window, static_cast<float>(softcap), sink_ptr, max_splits);
   });
 }
 
@@ -388,7 +390,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(tpengine_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale, int window, float softcap, Tensor? sinks) -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, int window, float softcap, Tensor? sinks, "
+        "int max_splits=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tpengine_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

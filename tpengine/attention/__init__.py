@@ -74,12 +74,12 @@ def cpu_kernel_problem(device: torch.device, kv_cache_dtype: torch.dtype | None 
 
 
 def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None,
-                         kv_cache_dtype: torch.dtype | None = None) -> str:
+                         kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> str:
     """The backend that `name` means here; ValueError when it cannot run. kv_cache_dtype: None or the model's
-    dtype for a cache of the model's dtype."""
+    dtype for a cache of the model's dtype; batch_invariant: auto never picks flash-attn (make_backend)."""
     if name == "auto":
         if device.type == "cuda":
-            if flash_attn_problem(device, block_size, dtype) is None:
+            if flash_attn_problem(device, block_size, dtype) is None and not batch_invariant:
                 if not is_fp8(kv_cache_dtype):
                     return "flash_attn"
                 logger.info("attention backend 'triton', not 'flash_attn': flash-attn 2 has no FP8 KV cache")
@@ -112,7 +112,17 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
     return name
 
 
-def make_backend(name: str) -> AttentionBackend:
+def make_backend(name: str, batch_invariant: bool = False) -> AttentionBackend:
+    """The named backend; batch_invariant: every token through its decode kernel, unsplit (batch_invariant.py)."""
+    if batch_invariant:
+        if name == "flash_attn":
+            raise ValueError("batch_invariant needs the triton attention backend on CUDA: flash-attn picks its "
+                             "key splits by the batch")
+        from tpengine.attention.batch_invariant import BatchInvariantAttention
+        if name == "cpu":
+            from tpengine.attention.cpu_backend import CpuAttentionBackend
+            return BatchInvariantAttention(CpuAttentionBackend(split_keys=False))
+        return BatchInvariantAttention(make_backend(name))
     if name == "torch":
         from tpengine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
+from tpengine.layers.batch_invariant import model_linear
 from tpengine.layers.load_state import (Loaded, attach, check_weight_shape, keep_quantized, load_state,
                                         packed_as_loaded)
 from tpengine.platforms import current_platform
@@ -90,7 +91,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__(num_embeddings, embedding_dim)
-        self.linear = current_platform().linear
+        self.linear = model_linear(current_platform().linear)
         self.packed_weight = None
 
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:

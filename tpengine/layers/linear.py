@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
+from tpengine.layers.batch_invariant import model_linear
 from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized, packed_as_loaded
 from tpengine.platforms import current_platform
 from tpengine.quantization.fp8 import Fp8Weight
@@ -67,7 +68,7 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         platform = current_platform()
-        self.pack_linear_weight, self.linear = platform.pack_linear_weight, platform.linear
+        self.pack_linear_weight, self.linear = platform.pack_linear_weight, model_linear(platform.linear)
         self.pack_quantized_weight = platform.pack_quantized_weight
         self.packed_weight = None
         self.lora = None  # the layer's LoRA adapter slots (layers/lora.py), when the engine serves adapters

@@ -10,6 +10,7 @@ from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope
 from tpengine.distributed.parallel_state import PipelineGroup, TensorParallelGroup, building_model_for
 from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
+from tpengine.layers.batch_invariant import building_batch_invariant
 from tpengine.models.loader import load_and_prepack
 from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
@@ -55,7 +56,7 @@ class ModelRunner:
         # the cache's element: 1 byte for FP8, so the same memory holds 2x the tokens of a half-precision cache
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.backend_name = self._attention_backend_name()
-        self.attention_backend = make_backend(self.backend_name)
+        self.attention_backend = make_backend(self.backend_name, config.batch_invariant)
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.lora = self._lora_adapters()
         # embedding requests' vectors are made on rank 0 (each tensor-parallel rank holds whole hidden states)
@@ -86,7 +87,7 @@ class ModelRunner:
 
     def _attention_backend_name(self) -> str:
         name = resolve_backend_name(self.config.attention_backend, self.device, self.block_size, self.dtype,
-                                    self.kv_cache_dtype)
+                                    self.kv_cache_dtype, self.config.batch_invariant)
         if self.rank == 0:
             logger.info("attention backend: %s on %s (%s, KV cache %s)", name, self.device, self.dtype,
                         str(self.kv_cache_dtype).removeprefix("torch."))
@@ -103,7 +104,8 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        return Drafter(self.load(spec.model, load_hf_config(spec.model), make_backend(self.backend_name)), self.group)
+        backend = make_backend(self.backend_name, self.config.batch_invariant)
+        return Drafter(self.load(spec.model, load_hf_config(spec.model), backend), self.group)
 
     def _lora_adapters(self) -> LoRAAdapters | None:
         """The model's LoRA slots, with a row buffer for any step: its tokens, a decode batch's verify queries and
@@ -129,7 +131,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), building_model_for(self.group, self.stage):
+            with torch.device(self.device), building_model_for(self.group, self.stage), \
+                    building_batch_invariant(self.config.batch_invariant):
                 model = model_class(hf_config)(hf_config, attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)

@@ -1,0 +1,93 @@
+"""batch_invariant=True: one request's tokens, logprobs and prompt logprobs are the same bits alone and in 30
+random batch mixes (other prompts of random lengths, before and after it in the batch, some sharing its prefix so
+it hits the prefix cache, chunked prefill cutting its prompt at different places), on the CPU kernels (float32,
+bfloat16 weights, int8), through the torch backend, and at tp 2; the settings it does not cover are ValueErrors.
+(Without it the same mixes change the logprobs' low bits: the matmuls' and attention's sums follow the batch.)"""
+import random
+
+import pytest
+
+from tests.conftest import TP_MODEL
+from tpengine import LLM, SamplingParams
+from tpengine.tiny_model import write_tiny_model
+
+SETTINGS = dict(max_model_len=512, kvcache_block_size=16, max_num_batched_tokens=64, batch_invariant=True)
+TARGET = [(7 * i + 3) % 900 + 10 for i in range(203)]  # several chunks, a partial last block
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprobs=3, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, logprobs=2, ignore_eos=True)
+
+
+def mixes(count: int, seed: int, target=TARGET, longest: int = 150, most: int = 8):
+    """(other prompts, the target's index among them) for count random batches of up to most others."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(count):
+        others = [[rng.randrange(10, 1000) for _ in range(rng.randrange(1, longest))]
+                  for _ in range(rng.randrange(0, most + 1))]
+        if rng.random() < 0.4:  # a prompt sharing the target's first blocks: the target may hit them in the cache
+            others.append(target[:rng.randrange(16, len(target))] + [rng.randrange(10, 1000)])
+        batches.append((others, rng.randrange(len(others) + 1)))
+    return batches
+
+
+def target_result(llm: LLM, others: list[list[int]], index: int, params: SamplingParams, target=TARGET):
+    prompts = others[:index] + [target] + others[index:]
+    output = llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * index + [params]
+                          + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * (len(others) - index),
+                          use_tqdm=False)[index]
+    completion = output.outputs[0]
+    return completion.token_ids, completion.logprobs, completion.cumulative_logprob, output.prompt_logprobs
+
+
+def assert_invariant(llm: LLM, params: SamplingParams, num_mixes: int, seed: int, target=TARGET,
+                     **mix_sizes) -> None:
+    alone = target_result(llm, [], 0, params, target)
+    assert len(alone[0]) == params.max_tokens
+    for mix, (others, index) in enumerate(mixes(num_mixes, seed, target, **mix_sizes)):
+        assert target_result(llm, others, index, params, target) == alone, \
+            f"mix {mix}: {len(others)} others, row {index}"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return write_tiny_model(str(tmp_path_factory.mktemp("batch_invariant")), seed=12, **TP_MODEL)
+
+
+def test_a_request_is_the_same_bits_alone_and_in_30_random_batch_mixes(model):
+    with LLM(model, dtype="float32", **SETTINGS) as llm:
+        assert_invariant(llm, GREEDY, 30, seed=0)
+        assert_invariant(llm, SAMPLED, 8, seed=1)  # a seeded sampled request draws from the same bits
+
+
+@pytest.mark.parametrize("settings", [dict(dtype="bfloat16"), dict(dtype="float32", quantization="int8"),
+                                      dict(dtype="float32", attention_backend="torch", enforce_eager=True),
+                                      dict(dtype="float32", tensor_parallel_size=2)],
+                         ids=["bf16", "int8", "torch-eager", "tp2"])
+def test_every_cpu_path_is_batch_invariant(model, settings):
+    with LLM(model, **SETTINGS, **settings) as llm:
+        assert_invariant(llm, GREEDY, 6, seed=2)
+
+
+def test_the_triton_kernels_are_batch_invariant_in_the_interpreter(model):
+    """The CUDA path's attention (Triton's decode kernel, one program per row and head, no key splits), run by
+    Triton's interpreter: a short prompt, two mixes (the interpreter is slow)."""
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True)
+    with LLM(model, dtype="float32", attention_backend="triton", **SETTINGS) as llm:
+        assert_invariant(llm, params, 2, seed=3, target=TARGET[:40], longest=24, most=2)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(enable_lora=True), "batch_invariant does not cover LoRA"),
+])
+def test_what_batch_invariance_does_not_cover_is_a_value_error(model, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model, **SETTINGS, **settings)
+
+
+def test_a_mixture_of_experts_model_is_refused(tmp_path):
+    path = write_tiny_model(str(tmp_path / "moe"), architecture="Qwen3MoeForCausalLM", seed=3, vocab_size=300,
+                            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16)
+    with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts"):
+        LLM(path, **SETTINGS)
