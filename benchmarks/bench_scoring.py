@@ -47,13 +47,14 @@ def parse_args(argv=None):
     p.add_argument("--decode-context-len", type=int, default=256)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, help="KV-cache block size (default: the engine's)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch")
     p.add_argument("--warm-up-steps", type=int, default=3)
     p.add_argument("--repeat", type=int, default=3, help="rounds, the configurations' order rotating")
     add_json_flag(p)
     args = parse_with_quick(p, argv, dict(questions=2, choices=2, context_len=32, continuation_len=4,
                                           batch_sizes=[1, 4], decode_context_len=16, prefill_len=64,
-                                          max_num_batched_tokens=32, steps=3, warm_up_steps=1, repeat=1),
+                                          max_num_batched_tokens=32, block_size=16, steps=3, warm_up_steps=1, repeat=1),
                             "QUICK_MODEL")
     if min(args.questions, args.choices, args.context_len, args.continuation_len, args.steps, args.repeat,
            args.prefill_len, args.decode_context_len, *args.batch_sizes) < 1:
@@ -66,7 +67,8 @@ def engine(model: str, args, **settings):
     return LLM(model, dtype="float32", device="cpu", max_model_len=max(args.prefill_len, args.decode_context_len,
                                                                         args.context_len + args.continuation_len) + 64,
                max_num_seqs=max(max(args.batch_sizes), args.questions * args.choices),
-               max_num_batched_tokens=args.max_num_batched_tokens, **settings)
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               **({} if args.block_size is None else {"kvcache_block_size": args.block_size}), **settings)
 
 
 def questions(rng: random.Random, args, vocab: int) -> list[list[int]]:
