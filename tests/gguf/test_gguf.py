@@ -190,6 +190,30 @@ def test_rope_freqs_no_llama3_rope_gives_is_a_value_error(tmp_path):
         load_hf_config(path)
 
 
+# Phi-3: fused qkv_proj and gate_up_proj (pad inside the vocabulary: Phi3Config's 32000 is past it); Phi-4-mini:
+# 12 of 16 dimensions rotated, LongRoPE past a 32-token window, a tied head
+PHI3 = dict(architecture="Phi3ForCausalLM", num_hidden_layers=2, hidden_size=64, head_dim=16, pad_token_id=0,
+            tie_word_embeddings=False)
+PHI4_MINI = dict(PHI3, partial_rotary_factor=0.75, original_max_position_embeddings=32, tie_word_embeddings=True,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                                      short_factor=[1.0 + 0.25 * i for i in range(6)],
+                                      long_factor=[2.0 + 3.0 * i for i in range(6)]))
+
+
+@pytest.mark.parametrize("settings", [PHI3, PHI4_MINI], ids=["phi3", "phi4_mini"])
+def test_phi3_gguf_with_fused_qkv_and_gate_up_equals_transformers_at_tp_1_and_2(tmp_path, settings):
+    """llama.cpp keeps Phi-3's q/k/v (attn_qkv) and gate/up (ffn_up) fused; Phi-4-mini's LongRoPE factors are
+    tensors and its partial rotation the rope dimension count. transformers reads the config from the folder (its
+    GGUF config drops both, and takes Phi3Config's pad id 32000), the weights from the file."""
+    folder = write_tiny_model(str(tmp_path / "phi3"), seed=8, **settings)
+    path = write_gguf(folder, str(tmp_path / "phi3.gguf"), "Q8_0", types={"blk.0.attn_qkv.weight": "Q4_0",
+                                                                          "blk.1.ffn_up.weight": "Q5_1"})
+    prompts = random_prompts(3, [5, 48], 320)  # past the 32-token window: the long factors
+    expected = transformers_greedy(path, prompts, 8, config_folder=folder)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
 @pytest.mark.parametrize("settings", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
 def test_gemma_gguf_with_norms_stored_plus_one_equals_transformers_at_tp_1_and_2(tmp_path, settings):
     folder = _with_random_norms(write_tiny_model(str(tmp_path / "gemma"), seed=7, **settings))

@@ -42,12 +42,18 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    # Phi-4-mini rotates only part of each head: llama.cpp's Phi3MiniModel writes the rotated dimensions
+    partial = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+    writer.add_rope_dimension_count(int(head_dim * (partial or 1.0)))
     if config["model_type"] == "gemma2":  # as llama.cpp's Gemma2Model writes them
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if config["model_type"] in ("gemma2", "gemma3_text"):
         writer.add_sliding_window(config["sliding_window"])
+    if config["model_type"] == "phi3":  # as llama.cpp's Phi3MiniModel writes them (0: no window)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if _longrope(config) is not None:
+            writer.add_rope_scaling_orig_ctx_len(config["original_max_position_embeddings"])
     scaling = rope.get("full_attention", rope)
     if scaling.get("rope_type") == "linear":  # as llama.cpp's converters write it
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
@@ -57,6 +63,12 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _longrope(config: dict) -> dict | None:
+    """A Phi-3 config's LongRoPE parameters (transformers 5 writes rope_parameters, 4 rope_scaling), or None."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope if rope.get("rope_type", rope.get("type")) in ("longrope", "su") else None
 
 
 def llama3_rope_freqs(config: dict):
@@ -239,6 +251,11 @@ def write_gguf(folder: str, path: str, weight_type: str = "F32", arch: str | Non
     rope_freqs = llama3_rope_freqs(config) if arch == "llama" else None
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs, raw_dtype=GGMLQuantizationType.F32)
+    for kind in ("long", "short"):  # LongRoPE's factors, as llama.cpp's Phi3MiniModel writes them
+        factors = (_longrope(config) or {}).get(f"{kind}_factor")
+        if arch == "phi3" and factors is not None:
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(factors, dtype=np.float32),
+                              raw_dtype=GGMLQuantizationType.F32)
     described = ARCHITECTURES.get(arch, ARCHITECTURES["llama"])
     for name, weights in _gguf_tensors(load_file(os.path.join(folder, "model.safetensors")),
                                        layer_names(described)).items():

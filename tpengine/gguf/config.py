@@ -20,6 +20,8 @@ class GGUFArchitecture:
     norm_plus_one: bool = False  # the converter added 1 to every norm weight (Gemma's RMSNorm scales by 1 + w)
     wide_query_scale_layers: int | None = None  # the block count of the one size whose query scale is 1/sqrt(hidden
     # / heads), not 1/sqrt(head_dim), in llama.cpp's graph (Gemma's 27B); query_pre_attn_scalar is not in the file
+    # (config.json key, metadata key after "{arch}.") read where present and not 0 (llama.cpp's "none")
+    optional_keys: tuple[tuple[str, str], ...] = ()
 
 
 # Gemma's four norms a layer; llama.cpp names the pre-feedforward one ffn_norm, as other families' only second norm
@@ -44,7 +46,14 @@ ARCHITECTURES = {
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", keys=(
         ("sliding_window", "attention.sliding_window"),), layer_names=_GEMMA_NORMS, norm_plus_one=True,
         wide_query_scale_layers=62),
+    # Phi-3's fused q/k/v and gate/up stay fused (attn_qkv, and ffn_up holding gate then up); its 128k models'
+    # LongRoPE factors are tensors (rope_factors_long, rope_factors_short), read as the config's rope_scaling
+    "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", layer_names=(
+        ("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+        optional_keys=(("sliding_window", "attention.sliding_window"),)),
 }
+# rope factors a file holds as tensors: the config reads them, no layer loads them
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # the tensor types that run from their own form (gguf/tensors.py reads each); any other is a ValueError
 RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -199,12 +208,31 @@ def hf_config_dict(checkpoint) -> dict:
         config["query_pre_attn_scalar"] = _query_pre_attn_scalar(config, described)
     if described.bias_flags:
         config.update(attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
-    rope_scaling = _rope_scaling(metadata, arch, source)
-    if "rope_freqs.weight" in tensor_names:  # llama 3's rope scaling, stored as per-frequency factors
-        rope_scaling = _llama3_rope_scaling(checkpoint, arch, _head_dim(config))
-    if rope_scaling is not None:
-        config["rope_scaling"] = rope_scaling
+    config.update((key, metadata[f"{arch}.{gguf_key}"]) for key, gguf_key in described.optional_keys
+                  if metadata.get(f"{arch}.{gguf_key}"))
+    rotary_dims = metadata.get(f"{arch}.rope.dimension_count")
+    if described.model_type == "phi3" and rotary_dims and rotary_dims < _head_dim(config):  # Phi-4-mini's
+        config["partial_rotary_factor"] = rotary_dims / _head_dim(config)
+    config.update(_rope_config(checkpoint, arch, _head_dim(config)))
     return config
+
+
+def _rope_config(checkpoint, arch: str, head_dim: int) -> dict:
+    """The config.json keys of the file's rope scaling: rope_scaling from the metadata, llama 3's from its
+    rope_freqs tensor, LongRoPE's from its factor tensors (with their pre-training window)."""
+    tensor_names, source = set(checkpoint.tensors), checkpoint.path
+    rope_scaling = _rope_scaling(checkpoint.metadata, arch, source)
+    if "rope_freqs.weight" in tensor_names:  # llama 3's rope scaling, stored as per-frequency factors
+        rope_scaling = _llama3_rope_scaling(checkpoint, arch, head_dim)
+    if "rope_factors_long.weight" in tensor_names:
+        factors = {kind: np.asarray(checkpoint.tensors[f"rope_factors_{kind}.weight"].data, dtype=np.float32)
+                   .reshape(-1).tolist() for kind in ("long", "short") if f"rope_factors_{kind}.weight" in tensor_names}
+        if set(factors) != {"long", "short"}:
+            raise ValueError(f"{source}: the GGUF file holds rope_factors_long.weight but not rope_factors_short.weight")
+        original = _required(checkpoint.metadata, f"{arch}.rope.scaling.original_context_length", source)
+        return {"rope_scaling": {"rope_type": "longrope", "long_factor": factors["long"],
+                                 "short_factor": factors["short"]}, "original_max_position_embeddings": original}
+    return {} if rope_scaling is None else {"rope_scaling": rope_scaling}
 
 
 
@@ -217,11 +245,14 @@ def check_shapes(checkpoint, config) -> None:
     head_dim = config.head_dim or hidden // config.num_attention_heads
     q, kv, expert_inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, \
         config.moe_intermediate_size
+    _, described = gguf_architecture(checkpoint.metadata, checkpoint.path)
+    gate_up = dict(described.layer_names).get("ffn_up") == "mlp.gate_up_proj"  # Phi-3's: gate then up in one
     expected = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,),
                 "attn_norm": (hidden,), "ffn_norm": (hidden,), "post_attention_norm": (hidden,),
                 "post_ffw_norm": (hidden,), "attn_q_norm": (head_dim,), "attn_k_norm": (head_dim,),
                 "attn_q": (q, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, q),
-                "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter),
+                "attn_qkv": (q + 2 * kv, hidden), "ffn_gate": (inter, hidden),
+                "ffn_up": (2 * inter if gate_up else inter, hidden), "ffn_down": (hidden, inter),
                 "ffn_gate_inp": (experts, hidden), "ffn_gate_exps": (experts, expert_inter, hidden),
                 "ffn_up_exps": (experts, expert_inter, hidden), "ffn_down_exps": (experts, hidden, expert_inter)}
     for name, tensor in checkpoint.tensors.items():

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from tpengine.gguf.config import RUNNABLE_TYPES, check_type, gguf_architecture
+from tpengine.gguf.config import ROPE_TENSORS, RUNNABLE_TYPES, check_type, gguf_architecture
 from tpengine.gguf.files import GGUFCheckpoint
 from tpengine.quantization.weights import QuantizedWeight
 
@@ -34,8 +34,6 @@ _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k"
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 GROUP = 32  # input features per block of the 32-value types (Q8_0, Q4_0, ...) and group of most
-# llama 3's rope scaling as per-frequency factors: config.py reads it as the config's rope_scaling, no weight holds it
-ROPE_ONLY = ("rope_freqs.weight",)
 
 
 def layer_names(described) -> dict[str, str]:
@@ -275,7 +273,7 @@ def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, C
     heads["attn_k"] = checkpoint.metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
     layers = layer_names(described)
     for gguf_name, tensor in checkpoint.tensors.items():
-        if gguf_name in ROPE_ONLY:
+        if gguf_name in ROPE_TENSORS:  # the config reads them (config.py), no weight holds them
             continue
         match = _BLOCK.match(gguf_name)
         if match is not None and match[2] in _EXPERTS:
