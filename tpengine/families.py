@@ -132,9 +132,17 @@ assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
+# classifiers whose causal LM is not named by the rule: Gemma 3's text-only one, and its multimodal one (the text
+# model under text_config, as Gemma3ForConditionalGeneration reads it)
+CLASSIFIER_BASES = {"Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+                    "Gemma3ForSequenceClassification": "Gemma3ForConditionalGeneration"}
+
+
 def causal_architecture(architecture: str) -> str:
     """The causal LM a classifier architecture is built on (Qwen3ForSequenceClassification -> Qwen3ForCausalLM);
     any other architecture is its own."""
+    if architecture in CLASSIFIER_BASES:
+        return CLASSIFIER_BASES[architecture]
     if architecture.endswith(CLASSIFIER_SUFFIX):
         return architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
     return architecture

@@ -265,7 +265,9 @@ def _text_part(raw: dict, family: Family, source: str) -> HFConfig:
     own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
            "dtype": dtype if dtype is not None else config.dtype,
            "quantization_config": outer.get("quantization_config", config.quantization_config),
-           **{name: outer[name] for name in ("bos_token_id", "eos_token_id") if name in outer}}
+           **{name: outer[name] for name in ("bos_token_id", "eos_token_id", "classifier_from_token") if name in outer}}
+    if outer.get("id2label"):  # a classifier's labels are the outer config's
+        own["num_labels"] = len(outer["id2label"])
     for name, value in own.items():
         _checked(source, name, value, FIELD_KINDS[name])
     return replace(config, model_type=family.model_type, **own)

@@ -132,9 +132,10 @@ def cosine(a, b) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def write_tiny_classifier(path: str, num_labels: int = 1, seed: int = 0, **config_overrides) -> str:
-    """A tiny random Qwen3ForSequenceClassification checkpoint (a cross-encoder reranker's layout: the decoder and
-    a score head of num_labels, no LM head) with the byte tokenizer; returns path."""
+def write_tiny_classifier(path: str, num_labels: int = 1, seed: int = 0,
+                          architecture: str = "Qwen3ForSequenceClassification", **config_overrides) -> str:
+    """A tiny random *ForSequenceClassification checkpoint (a cross-encoder reranker's layout: the decoder and a
+    score head of num_labels, no LM head) with the byte tokenizer; returns path."""
     id2label = {str(i): f"LABEL_{i}" for i in range(num_labels)}
-    return write_tiny_base(path, architecture="Qwen3ForSequenceClassification", seed=seed, num_labels=num_labels,
+    return write_tiny_base(path, architecture=architecture, seed=seed, num_labels=num_labels,
                            id2label=id2label, label2id={v: int(k) for k, v in id2label.items()}, **config_overrides)

@@ -136,6 +136,47 @@ def test_an_embedding_model_scores_the_cosine_of_its_embeddings(checkpoints):
     np.testing.assert_allclose([o.outputs.score for o in pairwise], expected, atol=1e-5)
 
 
+# every family's classifier, as transformers names it (Phi-3's pad id inside the vocabulary)
+CLASSIFIERS = {"LlamaForSequenceClassification": {}, "Qwen2ForSequenceClassification": {},
+               "MistralForSequenceClassification": {}, "Phi3ForSequenceClassification": dict(pad_token_id=0),
+               "Gemma2ForSequenceClassification": {}, "Gemma3TextForSequenceClassification": {},
+               "Qwen3MoeForSequenceClassification": dict(num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32)}
+
+
+@pytest.mark.parametrize("architecture", list(CLASSIFIERS))
+def test_every_familys_sequence_classifier_scores_as_transformers(tmp_path, architecture):
+    path = write_tiny_classifier(str(tmp_path / "model"), seed=2, architecture=architecture,
+                                 **CLASSIFIERS[architecture])
+    with LLM(path, **CHUNKED) as llm:
+        outputs = llm.score(QUERY, DOCUMENTS[:2], use_tqdm=False)
+    for output in outputs:
+        expected = torch.sigmoid(hf_logits(path, output.prompt_token_ids)).item()
+        assert output.outputs.score == pytest.approx(expected, abs=1e-5)
+
+
+def test_gemma3s_image_text_classifier_scores_its_text_model_as_transformers(tmp_path):
+    """Gemma3ForSequenceClassification: the text model under text_config, the labels and score head outside it."""
+    from transformers import Gemma3Config, Gemma3ForSequenceClassification
+    from tpengine.tiny_model import write_byte_tokenizer
+    path = str(tmp_path / "gemma3")
+    write_byte_tokenizer(path)
+    config = Gemma3Config(text_config=dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14),
+                          mm_tokens_per_image=4, num_labels=1)
+    torch.manual_seed(0)
+    model = Gemma3ForSequenceClassification(config).float()
+    model.save_pretrained(path)
+    with LLM(path, **CHUNKED) as llm:
+        outputs = llm.score(QUERY, DOCUMENTS[:2], use_tqdm=False)
+    for output in outputs:
+        with torch.no_grad():
+            logit = model(input_ids=torch.tensor([output.prompt_token_ids])).logits[0, 0]
+        assert output.outputs.score == pytest.approx(torch.sigmoid(logit).item(), abs=1e-5)
+
+
 def test_a_classifier_token_the_tokenizer_lacks_is_a_value_error_before_any_worker(checkpoints):
     overrides = {**RERANKER, "classifier_from_token": ["no", "yes"]}  # the byte tokenizer has no such tokens
     with pytest.raises(ValueError, match=r"classifier_from_token \['no', 'yes'\] are not tokens"):

@@ -76,7 +76,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     # checkpoint prefix -> ours, first match wins
     text_prefixes = {"model.language_model.": "model.", "language_model.model.": "model.",
-                     "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
+                     "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head.",
+                     "score.": "score."}  # Gemma3ForSequenceClassification's head
 
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
