@@ -232,8 +232,8 @@ class LLMEngine:
         if isinstance(sampling_params, PoolingParams):
             return self._make_pooling_request(prompt, sampling_params, lora_request)
         if self.config.runner == "pooling":
-            raise InvalidRequestError("this engine was made with runner='pooling' (task='embed'): it embeds, it does "
-                                      "not generate", "model")
+            raise InvalidRequestError("this engine was made with runner='pooling' (task='embed', or a classifier's): "
+                                      "it embeds or scores, it does not generate", "model")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):

@@ -10,6 +10,11 @@ from tpengine.scoring import classifier_scores, cosine_scores, pair_prompt, scor
 
 
 class OpenAIServingScore(OpenAIServing):
+    def request_field(self, param: str | None, request) -> str | None:
+        """A refused prompt or pair is the documents' fault (or the query's, whose length they share)."""
+        documents = "documents" if isinstance(request, RerankRequest) else "text_2"
+        return documents if param in (None, "prompt") else param
+
     async def create_score(self, request: ScoreRequest, raw_request: Request):
         self.check_model(request.model)
         try:
