@@ -74,7 +74,10 @@ def test_rerank_takes_cohere_documents_and_can_leave_their_text_out(server, offl
     ("/score", {"text_1": QUERY, "text_2": DOCUMENTS, "queries": QUERY, "documents": DOCUMENTS}, "text_1"),
     ("/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": -1}, "top_n"),
-    ("/rerank", {"query": "z" * 600, "documents": DOCUMENTS}, "prompt"),
+    ("/rerank", {"query": "z" * 600, "documents": DOCUMENTS}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": [[]]}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": [[5, 6]]}, "documents"),  # a text query, a token-id document
+    ("/score", {"text_1": QUERY, "text_2": ["z" * 600]}, "text_2"),
     ("/v1/embeddings", {"input": QUERY}, "model"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, path, body, param):
