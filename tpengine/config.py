@@ -374,9 +374,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         """What batch_invariant does not cover yet: rows whose sums follow the batch's grouping."""
         if not self.batch_invariant:
             return
-        if hf_config.num_experts:
-            raise ValueError("batch_invariant does not cover mixture-of-experts models yet: an expert multiplies "
-                             "the rows routed to it together, as many as the batch sends")
         if self.enable_lora:
             raise ValueError("batch_invariant does not cover LoRA yet: the adapters' kernel takes each adapter's "
                              "rows together, as many as the batch holds")

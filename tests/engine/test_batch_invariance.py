@@ -84,10 +84,16 @@ def test_what_batch_invariance_does_not_cover_is_a_value_error(model, settings, 
         LLM(model, **SETTINGS, **settings)
 
 
-def test_a_mixture_of_experts_model_is_refused(tmp_path):
-    path = write_tiny_model(str(tmp_path / "moe"), architecture="Qwen3MoeForCausalLM", seed=3, vocab_size=300,
-                            hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
-                            num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16)
-    with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts"):
-        LLM(path, **SETTINGS)
+MOE = dict(vocab_size=1003, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("settings", [dict(architecture="Qwen3MoeForCausalLM", moe_intermediate_size=32),
+                                      dict(architecture="GptOssForCausalLM", sliding_window=64,
+                                           layer_types=["sliding_attention", "full_attention"])],
+                         ids=["qwen3_moe", "gpt_oss"])
+def test_mixtures_of_experts_are_batch_invariant(tmp_path, settings):
+    """Each expert's rows in fixed tiles, a token's experts summed in expert order (gpt-oss: sinks, a window)."""
+    path = write_tiny_model(str(tmp_path / "moe"), seed=3, **MOE, **settings)
+    with LLM(path, dtype="float32", **SETTINGS) as llm:
+        assert_invariant(llm, GREEDY, 6, seed=4)

@@ -1,7 +1,8 @@
 """Batch-invariant linears (EngineConfig.batch_invariant): a matmul's kernel, and so each output's reduction order,
 may follow the number of rows (a GEMV for one row, split sums for few); here every call multiplies row tiles of one
 fixed size, the last padded with zeros, so a row's outputs are the same bits whatever else is in the batch.
-Layers built inside `building_batch_invariant(True)` take their platform's linear through `row_tiled`."""
+Layers built inside `building_batch_invariant(True)` take their platform's linear through `row_tiled`; a mixture of
+experts runs grouped by expert, each expert's rows in tiles (`row_tiled_experts`), its tokens' sums in expert order."""
 import threading
 from contextlib import contextmanager
 
@@ -26,16 +27,30 @@ def building_batch_invariant(enabled: bool):
 
 def model_linear(linear):
     """The platform's linear(x, weight, bias, packed_weight) as the layer being built should call it."""
-    return row_tiled(linear) if getattr(_building, "enabled", False) else linear
+    return row_tiled(linear) if is_building_batch_invariant() else linear
+
+
+def is_building_batch_invariant() -> bool:
+    return getattr(_building, "enabled", False)
+
+
+def in_row_tiles(multiply, x: torch.Tensor) -> torch.Tensor:
+    """multiply(tile) over x's rows in tiles of ROWS_PER_TILE (the last padded with zero rows), joined."""
+    rows = x.reshape(-1, x.size(-1))
+    num_rows = rows.size(0)
+    padding = -num_rows % ROWS_PER_TILE
+    if padding:
+        rows = F.pad(rows, (0, 0, 0, padding))
+    out = torch.cat([multiply(tile) for tile in rows.split(ROWS_PER_TILE)])
+    return out[:num_rows].reshape(*x.shape[:-1], out.size(-1))
 
 
 def row_tiled(linear):
-    def tiled(x: torch.Tensor, weight, bias, packed_weight):
-        rows = x.reshape(-1, x.size(-1))
-        num_rows = rows.size(0)
-        padding = -num_rows % ROWS_PER_TILE
-        if padding:
-            rows = F.pad(rows, (0, 0, 0, padding))
-        out = torch.cat([linear(tile, weight, bias, packed_weight) for tile in rows.split(ROWS_PER_TILE)])
-        return out[:num_rows].reshape(*x.shape[:-1], out.size(-1))
-    return tiled
+    """A platform's linear(x, weight, bias, packed_weight) multiplying in row tiles."""
+    return lambda x, weight, bias, packed_weight: in_row_tiles(
+        lambda tile: linear(tile, weight, bias, packed_weight), x)
+
+
+def row_tiled_experts(linear):
+    """An experts' linear(x, weight) (torch_ops.grouped_experts') multiplying each expert's rows in row tiles."""
+    return lambda x, weight: in_row_tiles(lambda tile: linear(tile, weight), x)

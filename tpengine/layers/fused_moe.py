@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
+from tpengine.layers.batch_invariant import is_building_batch_invariant, row_tiled_experts
 from tpengine.layers.linear import take_rows
 from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized
 from tpengine.platforms import current_platform
-from tpengine.platforms.torch_ops import silu_and_mul
+from tpengine.platforms.packed import packed_linear
+from tpengine.platforms.torch_ops import grouped_experts, silu_and_mul
 from tpengine.quantization.weights import QuantizedWeight, cat_rows
 
 
@@ -87,7 +89,9 @@ class FusedMoE(nn.Module):
             attach(self.w2_weight, self.weight_loader, takes=(QuantizedWeight,),
                    shards=[(e, "down") for e in range(num_experts)])
         platform = current_platform()
-        self.moe_experts = platform.moe_experts
+        # batch_invariant: grouped by expert in torch, every expert's rows in fixed tiles (layers/batch_invariant.py)
+        self.batch_invariant = is_building_batch_invariant()
+        self.moe_experts = self._batch_invariant_experts if self.batch_invariant else platform.moe_experts
         self.pack_quantized_experts = platform.pack_quantized_experts
         self.packed_experts = None  # quantized: (w13, w2) as the platform's pack_quantized_experts made them
 
@@ -145,6 +149,16 @@ class FusedMoE(nn.Module):
         for param in (self.w13_weight, self.w2_weight):
             param.data = param.data.new_empty(0)
             param.load_state.quantized_parts = {}
+
+    @staticmethod
+    def _batch_invariant_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul=None, w13_bias=None,
+                                 w2_bias=None) -> torch.Tensor:
+        if not (isinstance(w13, list) or isinstance(w13, torch.Tensor)):
+            raise ValueError("batch_invariant does not cover experts packed for a fused kernel (quantized experts "
+                             "on CUDA); run them unquantized or without batch_invariant")
+        linear = row_tiled_experts(packed_linear if isinstance(w13, list) else F.linear)
+        return grouped_experts(x, w13, w2, topk_weights, topk_ids, act_and_mul or silu_and_mul, linear=linear,
+                               w13_bias=w13_bias, w2_bias=w2_bias)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)
