@@ -336,7 +336,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._validate_quantization(hf_config)
         self._validate_speculative(hf_config)
         self._validate_lora()
-        self._validate_batch_invariant(hf_config)
 
     def describe(self) -> list[str]:
         """One line per group, 'group: name=value ...': what the engine logs as it starts."""
@@ -369,14 +368,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 continue
             or_none = " or None" if field.default is None else ""
             raise ValueError(f"{field.name} must be one of {choices}{or_none}, got {value!r}")
-
-    def _validate_batch_invariant(self, hf_config: HFConfig) -> None:
-        """What batch_invariant does not cover yet: rows whose sums follow the batch's grouping."""
-        if not self.batch_invariant:
-            return
-        if self.enable_lora:
-            raise ValueError("batch_invariant does not cover LoRA yet: the adapters' kernel takes each adapter's "
-                             "rows together, as many as the batch holds")
 
     def _validate_model(self) -> None:
         self._check_positive("max_model_len")

@@ -17,34 +17,41 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=5, prompt_logprob
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, logprobs=2, ignore_eos=True)
 
 
-def mixes(count: int, seed: int, target=TARGET, longest: int = 150, most: int = 8):
+def mixes(count: int, seed: int, target=TARGET, longest: int = 150, most: int = 8, vocab: int = 1000):
     """(other prompts, the target's index among them) for count random batches of up to most others."""
     rng = random.Random(seed)
     batches = []
     for _ in range(count):
-        others = [[rng.randrange(10, 1000) for _ in range(rng.randrange(1, longest))]
+        others = [[rng.randrange(10, vocab) for _ in range(rng.randrange(1, longest))]
                   for _ in range(rng.randrange(0, most + 1))]
         if rng.random() < 0.4:  # a prompt sharing the target's first blocks: the target may hit them in the cache
-            others.append(target[:rng.randrange(16, len(target))] + [rng.randrange(10, 1000)])
+            others.append(target[:rng.randrange(16, len(target))] + [rng.randrange(10, vocab)])
         batches.append((others, rng.randrange(len(others) + 1)))
     return batches
 
 
-def target_result(llm: LLM, others: list[list[int]], index: int, params: SamplingParams, target=TARGET):
+def target_result(llm: LLM, others: list[list[int]], index: int, params: SamplingParams, target=TARGET,
+                  adapters: list | None = None):
+    """The target's output in a batch with others; adapters: the target's LoRARequest, then one per other prompt
+    (None: the base) chosen round robin."""
     prompts = others[:index] + [target] + others[index:]
-    output = llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * index + [params]
-                          + [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * (len(others) - index),
-                          use_tqdm=False)[index]
+    other = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    loras = None
+    if adapters is not None:
+        rest = [adapters[1 + i % (len(adapters) - 1)] for i in range(len(others))]
+        loras = rest[:index] + [adapters[0]] + rest[index:]
+    output = llm.generate(prompts, [other] * index + [params] + [other] * (len(others) - index), use_tqdm=False,
+                          lora_request=loras)[index]
     completion = output.outputs[0]
     return completion.token_ids, completion.logprobs, completion.cumulative_logprob, output.prompt_logprobs
 
 
-def assert_invariant(llm: LLM, params: SamplingParams, num_mixes: int, seed: int, target=TARGET,
+def assert_invariant(llm: LLM, params: SamplingParams, num_mixes: int, seed: int, target=TARGET, adapters=None,
                      **mix_sizes) -> None:
-    alone = target_result(llm, [], 0, params, target)
+    alone = target_result(llm, [], 0, params, target, adapters)
     assert len(alone[0]) == params.max_tokens
     for mix, (others, index) in enumerate(mixes(num_mixes, seed, target, **mix_sizes)):
-        assert target_result(llm, others, index, params, target) == alone, \
+        assert target_result(llm, others, index, params, target, adapters) == alone, \
             f"mix {mix}: {len(others)} others, row {index}"
 
 
@@ -76,12 +83,19 @@ def test_the_triton_kernels_are_batch_invariant_in_the_interpreter(model):
         assert_invariant(llm, params, 2, seed=3, target=TARGET[:40], longest=24, most=2)
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(enable_lora=True), "batch_invariant does not cover LoRA"),
-])
-def test_what_batch_invariance_does_not_cover_is_a_value_error(model, settings, message):
-    with pytest.raises(ValueError, match=message):
-        LLM(model, **SETTINGS, **settings)
+def test_lora_rows_are_batch_invariant_whatever_slot_and_neighbours(tmp_path):
+    """The target on one adapter, the others on two more adapters or the base, with two slots: its adapter moves
+    between slots as the others' come and go, and each row multiplies its own slot's A and B."""
+    from tests.lora.adapters import ATTENTION, MLP, make_peft_adapter, write_tiny_base
+    from tpengine.lora.request import LoRARequest
+    base = write_tiny_base(str(tmp_path / "base"), seed=5)
+    adapters = [LoRARequest(f"a{i}", i, make_peft_adapter(base, str(tmp_path / f"a{i}"), r=4 * i, alpha=8 * i,
+                                                          targets=ATTENTION + MLP if i % 2 else ATTENTION, seed=i))
+                for i in (1, 2, 3)] + [None]
+    target = [(7 * i + 3) % 300 + 5 for i in range(150)]
+    with LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, **SETTINGS) as llm:
+        assert_invariant(llm, GREEDY, 6, seed=5, target=target, adapters=adapters, longest=60, most=5,
+                         vocab=300)
 
 
 MOE = dict(vocab_size=1003, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

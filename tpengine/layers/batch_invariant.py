@@ -54,3 +54,19 @@ def row_tiled(linear):
 def row_tiled_experts(linear):
     """An experts' linear(x, weight) (torch_ops.grouped_experts') multiplying each expert's rows in row tiles."""
     return lambda x, weight: in_row_tiles(lambda tile: linear(tile, weight), x)
+
+
+def lora_add_in_row_tiles(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                          scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """The platforms' lora_add (y[t] += scales[s] * (x[t] @ lora_a[s]) @ lora_b[s] for slot s = slots[t] >= 0, in
+    float32, rounded once), batch-invariant: each row multiplies its own slot's A and B, gathered (so neither the
+    slot an adapter sits in nor the other rows' adapters move its sums), in tiles of ROWS_PER_TILE rows."""
+    num_rows, padding = x.size(0), -x.size(0) % ROWS_PER_TILE
+    padded_x = F.pad(x.float(), (0, 0, 0, padding))
+    padded_slots = F.pad(slots, (0, padding), value=-1).clamp(min=0)
+    deltas = []
+    for tile, tile_slots in zip(padded_x.split(ROWS_PER_TILE), padded_slots.split(ROWS_PER_TILE)):
+        shrunk = torch.bmm(tile.unsqueeze(1), lora_a[tile_slots].float())  # [rows, 1, rank]
+        deltas.append(torch.bmm(shrunk, lora_b[tile_slots].float())[:, 0] * scales[tile_slots].unsqueeze(1))
+    updated = (y.float() + torch.cat(deltas)[:num_rows]).to(y.dtype)
+    y.copy_(torch.where((slots >= 0).unsqueeze(1), updated, y))

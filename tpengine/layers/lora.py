@@ -10,6 +10,7 @@ all of A and its rows of B; a row-parallel one its columns of A and all of B, an
 sums the all-reduce already adds up."""
 import torch
 
+from tpengine.layers.batch_invariant import lora_add_in_row_tiles
 from tpengine.layers.linear import FUSED, ColumnParallelLinear, LinearBase, RowParallelLinear
 from tpengine.platforms import platform_for
 
@@ -64,7 +65,8 @@ class LoRAWeights:
     columns, so no part multiplies another's zeros); add() is its share of the forward, write_slot() puts an
     adapter in a slot."""
 
-    def __init__(self, layer: LinearBase, rows: LoRARows, max_loras: int, max_rank: int, dtype: torch.dtype):
+    def __init__(self, layer: LinearBase, rows: LoRARows, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 batch_invariant: bool = False):
         self.layer = layer
         self.rows = rows
         self.row_parallel = isinstance(layer, RowParallelLinear)
@@ -74,7 +76,7 @@ class LoRAWeights:
         self.parts = {shard_id: LoRAPart(offset, size, layer.input_size, max_loras, max_rank, dtype, device)
                       for shard_id, (offset, _, size) in shards.items()}
         self.whole = len(self.parts) == 1  # one part covering every output column: it adds into y itself
-        self.lora_add = platform_for(device).lora_add
+        self.lora_add = lora_add_in_row_tiles if batch_invariant else platform_for(device).lora_add
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         slots = self.rows.of(x.size(0))
@@ -108,12 +110,12 @@ class LoRAWeights:
 
 
 def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, max_num_rows: int,
-                dtype: torch.dtype, device: torch.device) -> dict[str, LoRAWeights]:
+                dtype: torch.dtype, device: torch.device, batch_invariant: bool = False) -> dict[str, LoRAWeights]:
     """Give every LoRA-capable linear of model its slots (all sharing one LoRARows); returns them by module
-    name."""
+    name. batch_invariant: each row's adapter product its own, in fixed row tiles (layers/batch_invariant.py)."""
     rows = LoRARows(max_num_rows, device)
     layers = {}
     for name, module in model.named_modules():
         if isinstance(module, LORA_LINEARS) and ".layers." in f".{name}":
-            module.lora = layers[name] = LoRAWeights(module, rows, max_loras, max_rank, dtype)
+            module.lora = layers[name] = LoRAWeights(module, rows, max_loras, max_rank, dtype, batch_invariant)
     return layers

@@ -17,7 +17,8 @@ class LoRAAdapters:
                  max_num_rows: int):
         self.model = model
         self.max_lora_rank = config.max_lora_rank
-        self.layers = attach_lora(model, config.max_loras, config.max_lora_rank, max_num_rows, dtype, device)
+        self.layers = attach_lora(model, config.max_loras, config.max_lora_rank, max_num_rows, dtype, device,
+                                  config.batch_invariant)
         self.rows: LoRARows | None = next(iter(self.layers.values())).rows if self.layers else None
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.read: OrderedDict[int, dict[str, dict]] = OrderedDict()  # lora_int_id -> parts by our layer name
