@@ -46,17 +46,24 @@ def transformers_from_dequantized(path: str, folder: str):
     qwen3moe processor drops the stacked experts)."""
     from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
-    from tpengine.gguf.tensors import _EXPERTS, hf_name
+    from tpengine.gguf.config import gguf_architecture
+    from tpengine.gguf.tensors import _EXPERTS, hf_name, layer_names
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    reader = GGUFReader(path)
+    metadata = {"general.architecture": bytes(reader.fields["general.architecture"].parts[-1]).decode()}
+    layers = layer_names(gguf_architecture(metadata, path)[1])
     tensors = {}
-    for tensor in GGUFReader(path).tensors:
+    for tensor in reader.tensors:
         weights = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy())
         layer, stem = tensor.name.split(".")[1:3] if tensor.name.startswith("blk.") else (None, None)
         if stem in _EXPERTS:
-            tensors.update((f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[stem]}.weight", w)
+            suffix = tensor.name.rsplit(".", 1)[1]
+            tensors.update((f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[stem]}.{suffix}", w)
                            for e, w in enumerate(weights))
         else:
-            tensors[hf_name(tensor.name)] = weights
+            tensors[hf_name(tensor.name, layers).removesuffix(".sinks.weight").replace(
+                ".self_attn", ".self_attn.sinks") if ".attn_sinks." in tensor.name else hf_name(tensor.name, layers)] = \
+                weights
     missing, unexpected = model.load_state_dict(_as_model_keys(model, tensors), strict=False)
     assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.generation_config.eos_token_id = None
@@ -64,7 +71,10 @@ def transformers_from_dequantized(path: str, folder: str):
 
 
 def _as_model_keys(model, tensors: dict) -> dict:
-    """Per-expert checkpoint tensors stacked as transformers 5 holds them (experts.gate_up_proj, experts.down_proj)."""
+    """Per-expert checkpoint tensors stacked as transformers 5 holds them (experts.gate_up_proj, experts.down_proj;
+    gpt-oss's [experts, in, out] with gate and up interleaved, and its biases)."""
+    if any(key.endswith("experts.gate_up_proj_bias") for key in model.state_dict()):
+        return _as_gpt_oss_keys(tensors)
     if any(key.endswith("experts.gate_up_proj") for key in model.state_dict()):
         layers = {key.split(".")[2] for key in tensors if ".experts." in key}
         for layer in layers:
@@ -75,4 +85,20 @@ def _as_model_keys(model, tensors: dict) -> dict:
             tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(pair) for pair in gate_up])
             tensors[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{e}.down_proj.weight")
                                                           for e in range(count)])
+    return tensors
+
+
+def _as_gpt_oss_keys(tensors: dict) -> dict:
+    for layer in {key.split(".")[2] for key in tensors if ".experts." in key}:
+        prefix = f"model.layers.{layer}.mlp.experts"
+        count = sum(1 for key in tensors if key.startswith(prefix) and key.endswith("down_proj.weight"))
+        take = lambda name, kind: torch.stack([tensors.pop(f"{prefix}.{e}.{name}_proj.{kind}")  # noqa: E731
+                                               for e in range(count)])
+        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+            gate, up = take("gate", kind), take("up", kind)
+            if kind == "weight":  # [experts, out, in] -> [experts, in, out]
+                gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+            tensors[f"{prefix}.gate_up_proj{suffix}"] = torch.stack([gate, up], dim=-1).flatten(-2)  # interleaved
+            down = take("down", kind)
+            tensors[f"{prefix}.down_proj{suffix}"] = down.transpose(1, 2) if kind == "weight" else down
     return tensors

@@ -66,7 +66,7 @@ def test_qwen3_gguf_greedy_tokens_equal_transformers_reading_the_same_file(qwen3
 
 # the byte offsets of each block's float16 scales and minimums: every other byte pattern is a valid block
 FLOAT16_OFFSETS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                   "IQ4_NL": (0,), "IQ4_XS": (0,)}
+                   "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}  # MXFP4: any byte is an e8m0 exponent
 
 
 @pytest.mark.parametrize("weight_type", list(FLOAT16_OFFSETS))
@@ -210,6 +210,29 @@ def test_phi3_gguf_with_fused_qkv_and_gate_up_equals_transformers_at_tp_1_and_2(
                                                                           "blk.1.ffn_up.weight": "Q5_1"})
     prompts = random_prompts(3, [5, 48], 320)  # past the 32-token window: the long factors
     expected = transformers_greedy(path, prompts, 8, config_folder=folder)
+    assert _greedy(path, prompts) == expected
+    assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+# gpt-oss with its own swiglu constants (llama.cpp's graph fixes gpt-oss's 1.702 and 7.0: the file keeps none), a
+# 16-token window on its sliding layers, no rope scaling
+GPT_OSS = dict(architecture="GptOssForCausalLM", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=16, max_position_embeddings=256, pad_token_id=0, tie_word_embeddings=False,
+               rope_parameters=dict(rope_type="default", rope_theta=150000.0), initializer_range=0.1)
+
+
+def test_gpt_oss_gguf_with_mxfp4_experts_equals_transformers_at_tp_1_and_2(tmp_path):
+    """llama.cpp's gpt-oss file: each expert projection MXFP4 (run as int8 values, a power-of-two scale per 32) with
+    gate and up apart, their biases stacked, the sinks and router under their GGUF names. transformers reads neither
+    the split experts nor the sinks from such a file: the oracle is the checkpoint's model with the file's
+    dequantized tensors put back in its layout."""
+    folder = write_tiny_model(str(tmp_path / "gpt_oss"), seed=5, **GPT_OSS)
+    types = {f"blk.{layer}.ffn_{projection}_exps.weight": "MXFP4" for layer in range(2)
+             for projection in ("gate", "up", "down")}
+    path = write_gguf(folder, str(tmp_path / "gpt_oss.gguf"), "Q8_0", types=types)
+    prompts = random_prompts(3, [5, 40], 320)  # past the window
+    expected = transformers_greedy(path, prompts, 8, dequantized_into=folder)
     assert _greedy(path, prompts) == expected
     assert _greedy(path, prompts, tensor_parallel_size=2) == expected
 

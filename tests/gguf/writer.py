@@ -48,7 +48,7 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
     if config["model_type"] == "gemma2":  # as llama.cpp's Gemma2Model writes them
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
-    if config["model_type"] in ("gemma2", "gemma3_text"):
+    if config["model_type"] in ("gemma2", "gemma3_text", "gpt_oss"):
         writer.add_sliding_window(config["sliding_window"])
     if config["model_type"] == "phi3":  # as llama.cpp's Phi3MiniModel writes them (0: no window)
         writer.add_sliding_window(config.get("sliding_window") or 0)
@@ -58,11 +58,16 @@ def _add_metadata(writer: GGUFWriter, config: dict) -> None:
     if scaling.get("rope_type") == "linear":  # as llama.cpp's converters write it
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     experts = config.get("num_experts") or config.get("num_local_experts")
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        # gpt-oss's experts are intermediate_size wide
+        writer.add_expert_feed_forward_length(config.get("moe_intermediate_size") or config["intermediate_size"])
 
 
 def _longrope(config: dict) -> dict | None:
@@ -120,10 +125,32 @@ def _add_tokenizer(writer: GGUFWriter, folder: str, config: dict) -> None:
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_bias)?$")
+
+
+def _gpt_oss_experts(layer: str, projection: str, bias: str | None, weights: np.ndarray) -> dict[str, np.ndarray]:
+    """gpt-oss's stacked experts as llama.cpp's GptOssModel writes them: gate and up (interleaved columns of
+    gate_up_proj [experts, in, out]) apart, every weight [experts, out, in]."""
+    suffix = "bias" if bias else "weight"
+    if projection == "down":
+        return {f"blk.{layer}.ffn_down_exps.{suffix}": weights if bias else weights.transpose(0, 2, 1)}
+    gate, up = weights[..., 0::2], weights[..., 1::2]
+    if not bias:
+        gate, up = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+    return {f"blk.{layer}.ffn_gate_exps.{suffix}": np.ascontiguousarray(gate),
+            f"blk.{layer}.ffn_up_exps.{suffix}": np.ascontiguousarray(up)}
+
+
 def _gguf_tensors(tensors: dict[str, np.ndarray], layers: dict[str, str]) -> dict[str, np.ndarray]:
     """The checkpoint's tensors under their GGUF names; each layer's experts stacked, per projection."""
     named, experts = {}, {}
     for hf_name, weights in tensors.items():
+        stacked = _STACKED_EXPERTS.match(hf_name)
+        if stacked:
+            named.update(_gpt_oss_experts(*stacked.groups(), weights))
+            continue
+        if hf_name.endswith(".self_attn.sinks"):
+            hf_name += ".weight"  # llama.cpp names the sinks attn_sinks.weight
         expert = _EXPERT.match(hf_name)
         if expert is None:
             named[gguf_name(hf_name, layers)] = weights
@@ -243,7 +270,7 @@ def write_gguf(folder: str, path: str, weight_type: str = "F32", arch: str | Non
     Q4_0, Q4_K, ...) unless types names its own by GGUF name; norms and biases F32, as llama.cpp keeps them."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    arch = arch or {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = arch or {"qwen3_moe": "qwen3moe", "gemma3_text": "gemma3", "gpt_oss": "gpt-oss"}.get(config["model_type"], config["model_type"])
     writer = GGUFWriter(path, arch)
     _add_metadata(writer, config)
     if tokenizer:
@@ -266,7 +293,7 @@ def write_gguf(folder: str, path: str, weight_type: str = "F32", arch: str | Non
         elif arch == "llama" and ".attn_k." in name:
             weights = permute(weights, config["num_key_value_heads"])
         # norms, biases and the MoE router stay F32, as llama.cpp's quantizer leaves them
-        float32 = weights.ndim == 1 or ".ffn_gate_inp." in name
+        float32 = weights.ndim == 1 or name.endswith(".bias") or ".ffn_gate_inp." in name or ".attn_sinks." in name
         kind = GGMLQuantizationType[(types or {}).get(name, "F32" if float32 else weight_type)]
         writer.add_tensor(name, _quantized(weights.astype(np.float32), kind), raw_dtype=kind)
     writer.write_header_to_file()

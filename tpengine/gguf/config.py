@@ -51,13 +51,20 @@ ARCHITECTURES = {
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", layer_names=(
         ("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
         optional_keys=(("sliding_window", "attention.sliding_window"),)),
+    # gpt-oss: the experts' gate and up in their own tensors (the checkpoint's interleaved gate_up split), each
+    # expert's projections and biases stacked; the sinks, the second norm and the router under their own names
+    "gpt-oss": GGUFArchitecture("gpt_oss", "GptOssForCausalLM", bias_flags=True, keys=(
+        ("num_experts", "expert_count"), ("num_experts_per_tok", "expert_used_count"),
+        ("sliding_window", "attention.sliding_window")), layer_names=(
+        ("attn_sinks", "self_attn.sinks"), ("post_attention_norm", "post_attention_layernorm"),
+        ("ffn_gate_inp", "mlp.router"))),
 }
 # rope factors a file holds as tensors: the config reads them, no layer loads them
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # the tensor types that run from their own form (gguf/tensors.py reads each); any other is a ValueError
 RUNNABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                  "IQ4_NL", "IQ4_XS")
+                  "IQ4_NL", "IQ4_XS", "MXFP4")
 
 # config.json key -> the metadata key that gives it, after "{arch}."; every one required
 _REQUIRED = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
@@ -232,7 +239,9 @@ def _rope_config(checkpoint, arch: str, head_dim: int) -> dict:
         original = _required(checkpoint.metadata, f"{arch}.rope.scaling.original_context_length", source)
         return {"rope_scaling": {"rope_type": "longrope", "long_factor": factors["long"],
                                  "short_factor": factors["short"]}, "original_max_position_embeddings": original}
-    return {} if rope_scaling is None else {"rope_scaling": rope_scaling}
+    # no scaling in the file is none in llama.cpp's graph, whatever the family's config class defaults to (gpt-oss's
+    # is YaRN)
+    return {"rope_scaling": rope_scaling or {"rope_type": "default"}}
 
 
 
@@ -243,8 +252,9 @@ def check_shapes(checkpoint, config) -> None:
     hidden, inter, vocab, experts = (config.hidden_size, config.intermediate_size, config.vocab_size,
                                      config.num_experts)
     head_dim = config.head_dim or hidden // config.num_attention_heads
+    # gpt-oss's experts are intermediate_size wide (it has no moe_intermediate_size)
     q, kv, expert_inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, \
-        config.moe_intermediate_size
+        config.moe_intermediate_size or config.intermediate_size
     _, described = gguf_architecture(checkpoint.metadata, checkpoint.path)
     gate_up = dict(described.layer_names).get("ffn_up") == "mlp.gate_up_proj"  # Phi-3's: gate then up in one
     expected = {"token_embd": (vocab, hidden), "output": (vocab, hidden), "output_norm": (hidden,),
@@ -260,7 +270,7 @@ def check_shapes(checkpoint, config) -> None:
         want = expected.get(stem)
         if want is None:
             continue
-        want = want[:1] if suffix == "bias" else want
+        want = want[:-1] if suffix == "bias" else want  # a bias per output (per expert and output when stacked)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if shape != want:
             raise ValueError(f"{checkpoint.path}: GGUF tensor {name!r} has shape {list(shape)}, but the metadata makes "

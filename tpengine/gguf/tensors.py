@@ -227,6 +227,19 @@ def _iq4_nl(data: np.ndarray) -> QuantizedWeight:
     return _weight(IQ4_LEVELS[_nibbles(packed)], scales)
 
 
+# MXFP4's e2m1 codes as llama.cpp reads them (kvalues_mxfp4): each value doubled, so every one is an int8
+MXFP4_LEVELS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def _mxfp4(data: np.ndarray) -> QuantizedWeight:
+    """A block of 32: an e8m0 exponent byte, then 16 bytes of e2m1 codes laid out as Q4_0's. int8 values (the
+    doubled e2m1 values), a scale per 32: the exponent's power of two halved (ggml_e8m0_to_fp32_half), exact."""
+    blocks = data.reshape(data.shape[0], -1, 1 + GROUP // 2)
+    exponents = blocks[..., 0].astype(np.uint32)
+    bits = np.where(exponents < 2, np.uint32(0x00200000) << exponents, (exponents - 1) << np.uint32(23))
+    return _weight(MXFP4_LEVELS[_nibbles(blocks[..., 1:])], bits.astype(np.uint32).view(np.float32))
+
+
 def _iq4_xs(data: np.ndarray) -> QuantizedWeight:
     """A super-block of 256: a float16 scale, 16 high and 4 bytes of low scale bits (a 6-bit scale, less 32, per
     32 values), 128 bytes of IQ4 codes laid out as IQ4_NL's per 32. int8 values, a scale per 32 (the product of
@@ -251,7 +264,7 @@ def _bf16(data: np.ndarray) -> torch.Tensor:
 
 _READERS = {"F32": _float, "F16": _float, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1,
             "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+            "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4}
 # bytes of one super-block of 256 values
 K_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 assert tuple(_READERS) == RUNNABLE_TYPES
@@ -278,7 +291,7 @@ def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, C
         match = _BLOCK.match(gguf_name)
         if match is not None and match[2] in _EXPERTS:
             for expert in range(tensor.data.shape[0]):
-                yield (gguf_name, f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[match[2]]}.weight",
+                yield (gguf_name, f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[match[2]]}.{match[3]}",
                        _reader(tensor, lambda tensor=tensor, expert=expert: tensor.data[expert]))
             continue
         num_heads = heads.get(match[2]) if match is not None and described.permuted_qk else None

@@ -17,7 +17,7 @@ from torch import nn
 
 from tpengine.distributed.parallel_state import divide, get_tp_group
 from tpengine.layers.batch_invariant import is_building_batch_invariant, row_tiled_experts
-from tpengine.layers.linear import take_rows
+from tpengine.layers.linear import FUSED, take_rows
 from tpengine.layers.load_state import Loaded, attach, check_weight_shape, keep_quantized
 from tpengine.platforms import current_platform
 from tpengine.platforms.packed import packed_linear
@@ -79,15 +79,16 @@ class FusedMoE(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        if stacked:
-            for param in self.parameters():
-                attach(param, self.stacked_weight_loader)
-        else:
-            assert not bias, "per-expert checkpoints with expert biases: no family has them"
-            attach(self.w13_weight, self.weight_loader, takes=(QuantizedWeight,),
-                   shards=[(e, shard) for e in range(num_experts) for shard in ("gate", "up")])
-            attach(self.w2_weight, self.weight_loader, takes=(QuantizedWeight,),
-                   shards=[(e, "down") for e in range(num_experts)])
+        assert stacked or not bias, "per-expert checkpoints with expert biases: no family has them"
+        gate_up = [(e, shard) for e in range(num_experts) for shard in ("gate", "up")]
+        down = [(e, "down") for e in range(num_experts)]
+        # a stacking family's checkpoint fills each parameter with one tensor (FUSED); its GGUF files, per expert
+        loader = self.any_layout_loader if stacked else self.weight_loader
+        attach(self.w13_weight, loader, takes=(QuantizedWeight,), shards=gate_up)
+        attach(self.w2_weight, loader, takes=(QuantizedWeight,), shards=down)
+        if bias:
+            attach(self.w13_bias, loader, shards=gate_up)
+            attach(self.w2_bias, loader, shards=down)
         platform = current_platform()
         # batch_invariant: grouped by expert in torch, every expert's rows in fixed tiles (layers/batch_invariant.py)
         self.batch_invariant = is_building_batch_invariant()
@@ -109,6 +110,27 @@ class FusedMoE(nn.Module):
         else:
             offset = 0 if shard == "gate" else size
             param.data[expert].narrow(0, offset, size).copy_(take_rows(loaded_weight, rank * size, size))
+
+    def any_layout_loader(self, param: nn.Parameter, loaded_weight: Loaded, *args) -> None:
+        """A stacking family's loader: all the experts' tensor of one projection (args (FUSED,)), or one expert's
+        projection or bias (args (expert, shard): a GGUF file's, gate and up apart)."""
+        if args == (FUSED,):
+            self.stacked_weight_loader(param, loaded_weight)
+        elif param is self.w13_bias or param is self.w2_bias:
+            self.bias_loader(param, loaded_weight, *args)
+        else:
+            self.weight_loader(param, loaded_weight, *args)
+
+    def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert: int, shard: str) -> None:
+        """One expert's gate, up ([intermediate]: this rank's slice) or down ([hidden]: whole) bias."""
+        size, rank, tp = self.intermediate_per_rank, self.tp_group.rank, self.tp_group.size
+        if shard == "down":
+            check_weight_shape(loaded_weight, [self.w2_weight.size(1)])
+            param.data[expert].copy_(loaded_weight)
+            return
+        check_weight_shape(loaded_weight, [size * tp])
+        param.data[expert].narrow(0, 0 if shard == "gate" else size, size).copy_(
+            loaded_weight.narrow(0, rank * size, size))
 
     def stacked_weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """All the experts' gate_up_proj [experts, hidden, 2 * intermediate] or down_proj [experts, intermediate,
@@ -162,13 +184,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)
-        if self.packed_experts is not None:
-            out = self.moe_experts(x, *self.packed_experts, topk_weights, topk_ids, self.act_and_mul)
-        elif self.w13_bias is not None:
+        w13, w2 = self.packed_experts if self.packed_experts is not None else (self.w13_weight, self.w2_weight)
+        if self.w13_bias is not None:
             # the down bias once, from rank 0: the all-reduce adds the ranks' partial sums
-            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_and_mul,
-                                   w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp_group.rank == 0 else None)
+            out = self.moe_experts(x, w13, w2, topk_weights, topk_ids, self.act_and_mul, w13_bias=self.w13_bias,
+                                   w2_bias=self.w2_bias if self.tp_group.rank == 0 else None)
         else:
-            out = self.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_and_mul)
+            out = self.moe_experts(x, w13, w2, topk_weights, topk_ids, self.act_and_mul)
         self.tp_group.all_reduce(out)
         return out
