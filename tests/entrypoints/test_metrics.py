@@ -7,11 +7,13 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import BLOCK_SIZE, running_server
+from tpengine.engine.prompt_logprob_cache import PromptLogprobCache
 from tpengine.entrypoints.metrics import Metrics
 
 NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
          "prefix_cache_hits", "prompt_tokens", "generation_tokens", "request_success", "num_preemptions",
-         "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds")
+         "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+         "prompt_logprob_cache_blocks", "prompt_logprob_cache_positions")
 COUNTERS = ("tpengine:prompt_tokens_total", "tpengine:generation_tokens_total", "tpengine:prefix_cache_queries_total",
             "tpengine:prefix_cache_hits_total", "tpengine:time_to_first_token_seconds_count",
             "tpengine:inter_token_latency_seconds_count", "tpengine:e2e_request_latency_seconds_count")
@@ -56,6 +58,16 @@ def test_counters_move_by_exact_token_counts(server, client):
     assert (delta["length"], delta["stop"], delta["abort"]) == (2, 0, 0)
 
 
+def test_kept_prompt_logprobs_are_reported(server, client):
+    """Scoring a prompt keeps its whole blocks' logprobs beside the prefix cache: the gauges count them."""
+    before = server.metric("tpengine:prompt_logprob_cache_blocks", model_name="tiny")
+    prompt = [200 + 7 * i % 100 for i in range(2 * BLOCK_SIZE + 3)]
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    blocks = server.metric("tpengine:prompt_logprob_cache_blocks", model_name="tiny")
+    assert blocks == before + 2
+    assert server.metric("tpengine:prompt_logprob_cache_positions", model_name="tiny") == blocks * BLOCK_SIZE
+
+
 def test_a_dropped_stream_is_aborted_and_frees_its_blocks(server, client):
     before = read_counters(server)
     stream = client.completions.create(model="tiny", prompt="drop me", max_tokens=400, temperature=0.0, stream=True,
@@ -92,7 +104,7 @@ def test_speculative_decoding_counters_carry_vllms_names_and_move_by_the_engines
 
     def engine(drafts, draft_tokens, accepted, per_pos):
         return SimpleNamespace(num_requests_running=0, num_requests_waiting=0, kv_cache_usage=0.0,
-                               num_preemptions=0, generation_tokens_total=0,
+                               num_preemptions=0, generation_tokens_total=0, prompt_logprob_cache=PromptLogprobCache(0),
                                spec_decode_stats=dict(num_drafts=drafts, num_draft_tokens=draft_tokens,
                                                       num_accepted_tokens=accepted,
                                                       num_accepted_tokens_per_pos=per_pos))

@@ -11,11 +11,8 @@ class PromptLogprobCache:
         self.max_blocks = max_blocks
         self.blocks: OrderedDict[int, list] = OrderedDict()  # chain hash -> its positions' entries
         self.num_hits = 0       # blocks whose kept entries stood for computing them
-
-    @property
-    def num_entries(self) -> int:
-        """Positions kept (the memory it holds: each a token's logprob and its top alternatives)."""
-        return sum(len(entries) for entries in self.blocks.values())
+        # positions kept (the memory it holds: each a token's logprob and its top alternatives), reported by /metrics
+        self.num_entries = 0
 
     def kept_run(self, hashes: list[int]) -> int:
         """How many of a prompt's first whole blocks (by chain hash) have kept entries. It may take their K/V from
@@ -41,7 +38,8 @@ class PromptLogprobCache:
     def put(self, h: int, entries: list) -> None:
         if self.max_blocks <= 0:
             return
+        self.num_entries += len(entries) - len(self.blocks.get(h, ()))
         self.blocks[h] = entries
         self.blocks.move_to_end(h)
         while len(self.blocks) > self.max_blocks:
-            self.blocks.popitem(last=False)
+            self.num_entries -= len(self.blocks.popitem(last=False)[1])

@@ -43,6 +43,11 @@ class Metrics:
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests (prefix-cache hits included).")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self.num_preemptions = make(Counter, "num_preemptions", "Sequences preempted (their KV recomputed later).")
+        # prompt logprobs kept beside the prefix cache (engine/prompt_logprob_cache.py): bounded by the KV cache's blocks
+        self.prompt_logprob_cache_blocks = make(Gauge, "prompt_logprob_cache_blocks",
+                                                "Prompt blocks whose logprobs are kept (at most the KV cache's).")
+        self.prompt_logprob_cache_positions = make(Gauge, "prompt_logprob_cache_positions",
+                                                   "Prompt positions whose logprob and top alternatives are kept.")
         request_success = Counter("tpengine:request_success", "Finished completions by finish reason.",
                                   ["model_name", "finished_reason"], registry=self.registry)
         self.request_success = {reason: request_success.labels(model_name, reason)
@@ -81,6 +86,9 @@ class Metrics:
         self.num_requests_running.set(engine.num_requests_running)
         self.num_requests_waiting.set(engine.num_requests_waiting)
         self.kv_cache_usage_perc.set(engine.kv_cache_usage)
+        kept = engine.prompt_logprob_cache
+        self.prompt_logprob_cache_blocks.set(len(kept.blocks))
+        self.prompt_logprob_cache_positions.set(kept.num_entries)
         # the engine counts these itself, whether or not a request reports every step
         for counter, total, seen in ((self.num_preemptions, engine.num_preemptions, "_num_preemptions_seen"),
                                      (self.generation_tokens, engine.generation_tokens_total,
