@@ -206,7 +206,7 @@ EVERY_SETTING = dict(
     pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
     num_kvcache_blocks=7, kvcache_memory_gb=1.5, gpu_memory_utilization=0.5, enable_prefix_caching=False,
     max_num_seqs=3, max_num_batched_tokens=64, scheduling_policy="prefill_first", quantization="int4",
-    quantization_group_size=32, quantize_lm_head=False,
+    quantization_group_size=32, quantize_lm_head=False, gguf_activations="float",
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, enable_lora=True, max_loras=3,
     max_lora_rank=32, max_cpu_loras=4)
 EVERY_FLAG = [
@@ -217,7 +217,7 @@ EVERY_FLAG = [
     "--kv-cache-dtype", "fp8", "--num-kvcache-blocks", "7", "--kvcache-memory-gb", "1.5", "--gpu-memory-utilization",
     "0.5", "--no-enable-prefix-caching", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
     "--scheduling-policy", "prefill_first", "--quantization", "int4", "--quantization-group-size", "32",
-    "--no-quantize-lm-head", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+    "--no-quantize-lm-head", "--gguf-activations", "float", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "4"]
 
 

@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 # "auto": the model's dtype; "fp8" / "fp8_e4m3" (vLLM's names): e4m3 with per-layer K and V scales, twice the tokens
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # how a model writes its thinking: <think>...</think>
+GGUF_ACTIVATIONS = ("auto", "float")
 RUNNERS = ("generate", "pooling")  # vLLM's names: a generative engine (that embeds too), or one that only embeds
 SCHEDULING_POLICIES = ("mixed", "prefill_first")  # vLLM's and nano-vllm's (engine/scheduler.py runs them)
 ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")  # a float checkpoint quantized at load (tpengine/models/loader.py)
@@ -292,6 +293,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     quantize_lm_head: Annotated[bool, Setting(
         "quantization", "with --quantization int8 or int4: quantize the LM head and embedding too; "
                         "--no-quantize-lm-head keeps them in floats")] = True
+    # a GGUF file's block-quantized linears (gguf/tensors.py): auto takes the platform's activation for quantized
+    # weights (the CPU's int8 per token, as llama.cpp quantizes them; CUDA's float)
+    gguf_activations: Annotated[str, Setting(
+        "quantization", "a GGUF file's quantized linears: auto quantizes each token's input to int8 on the CPU, as "
+                        "llama.cpp does (integer dot products, a faster prefill); float multiplies it as it is "
+                        "(exactly the dequantized weights' result)", choices=GGUF_ACTIVATIONS)] = "auto"
     # --- speculative -------------------------------------------------------------------------------------------
     # vLLM's dict; validate makes it a SpeculativeConfig
     speculative_config: Annotated[SpeculativeConfig | None, Setting(

@@ -53,7 +53,7 @@ def llama(tmp_path_factory) -> str:
 
 
 def _greedy(path: str, prompts, **kwargs):
-    with LLM(path, kvcache_block_size=16, **kwargs) as llm:
+    with LLM(path, kvcache_block_size=16, **{"gguf_activations": "float", **kwargs}) as llm:  # the exact mode
         return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
@@ -135,6 +135,25 @@ def test_k_quant_mixes_with_minimums_equal_transformers_reading_the_same_file_at
     expected = transformers_greedy(path, prompts, 8)
     assert _greedy(path, prompts) == expected
     assert _greedy(path, prompts, tensor_parallel_size=2) == expected
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_by_default_the_cpu_quantizes_each_tokens_input_as_llama_cpp_near_the_dequantized_oracle(tmp_path, tp):
+    """gguf_activations="auto" on the CPU: every block-quantized linear (the head too) takes each token's input
+    quantized to int8, as llama.cpp's dot products do. Rated teacher-forced by transformers on the file's dequantized
+    weights with each linear's input so quantized (a row-parallel one's per rank): within 0.1 nats of its best at
+    every step, the log-probabilities agreeing."""
+    from tests.models.test_quantized_models import assert_near_oracle, greedy_with_logprobs, int8_input_oracle
+    from tests.gguf.oracle import transformers_from_dequantized
+    folder = write_tiny_model(str(tmp_path / "wide"), seed=8, **dict(WIDE, vocab_size=321))
+    weight_type, types = MIXES["Q4_K_M"]
+    path = write_gguf(folder, str(tmp_path / "model-Q4_K_M.gguf"), weight_type, types=types)
+    reference = str(tmp_path / "dequantized")
+    transformers_from_dequantized(path, folder).save_pretrained(reference)
+    prompts = random_prompts(3, [5, 20], 320)
+    with LLM(path, kvcache_block_size=16, tensor_parallel_size=tp) as llm:
+        results = greedy_with_logprobs(llm, prompts)
+    assert_near_oracle(int8_input_oracle(reference, lambda name: True, tp), prompts, results)
 
 
 def test_llama_gguf_with_permuted_qk_and_mixed_types_equals_transformers_at_tp_1_and_2(llama, tmp_path):

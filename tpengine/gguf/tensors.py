@@ -16,6 +16,7 @@ llama.cpp's converter interleaves the two rotary halves of each q and k head for
 along the input features.
 """
 import re
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -270,17 +271,21 @@ K_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
 assert tuple(_READERS) == RUNNABLE_TYPES
 
 
-def _reader(tensor, rows: Callable[[], np.ndarray], minus_one: bool = False) -> Callable:
+def _reader(tensor, rows: Callable[[], np.ndarray], minus_one: bool = False, activation: str = "float") -> Callable:
     if minus_one:  # a Gemma norm, which the converter wrote as w + 1
         return lambda: _READERS[check_type(tensor)](rows()) - 1
-    return lambda: _READERS[check_type(tensor)](rows())
+
+    def read():
+        loaded = _READERS[check_type(tensor)](rows())
+        return replace(loaded, activation=activation) if isinstance(loaded, QuantizedWeight) else loaded
+    return read
 
 
-def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, Callable]]:
+def checkpoint_tensors(checkpoint: GGUFCheckpoint, activation: str = "float") -> Iterator[tuple[str, str, Callable]]:
     """(GGUF name, Hugging Face name, a function reading it) for every tensor of the checkpoint (each expert of a
     stacked expert tensor on its own; rope_freqs, which the config holds, left out), the q/k rows of a permuted
     family put back in transformers' order, a Gemma norm back to w. Reading is deferred: a rank reads only what it
-    loads."""
+    loads. activation: how the linear of each block-quantized tensor takes its input ("float", or "int8" per token)."""
     arch, described = gguf_architecture(checkpoint.metadata, checkpoint.path)
     heads = {"attn_q": checkpoint.metadata.get(f"{arch}.attention.head_count")}
     heads["attn_k"] = checkpoint.metadata.get(f"{arch}.attention.head_count_kv", heads["attn_q"])
@@ -292,10 +297,11 @@ def checkpoint_tensors(checkpoint: GGUFCheckpoint) -> Iterator[tuple[str, str, C
         if match is not None and match[2] in _EXPERTS:
             for expert in range(tensor.data.shape[0]):
                 yield (gguf_name, f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[match[2]]}.{match[3]}",
-                       _reader(tensor, lambda tensor=tensor, expert=expert: tensor.data[expert]))
+                       _reader(tensor, lambda tensor=tensor, expert=expert: tensor.data[expert],
+                               activation=activation))
             continue
         num_heads = heads.get(match[2]) if match is not None and described.permuted_qk else None
         rows = (lambda tensor=tensor: tensor.data) if num_heads is None else \
             (lambda tensor=tensor, num_heads=num_heads: unpermute_rows(tensor.data, num_heads))
         minus_one = described.norm_plus_one and gguf_name.endswith("norm.weight")
-        yield gguf_name, hf_name(gguf_name, layers), _reader(tensor, rows, minus_one)
+        yield gguf_name, hf_name(gguf_name, layers), _reader(tensor, rows, minus_one, activation)

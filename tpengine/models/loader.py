@@ -164,14 +164,15 @@ def _load_quantized(model: nn.Module, params: dict, quantization, module: str,
     return id(param), args
 
 
-def _load_gguf(model: nn.Module, params: dict, path: str, online: OnlineQuantization | None) -> dict:
+def _load_gguf(model: nn.Module, params: dict, path: str, online: OnlineQuantization | None,
+               activation: str = "float") -> dict:
     """A GGUF checkpoint's tensors, each in its own type (tpengine/gguf/tensors.py), into the model's weight
     loaders; the (parameter id, loader arguments) each filled. A block-quantized tensor loads only where its layer
     runs quantized weights."""
     from tpengine.gguf.files import open_gguf
     from tpengine.gguf.tensors import checkpoint_tensors
     chosen = {}
-    for gguf_name, name, read in checkpoint_tensors(open_gguf(path)):
+    for gguf_name, name, read in checkpoint_tensors(open_gguf(path), activation):
         target, args = model.checkpoint_target(name)
         if target is None:
             continue
@@ -196,13 +197,14 @@ def _bare_model_prefix(names) -> str:
 
 
 def load_model(model: nn.Module, path: str | os.PathLike, quantization=None,
-               online: OnlineQuantization | None = None, keep_fp8: bool = False) -> None:
+               online: OnlineQuantization | None = None, keep_fp8: bool = False, gguf_activation: str = "float") -> None:
     """quantization: the checkpoint's QuantizationConfig (tpengine/quantization/config.py), if it has one;
-    keep_fp8: the platform multiplies FP8, so an FP8 checkpoint's linears load as Fp8Weight."""
+    keep_fp8: the platform multiplies FP8, so an FP8 checkpoint's linears load as Fp8Weight; gguf_activation: how a
+    GGUF file's block-quantized linears take their input ("float" or "int8")."""
     path = os.fspath(path)
     params = dict(model.named_parameters(remove_duplicate=False))
     if is_gguf(path):
-        return _check_filled(model, path, _load_gguf(model, params, path, online))
+        return _check_filled(model, path, _load_gguf(model, params, path, online, gguf_activation))
     # a tied parameter's first name (the embedding) wins when the checkpoint carries it under both, as in transformers
     canonical = {id(param): name for name, param in model.named_parameters()}
     files_of = {}
@@ -273,7 +275,8 @@ def load_and_prepack(model: nn.Module, path: str, hf_config, config: EngineConfi
     keep_fp8 = platform.runs_fp8_linears(device)
     if weight_dtype is not None:
         keep_weights_in(model, weight_dtype)
-    load_model(model, path, quantization, online, keep_fp8)
+    gguf_activation = "float" if config.gguf_activations == "float" else platform.ONLINE_QUANTIZATION_ACTIVATION
+    load_model(model, path, quantization, online, keep_fp8, gguf_activation)
     if getattr(hf_config, "classifier_from_token", None) is not None:  # from the head's rows, before prepack
         from tpengine.pooling import classifier_token_ids
         model.classify_from_tokens(classifier_token_ids(config.tokenizer or path, hf_config.classifier_from_token))

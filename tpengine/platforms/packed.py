@@ -13,6 +13,8 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from tpengine.quantization.weights import quantize_per_token
+
 
 class PackedWeight(Protocol):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -53,10 +55,18 @@ class MinimumCorrected(NamedTuple):
     inner: PackedWeight
     minimums: torch.Tensor  # float32 [out, groups]
     group_size: int
+    # the kernel multiplies each token's input quantized to int8: the minimums' sums are of the same values (as
+    # llama.cpp's K-quant dot products sum the quantized block)
+    int8_input: bool = False
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x32 = x.float()
-        sums = x32.reshape(*x.shape[:-1], -1, self.group_size).mean(-1) * self.group_size
+        if self.int8_input:
+            values, scales = quantize_per_token(x32)
+            summed = values.float() * scales
+        else:
+            summed = x32
+        sums = summed.reshape(*x.shape[:-1], -1, self.group_size).mean(-1) * self.group_size
         y = self.inner.matmul(x32, None) - F.linear(sums, self.minimums)
         if bias is not None:
             y = y + bias
@@ -76,4 +86,4 @@ def with_minimums(quantized, packed: PackedWeight) -> PackedWeight:
     if quantized.minimums is None:
         return packed
     assert quantized.group_index is None and quantized.shape[1] % quantized.group_size == 0
-    return MinimumCorrected(packed, quantized.minimums, quantized.group_size)
+    return MinimumCorrected(packed, quantized.minimums, quantized.group_size, quantized.activation == "int8")

@@ -37,6 +37,8 @@ RECORDABLE_ATEN = frozenset({
     "permute", "expand", "contiguous", "clone", "copy_", "to", "_to_copy", "cat", "stack", "add", "add_", "sub", "mul",
     "mul_", "div", "neg", "tanh", "exp", "rsqrt", "pow", "mean", "silu", "gelu", "linear", "addmm", "mm", "matmul",
     "bmm", "embedding", "index_select", "fill_", "zero_",
+    # quantizing a row per token (quantization/weights.py quantize_per_token: a GGUF K-quant's minimum sums)
+    "abs", "amax", "round", "clamp", "clamp_", "ones_like",
     # masks computed and applied elementwise (a vocabulary-parallel embedding's rows of other ranks); never a mask
     # that picks elements (nonzero, masked_select, boolean indexing: their shapes come from the values)
     "eq", "ne", "lt", "le", "gt", "ge", "__and__", "__or__", "bitwise_and", "bitwise_or", "bitwise_not",
