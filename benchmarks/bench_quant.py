@@ -73,6 +73,7 @@ BASELINE = "bfloat16"  # the aims are ratios to it
 CONVERTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "bench",
                          "llamacpp", "convert_novocab.py")
 LLAMA_FORMATS = (("f16", "float32"), ("Q8_0", "int8"), ("Q4_0", "int4"))  # llama.cpp's, and ours it is set against
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # what convert_novocab.py writes itself
 
 
 def parse_args(argv=None):
@@ -234,20 +235,23 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[floa
 
 # --- llama.cpp ------------------------------------------------------------------------------------
 
-def gguf_files(bin_dir: str, model_path: str, names) -> dict[str, str]:
-    """llama.cpp's f16, Q8_0 and Q4_0 of the checkpoint, converted once and kept beside it."""
+def gguf_files(bin_dir: str, model_path: str, names, converter: str = CONVERTER) -> dict[str, str]:
+    """llama.cpp's GGUF files of the checkpoint by type (f16, Q8_0: written by converter, convert_novocab.py's
+    usage; Q4_0, Q4_K_M, Q6_K, ...: by llama-quantize from the f16 one, with its default tensor mix), converted once
+    and kept beside it."""
     llama_cpp = os.path.dirname(os.path.dirname(os.path.abspath(bin_dir)))  # .../llama.cpp/build/bin
     files = {}
-    for name in ["f16", *names] if "Q4_0" in names else names:  # Q4_0 is quantized from f16
+    quantized = [name for name in names if name.lower() not in CONVERTER_TYPES]
+    for name in dict.fromkeys(["f16"] * bool(quantized) + list(names)):
         path = os.path.join(model_path, f"model-{name.lower()}.gguf")
         files[name] = path
         if os.path.exists(path):
             continue
         started = time.perf_counter()
-        if name == "Q4_0":
-            command = [os.path.join(bin_dir, "llama-quantize"), files["f16"], path, "Q4_0"]
+        if name in quantized:
+            command = [os.path.join(bin_dir, "llama-quantize"), files["f16"], path, name]
         else:
-            command = [sys.executable, CONVERTER, llama_cpp, model_path, path, name.lower()]
+            command = [sys.executable, converter, llama_cpp, model_path, path, name.lower()]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise SystemExit(f"{shlex.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")

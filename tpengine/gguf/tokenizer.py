@@ -9,8 +9,9 @@ from tpengine.gguf.files import open_gguf
 def load_gguf_tokenizer(model: str | os.PathLike):
     """ValueError naming the key when the file holds no tokenizer (pass --tokenizer, then)."""
     first = gguf_files(model)[0]  # a split set keeps its metadata in its first file
-    if "tokenizer.ggml.model" not in open_gguf(model).metadata:
-        raise ValueError(f"GGUF file {first!r} holds no tokenizer (no tokenizer.ggml.model key): pass "
+    kind = open_gguf(model).metadata.get("tokenizer.ggml.model")
+    if kind in (None, "none"):  # "none": written without a vocabulary (llama.cpp's converters for token-id use)
+        raise ValueError(f"GGUF file {first!r} holds no tokenizer (tokenizer.ggml.model is {kind or 'absent'}): pass "
                          "tokenizer=PATH (--tokenizer), a folder with the model's tokenizer")
     from transformers import AutoTokenizer
     try:
