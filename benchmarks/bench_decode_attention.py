@@ -76,10 +76,12 @@ def engine_rounds(ops, args) -> None:
 
     def timed(op):
         def kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, *, window=0, softcap=0.0,
-                   sinks=None):
+                   sinks=None, max_splits=0):
             out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
             started = time.perf_counter()
-            op(out, q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, sinks)
+            # max_splits only where asked (batch_invariant): a baseline built from before it has no such argument
+            extra = (max_splits,) if max_splits else ()
+            op(out, q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, sinks, *extra)
             call_seconds.append(time.perf_counter() - started)
             return out
         return kernel
