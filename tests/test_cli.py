@@ -202,7 +202,8 @@ def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
 EVERY_SETTING = dict(
     model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=128, seed=5, runner="pooling",
     hf_overrides={"num_labels": 1}, reasoning_parser="qwen3", device="cpu",
-    attention_backend="torch", enforce_eager=True, batch_invariant=True, warm_up=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+    attention_backend="torch", enforce_eager=True, batch_invariant=True, mla_prefill="expanded",
+    warm_up=True, tensor_parallel_size=2, pipeline_parallel_size=2,
     pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
     num_kvcache_blocks=7, kvcache_memory_gb=1.5, gpu_memory_utilization=0.5, enable_prefix_caching=False,
     max_num_seqs=3, max_num_batched_tokens=64, scheduling_policy="prefill_first", quantization="int4",
@@ -212,7 +213,8 @@ EVERY_SETTING = dict(
 EVERY_FLAG = [
     "--model", "/m", "--tokenizer", "/t", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--runner", "pooling",
     "--hf-overrides", '{"num_labels": 1}', "--reasoning-parser", "qwen3",
-    "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--batch-invariant", "--warm-up", "--tp", "2", "--pp", "2",
+    "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--batch-invariant",
+    "--mla-prefill", "expanded", "--warm-up", "--tp", "2", "--pp", "2",
     "--pp-layer-partition", "3,1", "--max-steps-in-flight", "1", "--step-timeout-s", "10", "--block-size", "32",
     "--kv-cache-dtype", "fp8", "--num-kvcache-blocks", "7", "--kvcache-memory-gb", "1.5", "--gpu-memory-utilization",
     "0.5", "--no-enable-prefix-caching", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",

@@ -14,6 +14,7 @@ import msgspec
 from tpengine.hf_config import (HFConfig, head_dim_of, load_hf_config, long_rope_threshold_of, max_model_len_of,
                                 max_positions_of, tensor_parallel_sizes)
 
+MLA_PREFILL_FORMS = ("auto", "absorbed", "expanded")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -231,6 +232,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     batch_invariant: Annotated[bool, Setting(
         "device", "a request's tokens and logprobs are bit-identical whatever else shares its steps (batch size, "
                   "chunking, its row, prefix hits): fixed reduction orders, at some speed")] = False
+    # multi-head latent attention's prefill (layers/latent_attention.py); decode always attends over the latents
+    mla_prefill: Annotated[str, Setting(
+        "device", "DeepSeek's latent attention in prefill: absorbed (over the cached latents, as decode), expanded "
+                  "(per-head keys and values made from them) or auto, the fewer FLOPs for each step",
+        choices=MLA_PREFILL_FORMS)] = "auto"
     # what the first requests would otherwise pay on their path (runner/warmup.py): serve's /health waits for it
     warm_up: Annotated[bool, Setting(
         "device", "before taking requests, run a dummy step of every decode batch size up to max_num_seqs and a few "
@@ -343,6 +349,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._validate_quantization(hf_config)
         self._validate_speculative(hf_config)
         self._validate_lora()
+        if hf_config.kv_lora_rank is not None:
+            self._check_latent_attention(hf_config)
+
+    def _check_latent_attention(self, hf_config: HFConfig) -> None:
+        if self.enable_lora:
+            raise ValueError(f"enable_lora is not supported for {hf_config.model_type}: LoRA adapters target q/k/v "
+                             "projections, and its latent attention has none")
+        if self.batch_invariant:  # its absorbed projections are batched matmuls, not row-tiled linears
+            raise ValueError(f"batch_invariant is not supported for {hf_config.model_type}'s latent attention")
 
     def describe(self) -> list[str]:
         """One line per group, 'group: name=value ...': what the engine logs as it starts."""
@@ -461,7 +476,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
         if heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide {whose}'s {heads} attention heads")
-        if kv_heads % tp and tp % kv_heads:
+        if kv_heads % tp and tp % kv_heads and hf_config.kv_lora_rank is None:  # MLA: one latent on every rank
             raise ValueError(f"tensor_parallel_size={tp} and {whose}'s {kv_heads} KV heads must divide one another")
         for name, size in tensor_parallel_sizes(hf_config).items():
             if size % tp:

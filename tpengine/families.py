@@ -40,6 +40,9 @@ class Family:
     requires_whole_heads: bool = False  # its config class refuses a hidden_size num_attention_heads does not divide
     # a multimodal config whose text_config, a config of this model_type, holds the text model's settings
     text_model_type: str | None = None
+    # multi-head latent attention (DeepSeek): its config class sets head_dim to qk_rope_head_dim, whatever
+    # config.json says, and the attention caches one latent per token, no per-head keys
+    latent_attention: bool = False
 
 
 QWEN3 = Family(
@@ -122,9 +125,33 @@ GPT_OSS = Family(
         tie_word_embeddings=False, attention_bias=True, sliding_window=128, layer_types=None, num_experts=128,
         num_experts_per_tok=4, swiglu_alpha=1.702, swiglu_limit=7.0, bos_token_id=None, eos_token_id=None))
 
+# DeepSeek's MLA keys, as DeepseekV2Config and DeepseekV3Config default them; the V2 class routes by softmax (greedy or
+# group-limited), the V3 class by sigmoid with a correction bias and top-2 group sums (models/deepseek.py)
+DEEPSEEK_MLA = dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False, mlp_bias=False,
+                    tie_word_embeddings=False)
+DEEPSEEK_V2 = Family(
+    "deepseek_v2", "DeepseekV2ForCausalLM", "tpengine.models.deepseek", latent_attention=True,
+    key_aliases={"num_experts": "n_routed_experts"},
+    defaults=dict(
+        DEEPSEEK_MLA, vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048, bos_token_id=1,
+        eos_token_id=2, first_k_dense_replace=0, n_group=None, num_experts=64, n_shared_experts=2,
+        routed_scaling_factor=1.0, topk_group=None, topk_method="greedy", norm_topk_prob=False,
+        num_experts_per_tok=None, moe_intermediate_size=1407))
+DEEPSEEK_V3 = Family(
+    "deepseek_v3", "DeepseekV3ForCausalLM", "tpengine.models.deepseek", latent_attention=True,
+    key_aliases={"num_experts": "n_routed_experts", "num_nextn_predict_layers": "num_mtp_layers"},
+    defaults=dict(
+        DEEPSEEK_MLA, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        num_experts=256, routed_scaling_factor=2.5, n_group=8, topk_group=4, num_experts_per_tok=8,
+        first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=4096, bos_token_id=0,
+        eos_token_id=1, rope_interleave=True, num_nextn_predict_layers=1))
+
 # model_type -> its description, in the order errors list them
 FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
-                                                     GEMMA3, PHI3, GPT_OSS)}
+                                                     GEMMA3, PHI3, GPT_OSS, DEEPSEEK_V2, DEEPSEEK_V3)}
 ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values())  # the architectures[0] values served
 assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
 # a family's causal LM with a classification head on its last token in place of the LM head (a cross-encoder

@@ -67,6 +67,21 @@ class HFConfig:
     # vLLM's hf_overrides key: a causal LM scored as a classifier from these tokens' LM-head rows (Qwen3-Reranker's
     # ["no", "yes"]: one label, the probability of the second against the first)
     classifier_from_token: list[str] | None = None
+    # DeepSeek's multi-head latent attention (models/deepseek.py); kv_lora_rank None: per-head keys and values
+    kv_lora_rank: int | None = None       # the cached latent's width
+    q_lora_rank: int | None = None        # None: queries projected from the hidden state directly (V2-Lite)
+    qk_nope_head_dim: int | None = None   # each query and key head: these dimensions unrotated, then the rotary ones
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False         # the rotary dimensions pair up as (0, 1), (2, 3), ... (DeepSeek V3)
+    # DeepSeekMoE: dense MLPs in the first layers, shared experts beside the routed ones, group-limited routing
+    first_k_dense_replace: int = 0
+    n_shared_experts: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_group: int | None = None
+    topk_group: int | None = None
+    topk_method: str | None = None        # DeepSeek V2's: greedy or group_limited_greedy
+    num_nextn_predict_layers: int = 0     # DeepSeek V3's multi-token-prediction layers after the last one
 
     @property
     def is_classifier(self) -> bool:
@@ -97,6 +112,7 @@ _KINDS = {
     "count": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "count or null": (lambda v: v is None or _is_int(v) and v >= 1, "an integer >= 1 or null"),
     "int >= 0": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "int >= 0 or null": (lambda v: v is None or _is_int(v) and v >= 0, "an integer >= 0 or null"),
     "number": (lambda v: _is_number(v), "a number"),
     "number or null": (lambda v: v is None or _is_number(v), "a number or null"),
     "positive number or null": (lambda v: v is None or _is_number(v) and v > 0, "a number > 0 or null"),
@@ -131,6 +147,11 @@ FIELD_KINDS = {
     "final_logit_softcapping": "positive number or null", "use_bidirectional_attention": "bool or null",
     "swiglu_alpha": "positive number or null", "swiglu_limit": "positive number or null",
     "num_labels": "count", "classifier_from_token": "texts or null",
+    "kv_lora_rank": "count or null", "q_lora_rank": "count or null", "qk_nope_head_dim": "count or null",
+    "qk_rope_head_dim": "count or null", "v_head_dim": "count or null", "rope_interleave": "bool",
+    "first_k_dense_replace": "int >= 0", "n_shared_experts": "int >= 0 or null", "routed_scaling_factor": "number",
+    "n_group": "count or null", "topk_group": "count or null", "topk_method": "text or null",
+    "num_nextn_predict_layers": "int >= 0",
 }
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
@@ -230,6 +251,8 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
         values["num_key_value_heads"] = heads
     if "head_dim" in defaults and values["head_dim"] is None:
         values["head_dim"] = hidden_size // heads
+    if family.latent_attention and raw.get("head_dim") is None:  # DeepseekV2Config and V3Config: the rotary part
+        values["head_dim"] = values["qk_rope_head_dim"]
     if "use_sliding_window" in defaults and not values["use_sliding_window"]:
         values["sliding_window"] = None
     if "max_window_layers" in defaults and values["layer_types"] is None:
@@ -378,6 +401,13 @@ class RopeParameters:
 
 def head_dim_of(config: HFConfig) -> int:
     return config.head_dim or config.hidden_size // config.num_attention_heads
+
+
+def kv_head_dim_of(config: HFConfig) -> int:
+    """The width of one cached KV head: the head, or latent attention's one vector (latent and rotary key)."""
+    if config.kv_lora_rank is not None:
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    return head_dim_of(config)
 
 
 def rotary_dim_of(head_dim: int, rope: RopeParameters) -> int:
@@ -546,13 +576,44 @@ def check_supported(config: HFConfig) -> None:
                          f"num_experts={config.num_experts}")
     for layer_idx in range(config.num_hidden_layers):
         rope_parameters_of(config, layer_idx)
+    if family.latent_attention:
+        _check_latent_attention(config)
+
+
+def _check_latent_attention(config: HFConfig) -> None:
+    """DeepSeek's attention and routing settings, as its transformers classes need them."""
+    missing = [name for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               if getattr(config, name) is None]
+    if missing:
+        raise ValueError(f"{config.model_type} needs {', '.join(missing)}: multi-head latent attention has no "
+                         "default for them")
+    if config.head_dim != config.qk_rope_head_dim:  # transformers' rotary would turn head_dim dimensions
+        raise ValueError(f"head_dim={config.head_dim} must equal qk_rope_head_dim={config.qk_rope_head_dim} (or be "
+                         "left out): DeepSeek's rotary embedding turns head_dim dimensions of the rotary part")
+    if not config.num_experts:
+        return
+    grouped = config.model_type == "deepseek_v3" or config.topk_method == "group_limited_greedy"
+    if config.model_type == "deepseek_v2" and config.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={config.topk_method!r} is not supported for deepseek_v2; supported: greedy, "
+                         "group_limited_greedy")
+    if grouped:
+        groups, chosen = config.n_group, config.topk_group
+        if groups is None or chosen is None or config.num_experts % groups or not chosen <= groups:
+            raise ValueError(f"group-limited routing needs n_group dividing the {config.num_experts} routed experts "
+                             f"and topk_group <= n_group, got n_group={groups}, topk_group={chosen}")
+        if config.model_type == "deepseek_v3" and config.num_experts // groups < 2:
+            raise ValueError(f"n_group={groups} leaves fewer than 2 experts per group; deepseek_v3 scores a group "
+                             "by its top 2")
+        if config.num_experts_per_tok > chosen * (config.num_experts // groups):
+            raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} is more than the "
+                             f"{chosen * (config.num_experts // groups)} experts of topk_group={chosen} groups")
 
 
 def is_sparse_layer(config: HFConfig, layer_idx: int) -> bool:
     """Whether this layer's MLP is a mixture of experts (Qwen3-MoE's rule, which makes every layer of gpt-oss
     one); False for dense models."""
     return (config.num_experts > 0 and layer_idx not in config.mlp_only_layers
-            and (layer_idx + 1) % config.decoder_sparse_step == 0)
+            and (layer_idx + 1) % config.decoder_sparse_step == 0 and layer_idx >= config.first_k_dense_replace)
 
 
 def tensor_parallel_sizes(config: HFConfig) -> dict[str, int]:
@@ -563,6 +624,8 @@ def tensor_parallel_sizes(config: HFConfig) -> dict[str, int]:
         sizes["intermediate_size"] = config.intermediate_size
     if any(sparse):
         sizes.update([expert_intermediate_size(config)])
+        if config.n_shared_experts:  # DeepSeekMoE's shared experts: one gated MLP of their summed size
+            sizes["n_shared_experts * moe_intermediate_size"] = config.n_shared_experts * config.moe_intermediate_size
     return sizes
 
 

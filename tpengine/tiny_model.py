@@ -75,6 +75,9 @@ def write_tiny_model(path: str, *, seed: int = 0, with_tokenizer: bool = True, a
         for name, param in model.named_parameters():
             if name.endswith((".bias", "_proj_bias")):
                 param.normal_(0.0, config.initializer_range)
+        for name, buffer in model.named_buffers():  # DeepSeek V3's routing bias, a saved buffer
+            if name.endswith(".e_score_correction_bias"):
+                buffer.normal_(0.0, config.initializer_range)
     if getattr(model, "generation_config", None) is not None:  # a classifier (no generate) has none
         model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(path, safe_serialization=True)

@@ -80,6 +80,11 @@ def test_flash_attn_in_float32_names_the_half_dtypes():
         resolve_backend_name("flash_attn", CUDA, 256, torch.float32)
 
 
+def test_flash_attn_names_its_widest_head_against_a_latent_cache_s():
+    with pytest.raises(ValueError, match="heads up to 256 wide, and the model's cached heads are 576"):
+        resolve_backend_name("flash_attn", CUDA, 256, torch.bfloat16, head_dim=576)
+
+
 @pytest.fixture
 def flash_attn_installed(monkeypatch):
     """As if flash-attn were installed, so the block-size and dtype rules are what decides."""
@@ -96,6 +101,11 @@ def test_auto_on_cuda_picks_flash_attn_where_it_can_run(flash_attn_installed):
 @pytest.mark.parametrize("block_size, dtype", [(16, torch.bfloat16), (256, torch.float32)])
 def test_auto_on_cuda_falls_back_to_triton_where_flash_attn_cannot_run(block_size, dtype, flash_attn_installed):
     assert resolve_backend_name("auto", CUDA, block_size, dtype) == "triton"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_auto_on_cuda_takes_triton_for_a_latent_cache(flash_attn_installed):
+    assert resolve_backend_name("auto", CUDA, 256, torch.bfloat16, head_dim=576) == "triton"
 
 
 @pytest.fixture

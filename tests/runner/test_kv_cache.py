@@ -14,9 +14,9 @@ CPU = torch.device("cpu")
 class Attention(nn.Module):
     """What the cache asks of an attention layer: its K/V heads and head size, and a k_cache/v_cache to set."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_kv_heads: int, head_dim: int, values_are_keys: bool = False):
         super().__init__()
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.num_kv_heads, self.head_dim, self.values_are_keys = num_kv_heads, head_dim, values_are_keys
         self.k_cache = self.v_cache = torch.tensor([])
 
 
@@ -27,6 +27,15 @@ def layers(count: int, num_kv_heads: int = 2, head_dim: int = 4) -> list[Attenti
 def test_a_block_holds_the_model_and_the_draft_model_k_and_v():
     cache = KVCache([layers(3), layers(1, num_kv_heads=1)], block_size=16, dtype=torch.bfloat16, device=CPU)
     assert cache.block_bytes == (3 * 16 * 2 * 2 * 4 + 1 * 16 * 2 * 1 * 4) * 2
+
+
+def test_a_latent_cache_holds_one_tensor_whose_values_are_its_keys():
+    latent_layers = [Attention(1, 32 + 8, values_are_keys=True) for _ in range(3)]  # DeepSeek's latent + rotary key
+    cache = KVCache([latent_layers], block_size=16, dtype=torch.bfloat16, device=CPU)
+    assert cache.block_bytes == 3 * 16 * 40 * 2  # one 40-wide vector per token and layer, no second tensor
+    cache.allocate(4)
+    assert tuple(cache.tensors[0].shape) == (1, 3, 4, 16, 1, 40)
+    assert all(layer.v_cache.data_ptr() == layer.k_cache.data_ptr() for layer in latent_layers)
 
 
 def test_each_layer_reads_its_own_rows_of_one_tensor_until_it_is_freed():

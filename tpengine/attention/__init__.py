@@ -16,16 +16,19 @@ logger = logging.getLogger("tpengine")
 # the first Triton with triton.knobs, which the attention kernels read (setup.cfg pins the same)
 TRITON_MIN_VERSION = "3.4"
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV: page_block_size must be a multiple of 256
+FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's widest head
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 FP8_KV_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions: Ada and Hopper, not Ampere
 FP8_KV_NOTE = "kv_cache_dtype='fp8' runs on attention_backend 'triton' or 'torch'"
 
 
 def flash_attn_problem(device: torch.device, block_size: int, dtype: torch.dtype | None = None,
-                       kv_cache_dtype: torch.dtype | None = None) -> str | None:
+                       kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None) -> str | None:
     """Why flash_attn cannot run with these settings, or None; the device is checked first."""
     if device.type != "cuda":
         return f"needs CUDA, and the engine runs on {device.type}"
+    if head_dim is not None and head_dim > FLASH_ATTN_MAX_HEAD_DIM:
+        return f"takes heads up to {FLASH_ATTN_MAX_HEAD_DIM} wide, and the model's cached heads are {head_dim}"
     if is_fp8(kv_cache_dtype):
         return f"has no FP8 KV cache (flash-attn 2 reads none); {FP8_KV_NOTE}"
     if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
@@ -74,12 +77,14 @@ def cpu_kernel_problem(device: torch.device, kv_cache_dtype: torch.dtype | None 
 
 
 def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype: torch.dtype | None = None,
-                         kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False) -> str:
+                         kv_cache_dtype: torch.dtype | None = None, batch_invariant: bool = False,
+                         head_dim: int | None = None) -> str:
     """The backend that `name` means here; ValueError when it cannot run. kv_cache_dtype: None or the model's
-    dtype for a cache of the model's dtype; batch_invariant: auto never picks flash-attn (make_backend)."""
+    dtype for a cache of the model's dtype; batch_invariant: auto never picks flash-attn (make_backend); head_dim:
+    the width of a cached KV head (latent attention's is wider than flash-attn takes)."""
     if name == "auto":
         if device.type == "cuda":
-            if flash_attn_problem(device, block_size, dtype) is None and not batch_invariant:
+            if flash_attn_problem(device, block_size, dtype, head_dim=head_dim) is None and not batch_invariant:
                 if not is_fp8(kv_cache_dtype):
                     return "flash_attn"
                 logger.info("attention backend 'triton', not 'flash_attn': flash-attn 2 has no FP8 KV cache")
@@ -102,7 +107,7 @@ def resolve_backend_name(name: str, device: torch.device, block_size: int, dtype
         if problem is not None:
             raise ValueError(f"attention_backend='cpu' {problem}")
     if name == "flash_attn":
-        problem = flash_attn_problem(device, block_size, dtype, kv_cache_dtype)
+        problem = flash_attn_problem(device, block_size, dtype, kv_cache_dtype, head_dim)
         if problem is not None:
             raise ValueError(f"attention_backend='flash_attn' {problem}")
     if name == "triton":

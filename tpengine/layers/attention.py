@@ -30,8 +30,10 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend, *, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, has_sinks: bool = False):
+                 logit_softcap: float | None = None, has_sinks: bool = False, values_are_keys: bool = False):
         super().__init__()
+        # the values are the keys themselves (a latent cache): one cache tensor serves both
+        self.values_are_keys = values_are_keys
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

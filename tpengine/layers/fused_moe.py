@@ -59,11 +59,15 @@ class FusedMoE(nn.Module):
 
     softmax_after_top_k: select_experts' routing. act_and_mul: the activation between the matmuls, over gate
     then up packed in the last dimension (None: silu(gate) * up). bias: the experts have biases. stacked: the
-    checkpoint stores one tensor per projection for all the experts (gpt-oss), which loads float only."""
+    checkpoint stores one tensor per projection for all the experts (gpt-oss), which loads float only. routing: the
+    family's own choice, router logits -> (weights, expert ids) as select_experts returns them (DeepSeek's groups),
+    in place of select_experts."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 *, softmax_after_top_k: bool = False, act_and_mul=None, bias: bool = False, stacked: bool = False):
+                 *, softmax_after_top_k: bool = False, act_and_mul=None, bias: bool = False, stacked: bool = False,
+                 routing=None):
         super().__init__()
+        self.routing = routing
         self.tp_group = get_tp_group()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -183,7 +187,12 @@ class FusedMoE(nn.Module):
                                w13_bias=w13_bias, w2_bias=w2_bias)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_top_k)
+        if self.routing is not None:
+            topk_weights, topk_ids = self.routing(router_logits)
+            topk_weights = topk_weights.to(x.dtype)
+        else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize,
+                                                    self.softmax_after_top_k)
         w13, w2 = self.packed_experts if self.packed_experts is not None else (self.w13_weight, self.w2_weight)
         if self.w13_bias is not None:
             # the down bias once, from rank 0: the all-reduce adds the ranks' partial sums

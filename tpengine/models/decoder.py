@@ -90,10 +90,12 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class = DecoderAttention  # (config, family, backend, layer_idx) -> the layer's self_attn
+
     def __init__(self, config: HFConfig, family: DecoderFamily, backend: AttentionBackend, mlp: nn.Module,
                  layer_idx: int):
         super().__init__()
-        self.self_attn = DecoderAttention(config, family, backend, layer_idx)
+        self.self_attn = self.attention_class(config, family, backend, layer_idx)
         self.mlp = mlp
         self.input_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = family.norm(config.hidden_size, eps=config.rms_norm_eps)

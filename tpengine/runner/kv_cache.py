@@ -35,22 +35,30 @@ def attention_layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "k_cache")]
 
 
+def _tensors_per_layer(layer: torch.nn.Module) -> int:
+    """2 for a layer's keys and values; 1 where its values are its keys (a latent cache: models/deepseek.py)."""
+    return 1 if layer.values_are_keys else 2
+
+
 def kv_block_bytes(attention_layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
     layer = attention_layers[0]
-    return len(attention_layers) * block_size * 2 * layer.num_kv_heads * layer.head_dim * dtype.itemsize
+    return (len(attention_layers) * block_size * _tensors_per_layer(layer) * layer.num_kv_heads * layer.head_dim
+            * dtype.itemsize)
 
 
 def allocate_kv_cache(attention_layers: list[torch.nn.Module], num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One tensor for every layer's K and V, [2, layers, blocks, block_size, kv_heads, head_dim], each layer given
-    its views. CUDA: zeroed once, so no stale NaN bit pattern in an unwritten slot reaches a masked-out
-    product (0 * NaN) in the torch backend; CPU: not touched up front."""
+    """One tensor for every layer's K and V, [2, layers, blocks, block_size, kv_heads, head_dim] (one tensor, not 2,
+    where values are the keys: v_cache is then k_cache), each layer given its views. CUDA: zeroed once, so no stale
+    NaN bit pattern in an unwritten slot reaches a masked-out product (0 * NaN) in the torch backend; CPU: not
+    touched up front."""
     layer = attention_layers[0]
-    shape = (2, len(attention_layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+    shape = (_tensors_per_layer(layer), len(attention_layers), num_blocks, block_size, layer.num_kv_heads,
+             layer.head_dim)
     allocate = torch.zeros if device.type == "cuda" else torch.empty
     kv_cache = allocate(shape, dtype=dtype, device=device)
     for i, layer in enumerate(attention_layers):
-        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[-1, i]
     return kv_cache
 
 
@@ -92,7 +100,7 @@ class KVCache:
         block, n > 1 completions forking their prompt): plain rows of the cache tensor, the same on every
         attention backend, done before any pass of the step writes or reads the cache."""
         for kv_cache in self.tensors:
-            # [2, layers, blocks, block_size, kv_heads, head_dim]
+            # [2 (or 1), layers, blocks, block_size, kv_heads, head_dim]
             for copy in block_copies:
                 kv_cache[:, :, copy.dst, :copy.num_tokens] = kv_cache[:, :, copy.src, :copy.num_tokens]
 

@@ -8,7 +8,7 @@ from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, VocabParallelSampling
 from tpengine.distributed.parallel_state import PipelineGroup, TensorParallelGroup, building_model_for
-from tpengine.hf_config import load_hf_config, long_rope_threshold_of, max_positions_of
+from tpengine.hf_config import kv_head_dim_of, load_hf_config, long_rope_threshold_of, max_positions_of
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.layers.batch_invariant import building_batch_invariant
 from tpengine.models.loader import load_and_prepack
@@ -87,7 +87,7 @@ class ModelRunner:
 
     def _attention_backend_name(self) -> str:
         name = resolve_backend_name(self.config.attention_backend, self.device, self.block_size, self.dtype,
-                                    self.kv_cache_dtype, self.config.batch_invariant)
+                                    self.kv_cache_dtype, self.config.batch_invariant, kv_head_dim_of(self.hf_config))
         if self.rank == 0:
             logger.info("attention backend: %s on %s (%s, KV cache %s)", name, self.device, self.dtype,
                         str(self.kv_cache_dtype).removeprefix("torch."))
@@ -136,6 +136,9 @@ class ModelRunner:
                 model = model_class(hf_config)(hf_config, attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
+        for module in model.modules():  # latent attention's prefill (layers/latent_attention.py)
+            if hasattr(module, "prefill_form"):
+                module.prefill_form = self.config.mla_prefill
         load_and_prepack(model, path, hf_config, self.config, self.platform, self.device, self.weight_dtype,
                          log=self.rank == 0)
         return model
