@@ -12,7 +12,8 @@ import pytest
 from tests.tools import TOOLS, import_tool
 
 KERNELS = {"_store_kvcache_kernel", "_paged_decode_kernel", "_paged_prefill_kernel", "_grouped_gemm_kernel",
-           "_block_fp8_matmul_kernel", "_quant_matmul_kernel", "_lora_add_kernel"}
+           "_block_fp8_matmul_kernel", "_quant_matmul_kernel", "_lora_add_kernel", "_latent_decode_kernel",
+           "_join_splits_kernel"}
 KERNEL_MODULE = '''
 import triton
 import triton.language as tl

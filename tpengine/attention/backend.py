@@ -67,6 +67,13 @@ class AttentionBackend(ABC):
                params: AttentionParams) -> torch.Tensor:
         """One query per sequence over its paged context."""
 
+    def decode_latent(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, params: AttentionParams,
+                      latent_dim: int) -> torch.Tensor:
+        """Latent attention's decode (layers/latent_attention.py): one query per sequence per head over its cached
+        vectors, cache [num_blocks, block_size, 1, width] being both keys and values; the first latent_dim columns
+        of each head's output. Here as any MQA decode; a backend with a kernel for it reads each vector once."""
+        return self.decode(q, cache, cache, meta, params)[..., :latent_dim]
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams) -> torch.Tensor:
         self.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, params.k_scale, params.v_scale)
         if not meta.is_prefill:
