@@ -28,7 +28,8 @@ ONLINE_QUANTIZATIONS = ("int8", "int4", "fp8")  # a float checkpoint quantized a
 # the CPU has no FP8 matmul: online fp8 there would only round the weights and keep them float (as vLLM, refused)
 FP8_NEEDS_A_GPU = ("quantization='fp8' runs FP8 matmuls, which need a CUDA GPU of compute capability 8.9 or "
                    "newer (Ada, Hopper); on {where} use quantization='int8'")
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers the engine has (engine/proposer.py, runner/drafter.py)
+# proposers the engine has (engine/proposer.py, runner/drafter.py, runner/mtp_drafter.py)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
 # Past this many tokens proposed a step, even a draft 90% right would see the next one kept under 4% of the
 # time (0.9 ** 33), while each costs a row of the verify forward; vLLM's users propose up to ~16.
@@ -103,6 +104,13 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
         if model is not None:
             raise ValueError(f"speculative_config: \"model\" ({model!r}) is a draft checkpoint, which method "
                              f"{method!r} does not take")
+        if method == "mtp":  # the checkpoint's own multi-token-prediction layer (DeepSeek V3)
+            lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(spec))
+            if lookup:
+                raise ValueError(f"speculative_config: {lookup} apply to method 'ngram' only, not 'mtp'")
+            config = cls(method=method, num_speculative_tokens=spec.get("num_speculative_tokens"), **policy)
+            config._check_numbers()
+            return config
         lookup_min, lookup_max = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
         if lookup_min is None and lookup_max is None:
             lookup_min = lookup_max = DEFAULT_PROMPT_LOOKUP
@@ -309,8 +317,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # vLLM's dict; validate makes it a SpeculativeConfig
     speculative_config: Annotated[SpeculativeConfig | None, Setting(
         "speculative", 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                       '"prompt_lookup_min": 1, "prompt_lookup_max": 3}, or a draft model with the model\'s '
-                       'vocabulary: {"model": "PATH", "num_speculative_tokens": 4}', default_help="none")] = None
+                       '"prompt_lookup_min": 1, "prompt_lookup_max": 3}, a draft model with the model\'s '
+                       'vocabulary: {"model": "PATH", "num_speculative_tokens": 4}, or DeepSeek V3\'s own MTP layer: '
+                       '{"method": "mtp", "num_speculative_tokens": 2}', default_help="none")] = None
     # --- lora --------------------------------------------------------------------------------------------------
     # adapters run in max_loras slots beside the weights (each step mixes rows of any of them and of the base); the
     # ranks keep max_cpu_loras read adapters in host memory, so one evicted from its slot comes back without a read
@@ -458,6 +467,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         if not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config.method == "mtp":
+            if not hf_config.num_nextn_predict_layers:
+                raise ValueError(f"speculative_config method 'mtp' needs a checkpoint with multi-token-prediction "
+                                 f"layers (num_nextn_predict_layers >= 1, DeepSeek V3's); {hf_config.model_type} "
+                                 f"has {hf_config.num_nextn_predict_layers}")
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("speculative decoding with method 'mtp' runs on one pipeline stage only: use "
+                                 "pipeline_parallel_size=1")
         if self.speculative_config.method == "draft_model":
             if self.pipeline_parallel_size > 1:
                 raise ValueError("speculative decoding with a draft model runs on one pipeline stage only: use "

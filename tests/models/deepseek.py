@@ -58,9 +58,15 @@ def _add_mtp_layer(path: str, index: int) -> None:
     tensors.update({name.replace(last, f"model.layers.{index}."): tensor.clone()
                     for name, tensor in tensors.items() if name.startswith(last)})
     hidden = tensors["model.norm.weight"].size(0)
-    tensors.update({f"model.layers.{index}.enorm.weight": torch.ones(hidden),
-                    f"model.layers.{index}.hnorm.weight": torch.ones(hidden),
-                    f"model.layers.{index}.eh_proj.weight": torch.zeros(hidden, 2 * hidden)})
+    g = torch.Generator().manual_seed(index)
+    prefix = f"model.layers.{index}."
+    tensors.update({prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                    prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                    prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                    prefix + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+                    # V3's files repeat the embedding and the head in the layer
+                    prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                    prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
     save_file(tensors, file, metadata={"format": "pt"})
 
 

@@ -30,6 +30,9 @@ class Proposer(Protocol):
     draft model now; an EAGLE or MTP head would be another)."""
 
     on_ranks: bool  # its drafts are made on the ranks within the verifying step: propose returns placeholders
+    # on the ranks: its K/V is written from a verify row's token context where it lacks it (a draft model), rather
+    # than from every step's rows (MTP, which reads the model's hidden states)
+    catches_up: bool
 
     def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
         """At most max_num_tokens guesses of the tokens that follow token_ids (none is fine); DRAFTED_ON_RANKS
@@ -43,6 +46,7 @@ class NgramProposer:
     as a loop where they reach the sequence's end."""
 
     on_ranks = False
+    catches_up = False
 
     def __init__(self, config: SpeculativeConfig):
         self.min_n = config.prompt_lookup_min
@@ -78,17 +82,21 @@ def _continuation(token_ids: list[int], start: int, max_num_tokens: int) -> list
 
 
 class DraftModelProposer:
-    """A draft model (vLLM's "draft_model"): every speculating sequence gets the most drafts it may have, which
-    the ranks' draft model proposes greedily in the step that verifies them (runner/drafter.py)."""
+    """A draft model (vLLM's "draft_model"), or the checkpoint's own multi-token-prediction layer ("mtp"): every
+    speculating sequence gets the most drafts it may have, which the ranks propose greedily in the step that
+    verifies them (runner/drafter.py, runner/mtp_drafter.py)."""
 
     on_ranks = True
+
+    def __init__(self, catches_up: bool = True):
+        self.catches_up = catches_up
 
     def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
         return [DRAFTED_ON_RANKS] * max_num_tokens
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "draft_model":
-        return DraftModelProposer()
+    if config.method in ("draft_model", "mtp"):
+        return DraftModelProposer(catches_up=config.method == "draft_model")
     assert config.method == "ngram", "SpeculativeConfig.from_dict admits only the methods built"
     return NgramProposer(config)

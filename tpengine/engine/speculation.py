@@ -67,7 +67,9 @@ class Speculation:
 
     def catch_up_of(self, seq: Sequence, block_size: int) -> int:
         """Tokens of seq's draft-model K/V a verify row writes first (the ranks' draft model only)."""
-        return seq.num_cached_tokens - draft_context_start(seq, block_size) if self.proposer.on_ranks else 0
+        if not self.proposer.on_ranks or not self.proposer.catches_up:
+            return 0
+        return seq.num_cached_tokens - draft_context_start(seq, block_size)
 
     def add_verify_rows(self, decode: list[Sequence], verify: list[Sequence], prefill: list[Sequence],
                         chunks: list[PrefillChunk], sampling: list[SamplingRecord], block_size: int) -> int:
@@ -84,8 +86,8 @@ class Speculation:
         num_verify_tokens = 0
         for seq in verify:
             drafts = seq.draft_token_ids
-            if on_ranks:
-                start = draft_context_start(seq, block_size)
+            if on_ranks:  # the context a catching-up proposer lacks (none for one that follows every step)
+                start = draft_context_start(seq, block_size) if self.proposer.catches_up else seq.num_cached_tokens
                 chunks.append(PrefillChunk(seq.seq_id, [seq.last_token], seq.num_cached_tokens, True, len(drafts),
                                            seq.long_rope, start, seq.token_ids[start:seq.num_cached_tokens],
                                            seq.lora_slot))

@@ -8,7 +8,8 @@ no heads, so it is whole on every rank (each rank computes it; its heads' projec
 Two ways to attend, the same scores:
 - absorbed: W_uk folds into each query (q_nope W_uk[h], then q_pe), so attention is MQA over the cached vectors
   themselves, the values being the same vectors (their first kv_lora_rank columns); W_uv then maps each head's
-  output. Any attention backend runs it, decode kernels included: it reads no per-head K/V.
+  output. Any attention backend runs it: it reads no per-head K/V (decode through the backend's decode_latent: the
+  Triton backend's kernel reads each vector once for both products and splits long contexts).
 - expanded: each chunk's keys and values are made per head from the cached latents (kv_b_proj over every key), then
   ordinary attention with qk_nope + qk_rope wide keys and v_head_dim wide values. Cheaper for a long prefill chunk,
   whose many queries share the expansion.
@@ -119,8 +120,8 @@ class LatentAttention(nn.Module):
         backend.store_kvcache(entry, entry, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale,
                               attn.k_scale)
         if not meta.is_prefill:
-            return self._absorbed(q_nope, q_pe, lambda q: backend.decode(q, attn.k_cache, attn.v_cache, meta,
-                                                                          attn.params))
+            return self._absorbed(q_nope, q_pe, lambda q: backend.decode_latent(q, attn.k_cache, meta, attn.params,
+                                                                                self.latent_dim))
         n = meta.num_decode_tokens
         if self._expands(meta):
             prefill = self._expanded(q_nope[n:], q_pe[n:], entry[n:], meta)
@@ -129,14 +130,14 @@ class LatentAttention(nn.Module):
                 q, entry[n:], entry[n:], attn.k_cache, attn.v_cache, meta, attn.params))
         if not n:
             return prefill
-        decode = self._absorbed(q_nope[:n], q_pe[:n], lambda q: backend.decode(q, attn.k_cache, attn.v_cache,
-                                                                               meta.decode, attn.params))
+        decode = self._absorbed(q_nope[:n], q_pe[:n], lambda q: backend.decode_latent(
+            q, attn.k_cache, meta.decode, attn.params, self.latent_dim))
         return torch.cat([decode, prefill])
 
     def _absorbed(self, q_nope, q_pe, attend_latents) -> torch.Tensor:
         """MQA over the cached entries: queries [q_nope W_uk, q_pe], the output's latent part through W_uv."""
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
-        out = attend_latents(torch.cat([q_latent, q_pe], dim=-1))[..., :self.latent_dim]
+        out = attend_latents(torch.cat([q_latent, q_pe], dim=-1))[..., :self.latent_dim]  # decode gives just that
         return torch.bmm(out.transpose(0, 1), self.w_uv).transpose(0, 1)
 
     def _expands(self, meta: AttentionMetadata) -> bool:

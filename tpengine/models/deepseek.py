@@ -10,7 +10,8 @@ router weight (gate.weight, kept float32 as transformers keeps it):
 - V3: sigmoid scores; choice scores add e_score_correction_bias; the topk_group groups with the highest sums of
   their top two choice scores keep their experts; the top k of those by choice score, weighted by their plain
   scores, normalised when norm_topk_prob, times routed_scaling_factor.
-V3's multi-token-prediction layers (model.layers.<num_hidden_layers>...) are not served: their tensors are skipped.
+V3's multi-token-prediction layer (model.layers.<num_hidden_layers>...) is skipped by the model; speculative decoding
+with method "mtp" loads it as DeepseekMtp, its drafter (runner/mtp_drafter.py).
 """
 import re
 
@@ -18,7 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpengine.attention.metadata import AttentionMetadata
 from tpengine.hf_config import HFConfig, is_sparse_layer
+from tpengine.layers.layernorm import RMSNorm
+from tpengine.layers.linear import ReplicatedLinear
 from tpengine.layers.fused_moe import FusedMoE
 from tpengine.layers.latent_attention import LatentAttention
 from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, DecoderLayer, GatedMLP
@@ -136,3 +140,64 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     pass
+
+
+# the MTP layer's own tensors (model.layers.<N>.<name>) -> ours; its decoder layer's go under block.
+MTP_OWN = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.", "shared_head.norm.": "shared_head_norm."}
+
+
+class DeepseekMtp(nn.Module):
+    """DeepSeek V3's multi-token-prediction layer: from the model's final (normed) hidden state at position p and the
+    embedding of token p + 1, a guess at token p + 2:
+        h = block(eh_proj([enorm(embed(token)), hnorm(hidden)]))   (a decoder layer: MLA, then DeepSeekMoE)
+        logits = lm_head(shared_head_norm(h))
+    h also stands in for the model's hidden state when it guesses further (vLLM's reuse of one layer for several
+    drafts). The embedding and LM head are the model's (share_with): the checkpoint's copies are not read."""
+
+    def __init__(self, config: HFConfig, backend):
+        super().__init__()
+        self.index = config.num_hidden_layers  # its tensors' layer number in the checkpoint
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(hidden, eps=eps), RMSNorm(hidden, eps=eps)
+        self.eh_proj = ReplicatedLinear(2 * hidden, hidden)
+        mlp = DeepseekMoE(config) if config.num_experts else GatedMLP(hidden, config.intermediate_size)
+        self.block = DeepseekDecoderLayer(config, DecoderFamily(), backend, mlp, self.index)
+        self.shared_head_norm = RMSNorm(hidden, eps=eps)
+        self.embed_tokens = self.lm_head = None
+
+    def share_with(self, model: DeepseekV2ForCausalLM) -> None:
+        """The model's embedding and LM head, as DeepSeek's MTP layer shares them."""
+        self.embed_tokens, self.lm_head = model.model.embed_tokens, model.lm_head
+
+    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
+        prefix = f"model.layers.{self.index}."
+        if not name.startswith(prefix):
+            return None, ()  # the model's own tensors, and another MTP layer's
+        rest = name.removeprefix(prefix)
+        for theirs, ours in MTP_OWN.items():
+            if rest.startswith(theirs):
+                return ours + rest.removeprefix(theirs), ()
+        if rest.startswith(("embed_tokens.", "shared_head.head.")):
+            return None, ()  # copies of the model's embedding and head
+        expert = EXPERT_WEIGHT.match("." + rest)
+        if expert:
+            _, index, shard = expert.groups()
+            return f"block.mlp.experts.{'w2' if shard == 'down' else 'w13'}_weight", (int(index), shard)
+        for projection, shard in (("gate_proj", 0), ("up_proj", 1)):
+            if f".{projection}." in rest and rest.startswith("mlp."):
+                return "block." + rest.replace(f".{projection}.", ".gate_up_proj."), (shard,)
+        return "block." + rest, ()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                previous_hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's h (before shared_head_norm): row i holds token p + 1 at position p, previous_hidden[i] the
+        model's hidden state at p."""
+        embeds = self.embed_tokens(input_ids)
+        embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)  # vLLM's: the first position has no before
+        hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous_hidden.contiguous())], dim=-1))
+        hidden, residual = self.block(positions, hidden, None, meta)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """This rank's slice of the vocabulary's logits (ParallelLMHead, gather=False)."""
+        return self.lm_head(self.shared_head_norm(hidden), False, num_rows)

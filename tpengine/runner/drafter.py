@@ -43,6 +43,9 @@ class Drafter:
             self.mirror_prompts(step, inputs)
         return step, forward, draft_token_ids
 
+    def follow(self, step: StepMessage, hidden_states: torch.Tensor) -> None:
+        """After the model's forward: a draft model reads none of its hidden states (runner/mtp_drafter.py does)."""
+
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Run a drafting step's forward for its K/V alone (no logits): the draft model's cache keeps up with the
         model's for every sequence it was complete for."""

@@ -18,6 +18,7 @@ from tpengine.pooling import read_pooling_config
 from tpengine.platforms import platform_for
 from tpengine.runner.decode_path import EagerDecode, choose_decode_path
 from tpengine.runner.drafter import Drafter
+from tpengine.runner.mtp_drafter import MtpDrafter
 from tpengine.runner.inputs import ForwardInputs, InputBuilder
 from tpengine.runner.cuda_graphs import MAX_GRAPH_BATCH_SIZE
 from tpengine.runner.kv_cache import KVCache, attention_layers_of, num_kvcache_blocks
@@ -99,12 +100,18 @@ class ModelRunner:
         logger.info("FP8 KV cache: %s", "every scale 1.0 (the checkpoint has none): K/V beyond +-448 are clamped"
                     if unscaled else "each layer's K and V scales from the checkpoint")
 
-    def _load_drafter(self) -> Drafter | None:
-        """Speculative decoding with a draft model: its shard on this rank, its KV cache in the same blocks."""
+    def _load_drafter(self) -> Drafter | MtpDrafter | None:
+        """Speculative decoding with a draft model, or the checkpoint's MTP layer: its shard on this rank, its KV
+        cache in the same blocks."""
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "mtp"):
             return None
         backend = make_backend(self.backend_name, self.config.batch_invariant)
+        if spec.method == "mtp":
+            from tpengine.models.deepseek import DeepseekMtp
+            mtp = self.load(self.config.model, self.hf_config, backend, build=DeepseekMtp)
+            mtp.share_with(self.model)
+            return MtpDrafter(mtp, self.group)
         return Drafter(self.load(spec.model, load_hf_config(spec.model), backend), self.group)
 
     def _lora_adapters(self) -> LoRAAdapters | None:
@@ -125,15 +132,15 @@ class ModelRunner:
         return InputBuilder(self.block_size, self.device, long_rope_threshold_of(self.hf_config),
                             max_positions_of(self.hf_config), lora=self.lora is not None)
 
-    def load(self, path: str, hf_config, attention_backend) -> torch.nn.Module:
-        """This rank's shard of a checkpoint (the model, or a draft model): built for this rank's group and
-        stage, then loaded, quantized and prepacked (models/loader.py)."""
+    def load(self, path: str, hf_config, attention_backend, build=None) -> torch.nn.Module:
+        """This rank's shard of a checkpoint (the model, a draft model, or build(hf_config, backend): the model's
+        MTP layer): built for this rank's group and stage, then loaded, quantized and prepacked (models/loader.py)."""
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), building_model_for(self.group, self.stage), \
                     building_batch_invariant(self.config.batch_invariant):
-                model = model_class(hf_config)(hf_config, attention_backend)
+                model = (build or model_class(hf_config))(hf_config, attention_backend)
         finally:
             torch.set_default_dtype(default_dtype)
         for module in model.modules():  # latent attention's prefill (layers/latent_attention.py)
@@ -232,6 +239,8 @@ class ModelRunner:
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
         forward = self.model if inputs.meta.is_prefill else self.decode_path.run
         hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.drafter is not None:
+            self.drafter.follow(step, hidden_states)
         scored = None
         if inputs.meta.is_prefill and any(chunk.prompt_logprobs for chunk in step.prefill):
             chunks = [chunk for chunk in step.prefill if not chunk.num_draft_tokens]  # the prompt rows' order
