@@ -43,6 +43,9 @@ class Drafter:
             self.mirror_prompts(step, inputs)
         return step, forward, draft_token_ids
 
+    def forget_all(self) -> None:
+        """Drop what is kept of every sequence: a draft model keeps nothing between steps."""
+
     def follow(self, step: StepMessage, hidden_states: torch.Tensor) -> None:
         """After the model's forward: a draft model reads none of its hidden states (runner/mtp_drafter.py does)."""
 

@@ -53,6 +53,10 @@ class MtpDrafter:
         step, draft_token_ids = self._propose(step, inputs, last_rows)
         return step, inputs.build(step), draft_token_ids
 
+    def forget_all(self) -> None:
+        """Drop every sequence's run (after the warm-up's dummy sequences)."""
+        self.runs.clear()
+
     def follow(self, step: StepMessage, hidden_states: torch.Tensor) -> None:
         """After the model's forward: each sequence's rows become its run."""
         for seq_id, start, tokens, first_row in _sequence_rows(step, hidden_states.size(0)):

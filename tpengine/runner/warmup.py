@@ -97,6 +97,8 @@ def warm_up(runner) -> None:
             runner.sampler.warm_up(torch.zeros(1, runner.hf_config.vocab_size, device=runner.device))
     finally:
         runner.inputs = real_inputs
+        if runner.drafter is not None:  # nothing of the dummy sequences may reach a real one of the same id
+            runner.drafter.forget_all()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     if log:
