@@ -152,6 +152,9 @@ DEEPSEEK_V3 = Family(
 # model_type -> its description, in the order errors list them
 FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
                                                      GEMMA3, PHI3, GPT_OSS, DEEPSEEK_V2, DEEPSEEK_V3)}
+# model_types whose configs a family's config class reads: Kimi K2's config.json says kimi_k2 (its remote code is
+# DeepSeek V3's config class) and architectures DeepseekV3ForCausalLM
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values())  # the architectures[0] values served
 assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
 # a family's causal LM with a classification head on its last token in place of the LM head (a cross-encoder

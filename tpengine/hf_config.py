@@ -10,7 +10,8 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 
-from tpengine.families import ARCHITECTURES, CLASSIFIER_SUFFIX, FAMILIES, Family, causal_architecture
+from tpengine.families import (ARCHITECTURES, CLASSIFIER_SUFFIX, FAMILIES, MODEL_TYPE_ALIASES, Family,
+                               causal_architecture)
 from tpengine.gguf import is_gguf
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -226,7 +227,8 @@ def parse_hf_config(raw: dict, source: str) -> HFConfig:
     """HFConfig from a config.json's object; ValueError naming source and the field at fault."""
     if not isinstance(raw, dict):
         raise _invalid(source, f"it must be a JSON object, got {type(raw).__name__}")
-    model_type = raw.get("model_type")
+    model_type = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
+    raw = {**raw, "model_type": model_type}
     if model_type not in FAMILIES:
         problem = "it has no model_type" if model_type is None else f"model_type {model_type!r:.80} is not supported"
         raise _invalid(source, f"{problem}; supported: {', '.join(FAMILIES)}")

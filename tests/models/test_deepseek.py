@@ -4,6 +4,7 @@ absorbed or expanded with the same tokens; the interpreted Triton kernels read t
 transformers' routers, ties included; a block-FP8 checkpoint gives the tokens of its dequantized weights; `tpengine
 generate --tp 4` runs the V3 shape on gloo."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.models.deepseek import DEEPSEEK_V2_GROUPS, DEEPSEEK_V3, VOCAB, deepse
 from tests.models.parity import GREEDY, assert_parity, check_preemption, check_twice_with_prefix_hits
 from tpengine import LLM
 from tpengine.cli import main
+from tpengine.hf_config import load_hf_config
 from tpengine.models.deepseek import route_v2, route_v3
 
 # one token, a block and a bit, past YaRN's 32-token window, several chunks of 48
@@ -59,6 +61,20 @@ def test_generate_at_tp_4_on_gloo_matches_transformers(tied_model, capsys):
                  "--ignore-eos", "--json", "--quiet", "--block-size", "16", "latent attention"]) == 0
     output = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert output["token_ids"] == hf_greedy(path, [output["prompt_token_ids"]], 5)[0]
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3(tmp_path):
+    # Kimi K2's config.json names model_type kimi_k2 (its remote code is DeepSeek V3's config class)
+    path = deepseek_checkpoint("v3")
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**config, "model_type": "kimi_k2"}, f)
+    prompts = random_prompts(35, [9, 40], VOCAB)
+    with LLM(str(tmp_path), kvcache_block_size=16) as llm:
+        assert load_hf_config(str(tmp_path)) == load_hf_config(path)
+        assert_parity(path, prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_lora_is_refused_naming_the_latent_attention():
