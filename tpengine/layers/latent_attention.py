@@ -28,7 +28,7 @@ from tpengine.layers.attention import Attention
 from tpengine.layers.layernorm import RMSNorm
 from tpengine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tpengine.layers.load_state import load_state
-from tpengine.layers.rotary_embedding import _yarn_mscale, get_rope
+from tpengine.layers.rotary_embedding import get_rope, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with the class default
 
@@ -39,7 +39,7 @@ def softmax_scale(config: HFConfig) -> float:
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     rope = rope_parameters_of(config)
     if rope.rope_type != "default" and rope.mscale_all_dim:
-        mscale = _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        mscale = yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * mscale * mscale
     return scale
 

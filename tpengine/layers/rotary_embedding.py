@@ -38,7 +38,8 @@ def _llama3_inv_freq(head_dim: int, rope: RopeParameters) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended scale times (1 for none)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -48,9 +49,9 @@ def _yarn(head_dim: int, rope: RopeParameters) -> tuple[torch.Tensor, float]:
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = float(_yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim))
+            attention_factor = float(yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim))
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
         return (head_dim * math.log(rope.original_max_position / (num_rotations * 2 * math.pi))) / (2 * math.log(base))

@@ -58,7 +58,7 @@ class InputBuilder:
         decode rows within a step: runner/drafter.py). Decode rows are built as whole columns (numpy), from
         the message's packed columns and the tables' rows; prompt chunks token by token."""
         num_padding = self.row_bucket(step.num_rows) - step.num_rows
-        seq_ids, input_ids, context_lens, chunks, num_verify_rows = _decode_columns(step)
+        seq_ids, input_ids, context_lens, chunks, num_verify_rows = decode_columns(step)
         positions, slot_mapping, decode = self._decode_rows(seq_ids, context_lens, num_padding)
         input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
         num_decode_rows = len(seq_ids) - num_verify_rows
@@ -155,7 +155,7 @@ class InputBuilder:
         return seqlens_q, seqlens_k
 
 
-def _decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[PrefillChunk], int]:
+def decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[PrefillChunk], int]:
     """The decode rows' sequence ids, tokens and context lengths, each verify row's appended as decode queries; the
     prompt chunks that are left; and how many verify rows there are."""
     seq_ids = np.frombuffer(step.decode_seq_ids, dtype=np.int64)

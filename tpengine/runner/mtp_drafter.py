@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tpengine.distributed.messages import PrefillChunk, StepMessage, int_column
-from tpengine.runner.inputs import ForwardInputs, InputBuilder, _decode_columns
+from tpengine.runner.inputs import ForwardInputs, InputBuilder, decode_columns
 from tpengine.runner.kv_cache import attention_layers_of
 from tpengine.runner.sampler import greedy_on_every_rank
 
@@ -142,7 +142,7 @@ def _first_rows(step: StepMessage) -> list[tuple[int, int, int]]:
 def _sequence_rows(step: StepMessage, num_rows: int) -> list[tuple[int, int, list[int], int]]:
     """(sequence, first position, tokens, first row in the forward) of each sequence's rows in the step, as the
     input builder lays them out: decode rows, verify rows' queries, padding, then prompt chunks (the last rows)."""
-    seq_ids, tokens, context_lens, chunks, _ = _decode_columns(step)
+    seq_ids, tokens, context_lens, chunks, _ = decode_columns(step)
     runs = []
     for row, (seq_id, token, context_len) in enumerate(zip(seq_ids.tolist(), tokens.tolist(), context_lens.tolist())):
         if runs and runs[-1][0] == seq_id and runs[-1][1] + len(runs[-1][2]) == context_len - 1:
