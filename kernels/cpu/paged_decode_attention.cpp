@@ -203,7 +203,8 @@ void run_scores(float* scores, const float* query, int64_t num_heads, int64_t gr
   }
 }
 
-// acc[h * head_dim + d] = sum over the keys first..last - 1 of probs[h * n_keys + t] * V[first + t][d], row by row
+// acc[h * v_dim + d] = sum over the keys first..last - 1 of probs[h * n_keys + t] * V[first + t][d], row by row
+// (here head_dim is the values' width)
 template <typename scalar_t>
 void run_values(float* acc, const float* probs, int64_t num_heads, int64_t group, const scalar_t* v_ptr,
                 const int32_t* table, int64_t v_block, int64_t v_row, int64_t v_head, int64_t block_size,
@@ -227,6 +228,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
                    const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, int64_t window,
                    float softcap, const float* sink_ptr, int64_t max_splits) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t v_dim = v_cache.size(3);  // the values' width: head_dim, or fewer (a latent cache's first columns)
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t max_blocks = block_tables.size(1);
@@ -270,10 +272,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   if (num_splits > 1) {
     part_max.resize(batch * num_splits * num_heads);
     part_sum.resize(batch * num_splits * num_heads);
-    part_acc.resize(batch * num_splits * num_heads * head_dim);
+    part_acc.resize(batch * num_splits * num_heads * v_dim);
   }
   at::parallel_for(0, batch * num_splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(num_heads * head_dim), acc(num_heads * head_dim), scores, inv(num_heads);
+    std::vector<float> query(num_heads * head_dim), acc(num_heads * v_dim), scores, inv(num_heads);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_splits, split = item % num_splits;
       const int64_t context_len = lens[seq];
@@ -281,7 +283,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       if (context_len == 0) {  // a padding row: nothing to attend to
         if (split == 0)
           for (int64_t h = 0; h < num_heads; ++h)
-            std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + head_dim, scalar_t(0));
+            std::fill(o_seq_ptr + h * o_head, o_seq_ptr + h * o_head + v_dim, scalar_t(0));
         continue;
       }
       // the keys this query sees: the last `window` of its context (blocks before them are never read); this
@@ -319,19 +321,19 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         if (sink_ptr) peak = std::max(peak, sink_ptr[h]);
         inv[h] = 1.f / (exp_and_sum(s, n_keys, peak) + (sink_ptr ? std::exp(sink_ptr[h] - peak) : 0.f));
       }
-      float* sums = num_splits > 1 ? &part_acc[part * head_dim] : acc.data();
+      float* sums = num_splits > 1 ? &part_acc[part * v_dim] : acc.data();
       run_values(sums, scores.data(), num_heads, group, v_ptr, table, v_block, v_row, v_head, block_size, lo, hi,
-                 head_dim);
+                 v_dim);
       if (num_splits == 1)
         for (int64_t h = 0; h < num_heads; ++h) {
           scalar_t* o = o_seq_ptr + h * o_head;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv[h]);
+          for (int64_t d = 0; d < v_dim; ++d) o[d] = static_cast<scalar_t>(acc[h * v_dim + d] * inv[h]);
         }
     }
   });
   if (num_splits == 1) return;
   // each head's runs as one softmax: every run's sums rescaled to the largest maximum
-  std::vector<float> out_row(head_dim);
+  std::vector<float> out_row(v_dim);
   for (int64_t seq = 0; seq < batch; ++seq) {
     if (lens[seq] == 0) continue;
     for (int64_t h = 0; h < num_heads; ++h) {
@@ -345,11 +347,11 @@ void decode_kernel(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
         if (part_sum[part] == 0.f) continue;  // an empty run
         const float weight = std::exp(part_max[part] - peak);
         total += weight * part_sum[part];
-        const float* sums = &part_acc[part * head_dim];
-        for (int64_t d = 0; d < head_dim; ++d) out_row[d] += weight * sums[d];
+        const float* sums = &part_acc[part * v_dim];
+        for (int64_t d = 0; d < v_dim; ++d) out_row[d] += weight * sums[d];
       }
       scalar_t* o = o_ptr + seq * o_seq + h * o_head;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(out_row[d] / total);
+      for (int64_t d = 0; d < v_dim; ++d) o[d] = static_cast<scalar_t>(out_row[d] / total);
     }
   }
 }
@@ -358,9 +360,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, double scale, int64_t window, double softcap,
                             const c10::optional<at::Tensor>& sinks, int64_t max_splits) {
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [batch, num_heads, head_dim]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3) &&
+                  v_cache.size(3) <= k_cache.size(3),
+              "k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] (v_cache's head_dim may "
+              "be fewer: a latent cache's values are its keys' first columns)");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(0) == q.size(0) && out.size(1) == q.size(1) &&
+                  out.size(2) == v_cache.size(3),
+              "q must be [batch, num_heads, head_dim] and out [batch, num_heads, v_cache's head_dim]");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and the cache differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,

@@ -20,7 +20,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """out[b] = softmax(scale * q[b] K_b^T) V_b over the first context_lens[b] cached tokens of sequence b.
 
     q: [batch, num_heads, head_dim] (head_dim contiguous); caches: [num_blocks, block_size, num_kv_heads,
-    head_dim]; block_tables: [batch, max_num_blocks] int32; context_lens: [batch] int32, where 0 marks a
+    head_dim] (v_cache's head_dim may be fewer, a view of a latent cache's first columns: out then has that width); block_tables: [batch, max_num_blocks] int32; context_lens: [batch] int32, where 0 marks a
     padding row (its output is 0). window > 0: only the last `window` tokens are attended (and read);
     softcap > 0: scores become softcap * tanh(scores / softcap); sinks: [num_heads] float32 logits, one more
     softmax term each, with no value. The same contract as the Triton kernel of the same name. max_splits: the most
@@ -29,7 +29,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     load()
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = q.new_empty(*q.shape[:2], v_cache.size(-1))
     torch.ops.tpengine_cpu.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
                                                   window, softcap, sinks, max_splits)
     return out

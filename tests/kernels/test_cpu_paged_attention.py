@@ -87,3 +87,24 @@ def test_rejects_what_it_cannot_read(bad, message):
         args["v_cache"] = bad["k_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
         paged_decode_attention(**args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_values_as_the_first_columns_of_the_keys(threads, dtype, tol, paged_kv, rel_err, ref_attention):
+    # DeepSeek's latent cache: one vector per token (latent, then rotary key) is the key, and its latent columns,
+    # a view, the value; a run split across threads too
+    cache, _, block_tables = paged_kv([1, 130, 17], 16, 1, 48 + 8, dtype)
+    q = torch.randn(3, 5, 48 + 8, dtype=dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention(q, cache, cache[..., :48], block_tables, torch.tensor([1, 130, 17],
+                                                                                          dtype=torch.int32), 0.3)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == (3, 5, 48)
+    clean = cache.nan_to_num()
+    for b, n in enumerate([1, 130, 17]):
+        ref = ref_attention(q[b:b + 1], clean, clean[..., :48], block_tables[b].clamp(min=0), n, 0.3)
+        assert rel_err(out[b:b + 1], ref) < tol

@@ -24,11 +24,14 @@ from tpengine.models.deepseek import route_v2, route_v3
 PROMPT_LENGTHS = [1, 20, 45, 110]
 
 
-@pytest.mark.parametrize("name, tp, block_size", [("v2_lite", 1, 16), ("v2_lite", 2, 256), ("v2_groups", 2, 16),
-                                                  ("v3", 1, 256), ("v3", 2, 16), ("v3", 4, 16)])
-def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, tp, block_size):
+# auto: the CPU's C++ decode kernel, the latents' first columns as its values; torch: the reference backend
+@pytest.mark.parametrize("name, tp, block_size, backend", [
+    ("v2_lite", 1, 16, "torch"), ("v2_lite", 2, 256, "auto"), ("v2_groups", 2, 16, "auto"), ("v3", 1, 256, "auto"),
+    ("v3", 2, 16, "torch"), ("v3", 4, 16, "auto")])
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hits(name, tp, block_size, backend):
     check_twice_with_prefix_hits(deepseek_checkpoint(name), random_prompts(31, PROMPT_LENGTHS, VOCAB),
-                                 tensor_parallel_size=tp, kvcache_block_size=block_size, max_num_batched_tokens=48)
+                                 tensor_parallel_size=tp, kvcache_block_size=block_size, max_num_batched_tokens=48,
+                                 attention_backend=backend)
 
 
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])

@@ -24,3 +24,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,
                                       window=params.window, softcap=params.softcap, sinks=params.sinks,
                                       max_splits=self.max_splits)
+
+    def decode_latent(self, q, cache, meta: AttentionMetadata, params: AttentionParams, latent_dim: int):
+        # the values are a view of the latents' columns: the rotary ones are never summed
+        return paged_decode_attention(q, cache, cache[..., :latent_dim], meta.block_tables, meta.context_lens,
+                                      params.scale, max_splits=self.max_splits)
