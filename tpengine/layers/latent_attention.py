@@ -92,7 +92,10 @@ class LatentAttention(nn.Module):
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """W_uk and W_uv from kv_b_proj's rows, before kv_b_proj packs (and frees) its weight: prepack runs on a
         module before its children."""
-        rows = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        weight = self.kv_b_proj.weight
+        # in the model's dtype, where the weight was loaded in the platform's weight dtype (keep_weights_in)
+        dtype = load_state(weight).run_dtype or weight.dtype
+        rows = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim).to(dtype)
         self.w_uk = rows[:, :self.nope_dim].clone()
         self.w_uv = rows[:, self.nope_dim:].transpose(1, 2).contiguous()
 
