@@ -43,3 +43,15 @@ def test_a_failure_reaches_the_reader():
             return str(e)
 
     assert asyncio.run(scenario()) == "engine down"
+
+
+def test_by_step_a_slow_reader_takes_each_step_s_delta_apart_in_order():
+    # a thinking budget counts tokens as they come: two steps delivered before a read must not arrive joined
+    async def scenario():
+        submission = Submission(engine=None, key=0, num_prompts=2, delta=True, by_step=True)
+        for step in (1, 2, 3):
+            submission.deliver(0, output(1, finished=step == 3))
+            submission.deliver(1, output(1, finished=step == 3))
+        return [{index: len(out.token_ids) for index, out in latest.items()} async for latest in submission]
+
+    assert asyncio.run(scenario()) == [{0: 1, 1: 1}] * 3

@@ -37,11 +37,15 @@ class EngineDeadError(RuntimeError):
 class Submission:
     """One HTTP request's prompts in the engine; iterate it for {prompt index: latest output}."""
 
-    def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int, delta: bool = False):
+    def __init__(self, engine: "AsyncEngine", key: int, num_prompts: int, delta: bool = False, by_step: bool = False):
         self._engine = engine
         self.key = key
         self.num_unfinished = num_prompts
         self.delta = delta  # its outputs hold only what is new: ones not yet taken are joined, not replaced
+        # deltas taken one engine step at a time, never joined (a consumer that stops at a token count: a thinking
+        # budget); each step's outputs wait in order
+        self.by_step = by_step
+        self._steps: list[dict[int, RequestOutput]] = []
         self.request_ids: list[int] = []  # the engine's ids of its prompts (set and read on the engine thread)
         self.aborted = False
         self._latest: dict[int, RequestOutput] = {}  # prompt index -> its newest output not yet taken
@@ -55,8 +59,13 @@ class Submission:
     def deliver(self, index: int, output: RequestOutput) -> None:
         """(event loop) A newer output of prompt `index`: cumulative, it holds everything an untaken older one
         did; a delta is joined to it."""
-        older = self._latest.get(index)
-        self._latest[index] = output if older is None or not self.delta else merge_deltas(older, output)
+        if self.by_step:
+            if not self._steps or index in self._steps[-1]:
+                self._steps.append({})
+            self._steps[-1][index] = output
+        else:
+            older = self._latest.get(index)
+            self._latest[index] = output if older is None or not self.delta else merge_deltas(older, output)
         self._ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -70,7 +79,12 @@ class Submission:
             self._ready.clear()
             if self._error is not None:
                 raise self._error
-            latest, self._latest = self._latest, {}
+            if self.by_step:
+                latest = self._steps.pop(0) if self._steps else {}
+                if self._steps:
+                    self._ready.set()  # more steps wait
+            else:
+                latest, self._latest = self._latest, {}
             self.num_unfinished -= sum(output.finished for output in latest.values())
             yield latest
 
@@ -105,16 +119,17 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive()
 
     async def submit(self, prompts: list[list[int]], params: SamplingParams | PoolingParams, stream: bool,
-                     lora_request: LoRARequest | None = None) -> Submission:
+                     lora_request: LoRARequest | None = None, by_step: bool = False) -> Submission:
         """Queue the prompts (all or none), on lora_request's adapter if one is given; PoolingParams embeds them
         (each one final output, an EmbeddingRequestOutput). Raises ValueError for a
         request the engine rejects (an adapter it cannot run among them),
         EngineDeadError when the engine is down. A streamed submission gets every step's outputs,
-        another only the final ones (the engine then does no per-step work for it)."""
+        another only the final ones (the engine then does no per-step work for it); by_step: a streamed one's
+        steps come one at a time (Submission)."""
         if not self.is_healthy:
             raise EngineDeadError(f"the engine is not running: {self.error}")
         delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
-        submission = Submission(self, next(self._keys), len(prompts), delta=delta)
+        submission = Submission(self, next(self._keys), len(prompts), delta=delta, by_step=by_step)
         accepted = self._loop.create_future()
         self._commands.put(("add", submission, prompts, params, stream, accepted, time.monotonic(), lora_request))
         try:

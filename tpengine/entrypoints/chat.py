@@ -138,8 +138,9 @@ class OpenAIServingChat(OpenAIServing):
         fields = {**new_response_fields("chatcmpl", self.response_model(request.model)), "object": "chat.completion"}
         return await cancel_on_disconnect(raw_request, self._complete(request, run, fields))
 
-    async def start(self, request: ChatCompletionRequest) -> ChatRun:
-        """Check the request, render its prompt and submit it: what /v1/chat/completions and /v1/messages share."""
+    async def start(self, request: ChatCompletionRequest, by_step: bool = False) -> ChatRun:
+        """Check the request, render its prompt and submit it: what /v1/chat/completions and /v1/messages share
+        (by_step: its deltas one engine step at a time, for a consumer that counts tokens)."""
         self.check_model(request.model)
         mode = ToolMode(request, self.tool_parser)
         if mode.kind == "auto" and not (self.enable_auto_tool_choice and self.tool_parser):
@@ -162,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
                                      may_open_thinking=True)
         thinking_open = (None if self.reasoning_parser is None
                          else thinking_open_after(prompt, *self.engine.engine.reasoning_tokens))
-        return ChatRun(prompt, mode, thinking_open, await self.submit([prompt], params, request))
+        return ChatRun(prompt, mode, thinking_open, await self.submit([prompt], params, request, by_step))
 
     async def render(self, request: ChatCompletionRequest) -> dict:
         """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating

@@ -413,7 +413,9 @@ class AnthropicServingMessages:
     async def create(self, request: MessagesRequest, raw_request: Request):
         if request.thinking_enabled and self.chat.reasoning_parser is None:
             raise ApiError(400, "thinking needs the server started with --reasoning-parser", param="thinking")
-        run = await self.chat.start(chat_request(request, self.max_request_len))
+        # a thinking budget counts tokens as they come: deltas one step at a time, so none runs past it unseen
+        run = await self.chat.start(chat_request(request, self.max_request_len),
+                                    by_step=request.thinking_budget is not None)
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                    "model": self.chat.response_model(request.model), "content": [], "stop_reason": None,
                    "stop_sequence": None}

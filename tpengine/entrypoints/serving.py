@@ -114,11 +114,13 @@ class OpenAIServing:
             raise self.invalid(e, request) from None
         return await self.checked_grammar(spec, param, request)
 
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest) -> Submission:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, request: SamplingRequest,
+                     by_step: bool = False) -> Submission:
         """Queue the prompts, on the LoRA adapter the request's model names, if any; a streamed request's outputs
-        come as deltas (only what each step added)."""
+        come as deltas (only what each step added; by_step: one step's at a time)."""
         try:
-            return await self.engine.submit(prompts, params, request.stream, self.models.lora_request(request.model))
+            return await self.engine.submit(prompts, params, request.stream, self.models.lora_request(request.model),
+                                            by_step)
         except ValueError as e:
             raise self.invalid(e, request) from None
         except EngineDeadError as e:
