@@ -63,3 +63,21 @@ def test_minimums_are_subtracted_around_tritons_gemm_too():
     assert relative_error(packed.matmul(x, None), x @ weight.dequantize().T) < 1e-3
     token_ids = torch.tensor([[0, 47], [5, 5]], device=device)
     assert torch.equal(packed.rows(token_ids, torch.float32), weight.dequantize()[token_ids])
+
+
+@pytest.mark.skipif(not bf16_kernel.available(), reason="the bfloat16 kernel needs AVX512-BF16")
+def test_bfloat16_experts_packed_give_the_grouped_sum_of_their_floats():
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(6, 2 * 32, 64, generator=g).bfloat16(), torch.randn(6, 64, 32, generator=g).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=g).bfloat16()
+    packed = cpu.pack_float_experts(w13, w2)
+    assert packed is not None and len(packed[0]) == len(packed[1]) == 6
+    expected = cpu.moe_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    assert relative_error(cpu.moe_experts(x, *packed, weights, ids), expected) < 2e-2
+
+
+def test_float32_experts_stay_as_they_are():
+    # their grouped matmuls keep torch's bits, which the float32 token tests against transformers rely on
+    assert cpu.pack_float_experts(torch.randn(2, 8, 4), torch.randn(2, 4, 4)) is None

@@ -98,6 +98,7 @@ class FusedMoE(nn.Module):
         self.batch_invariant = is_building_batch_invariant()
         self.moe_experts = self._batch_invariant_experts if self.batch_invariant else platform.moe_experts
         self.pack_quantized_experts = platform.pack_quantized_experts
+        self.pack_float_experts = platform.pack_float_experts
         self.packed_experts = None  # quantized: (w13, w2) as the platform's pack_quantized_experts made them
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Loaded, expert: int, shard: str) -> None:
@@ -160,10 +161,14 @@ class FusedMoE(nn.Module):
 
     def prepack(self, weight_dtype: torch.dtype | None = None) -> None:
         """After loading: quantized experts (gate and up joined) packed as the platform runs them (CUDA: stacked for
-        the fused kernel), their floats freed. Float experts stay in the model's dtype whatever weight_dtype: the
-        grouped matmuls multiply them as they are."""
+        the fused kernel), their floats freed. Float experts stay in the model's dtype whatever weight_dtype, packed
+        where the platform has a faster form for them (the CPU's bfloat16 kernel), else multiplied as they are."""
         w13_parts, w2_parts = self.w13_weight.load_state.quantized_parts, self.w2_weight.load_state.quantized_parts
-        if not w13_parts and not w2_parts:
+        if not w13_parts and not w2_parts:  # float experts: packed where the platform multiplies a pack faster
+            self.packed_experts = self.pack_float_experts(self.w13_weight.data, self.w2_weight.data)
+            if self.packed_experts is not None:
+                for param in (self.w13_weight, self.w2_weight):
+                    param.data = param.data.new_empty(0)
             return
         if len(w13_parts) + len(w2_parts) != 3 * self.num_experts:
             raise ValueError(f"the experts of one layer are quantized in part: {len(w13_parts) + len(w2_parts)} "

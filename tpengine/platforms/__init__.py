@@ -82,6 +82,10 @@ class Platform(Protocol):
     def pack_quantized_experts(self, w13: list, w2: list, dtype: torch.dtype):
         """After loading: each expert's gate/up (joined) and down QuantizedWeights, as moe_experts takes them."""
 
+    def pack_float_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[list, list] | None:
+        """After loading: float experts ([experts, out, in] each) as lists of packs that moe_experts multiplies
+        faster, or None to multiply them as they are."""
+
     def embedding_rows(self, token_ids: torch.Tensor, packed_weight, dtype: torch.dtype) -> torch.Tensor:
         """Rows of an embedding table stored as pack_quantized_weight made it, in dtype."""
 

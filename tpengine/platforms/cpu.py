@@ -245,6 +245,16 @@ def pack_quantized_weight(quantized, dtype: torch.dtype
     return torch_ops.dequantized_weight(quantized, dtype)
 
 
+def pack_float_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[list, list] | None:
+    """bfloat16 experts as tpengine's bfloat16 kernel's blocks, one pack per expert and projection, where the CPU has
+    AVX512-BF16: ~4x oneDNN's matmul at decode sizes, which grouped_experts otherwise calls per expert; float32 and
+    float16 experts stay as they are (their products then keep torch's bits)."""
+    if w13.dtype != torch.bfloat16 or w13.size(-1) % 2 or w2.size(-1) % 2 or not bf16_kernel.available():
+        return None
+    return ([Bf16Blocks(bf16_kernel.pack_weight(w.contiguous()), w.size(0)) for w in w13],
+            [Bf16Blocks(bf16_kernel.pack_weight(w.contiguous()), w.size(0)) for w in w2])
+
+
 def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype) -> tuple[list, list]:
     """Each expert's gate/up (joined) and down QuantizedWeights, packed one by one for moe_experts."""
     return [pack_quantized_weight(w, dtype) for w in w13], [pack_quantized_weight(w, dtype) for w in w2]

@@ -171,6 +171,11 @@ def pack_quantized_weight(quantized, dtype: torch.dtype):
     return torch_ops.dequantized_weight(quantized, dtype)
 
 
+def pack_float_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Float experts stay stacked: Triton's fused kernel reads them so."""
+    return None
+
+
 def pack_quantized_experts(w13: list, w2: list, dtype: torch.dtype):
     """Each expert's gate/up (joined) and down QuantizedWeights as moe_experts multiplies them: packed for
     Triton's GEMM and stacked once for the fused experts kernel; where it does not take them (W8A8, act order,
