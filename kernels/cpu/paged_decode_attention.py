@@ -29,7 +29,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     load()
     if out is None:
-        out = q.new_empty(*q.shape[:2], v_cache.size(-1))
+        out = torch.empty((*q.shape[:2], v_cache.size(-1)), dtype=q.dtype, device=q.device)  # a replayable op
     torch.ops.tpengine_cpu.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
                                                   window, softcap, sinks, max_splits)
     return out
