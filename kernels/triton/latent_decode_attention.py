@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_attention_tile import LOG2E, _dot, dot_block
+from .paged_attention_tile import LOG2E, _dot, dot_block, fold_tile
 
 BLOCK_N = 32
 BLOCK_H = 16  # heads per program: the MMA minimum
@@ -74,14 +74,7 @@ def _latent_decode_kernel(
         rope = tl.load(row[:, None] + LATENT_DIM + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
                        other=0.0)
         s = (_dot(q_latent, tl.trans(latent)) + _dot(q_rope, tl.trans(rope))) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(latent.dtype), latent)
-        m_i = m_new
+        acc, m_i, l_i = fold_tile(acc, m_i, l_i, tl.where(n_mask[None, :], s, float("-inf")), latent)
 
     # a split with no keys (past the context) has l_i == 0: its lse is -inf, and the join gives it no weight
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -80,6 +80,13 @@ def attend_paged_kv_tile(
         s = softcap * LOG2E * _tanh(s / (softcap * LOG2E))
     visible = (offs_n[None, :] < row_limit[:, None]) & (offs_n[None, :] >= row_start[:, None])
     s = tl.where(visible, s, float("-inf"))
+    return fold_tile(acc, m_i, l_i, s, v)
+
+
+@triton.jit
+def fold_tile(acc, m_i, l_i, s, v):
+    """The running softmax state (acc [M, D], m_i [M], l_i [M]) with a tile folded in: s [M, N] its scores in the
+    log2 domain (-inf where hidden), v [N, D] its values."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row may have seen no key yet (its window starts later): exp2 must not see -inf - -inf
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
