@@ -280,7 +280,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kvcache_blocks: Annotated[int | None, Setting(
         "cache", "KV-cache blocks", default_help="by memory")] = None
     kvcache_memory_gb: Annotated[float | None, Setting(
-        "cache", "CPU: KV-cache GiB per rank", default_help="what the limits can use, at most 4")] = None
+        "cache", "KV-cache GiB per rank (on CUDA in place of what gpu_memory_utilization leaves)",
+        default_help="CPU: what the limits can use, at most 4; CUDA: what gpu_memory_utilization leaves")] = None
     gpu_memory_utilization: Annotated[float, Setting(
         "cache", "CUDA: the fraction of each GPU the engine may fill (weights, activations, KV cache)")] = 0.9
     enable_prefix_caching: Annotated[bool, Setting(

@@ -26,7 +26,7 @@ class PagedBatch:
 
 def _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, g):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(torch.randn(shape, generator=g) * GARBAGE).to(dtype=dtype, device=device) for _ in range(2)]
+    return [(torch.randn(shape, generator=g, device="cpu") * GARBAGE).to(dtype=dtype, device=device) for _ in range(2)]
 
 
 def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size: int = 16, num_heads: int = 4,
@@ -39,15 +39,15 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
     Each sequence owns scattered physical blocks; its block table is padded with 0, as the runner pads it.
     """
     assert not decode or all(new == 1 for _, new in seqs)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = [-(-(cached + new) // block_size) for cached, new in seqs]
     num_blocks = sum(blocks_per_seq) + 3
-    physical = torch.randperm(num_blocks, generator=g).tolist()
+    physical = torch.randperm(num_blocks, generator=g, device="cpu").tolist()
     tables = [[physical.pop() for _ in range(n)] for n in blocks_per_seq]
     k_cache, v_cache = _garbage_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, g)
 
     def rand(*shape):
-        return torch.randn(shape, generator=g).to(dtype=dtype, device=device)
+        return torch.randn(shape, generator=g, device="cpu").to(dtype=dtype, device=device)
 
     keys, values, new_k, new_v, slot_mapping = [], [], [], [], []
     for (cached, new), table in zip(seqs, tables):
@@ -79,7 +79,7 @@ def paged_batch(seqs: list[tuple[int, int]], *, decode: bool = False, block_size
             is_prefill=True, cu_seqlens_q=cumulative(seqlens_q), cu_seqlens_k=cumulative(seqlens_k),
             seqlens_q=seqlens_q, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
             has_cached_prefix=any(cached for cached, _ in seqs), **common)
-    sink_logits = (torch.randn(num_heads, generator=g) * 2).to(device) if sinks else None
+    sink_logits = (torch.randn(num_heads, generator=g, device="cpu") * 2).to(device) if sinks else None
     params = AttentionParams(head_dim ** -0.5, window, softcap, sink_logits)
     return PagedBatch(q=rand(sum(seqlens_q), num_heads, head_dim), k=torch.cat(new_k), v=torch.cat(new_v),
                       k_cache=k_cache, v_cache=v_cache, meta=meta, keys=keys, values=values,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.attention.paged_batch import paged_batch
+from tests.kernels.conftest import DEVICE
 from tests.reference_attention import paged_attention as reference_paged_attention
 from tpengine.attention.backend import AttentionParams
 from tpengine.kernels.triton.latent_decode_attention import latent_decode_attention
@@ -43,7 +44,7 @@ def test_the_triton_backend_decodes_latents_as_the_torch_backend(rel_err):
     from tpengine.attention.torch_backend import TorchAttentionBackend
     from tpengine.attention.triton_backend import TritonAttentionBackend
     batch = paged_batch([(0, 1), (16, 1), (70, 1)], decode=True, head_dim=LATENT + ROPE, num_heads=4,
-                        num_kv_heads=1, seed=6)
+                        num_kv_heads=1, seed=6, device=DEVICE)
     cache, meta = batch.k_cache, batch.meta
     TorchAttentionBackend().store_kvcache(batch.k, batch.k, cache, cache, meta.slot_mapping)  # the new vectors
     params = AttentionParams(0.25)

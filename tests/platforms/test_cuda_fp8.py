@@ -1,5 +1,5 @@
-"""The CUDA platform's FP8 linears, run on CPU tensors: torch._scaled_mm has a CPU reference implementation
-and the block kernel runs in Triton's interpreter. Each is measured against the float32 product of the same
+"""The CUDA platform's FP8 linears, on the GPU where there is one, else on CPU tensors: torch._scaled_mm has a
+CPU reference implementation and the block kernel runs in Triton's interpreter. Each is measured against the float32 product of the same
 e4m3 values and scales (what the GPU's FP8 GEMM computes, up to summation order and the bfloat16 output)."""
 import pytest
 import torch
@@ -10,6 +10,9 @@ from tpengine.platforms.cuda_fp8 import Fp8Linear, fp8_linear, pack_fp8_weight, 
 from tpengine.platforms.cuda_quant import TritonQuantLinear
 from tpengine.quantization.fp8 import Fp8Weight, quantize_fp8_activation, quantize_fp8_weight
 from tpengine.quantization.online import quantize_weight
+
+# a GPU without FP8 (before sm_89) runs _scaled_mm's CPU reference; Triton runs compiled there, so not the kernel
+DEVICE = "cuda" if torch.cuda.is_available() and runs_fp8(torch.cuda.get_device_capability()) else "cpu"
 
 
 def emulated(x, fp8: Fp8Weight):
@@ -50,6 +53,14 @@ def test_a_weight_neither_gemm_takes_runs_as_its_float_value():
     assert type(packed) is torch_ops.DequantizedWeight and torch.equal(packed.weight, odd.dequantize(torch.bfloat16))
 
 
+@pytest.fixture
+def fp8_device():
+    """Tensors the test creates land on the GPU where it runs FP8 (its compiled kernel and cuBLAS' FP8 GEMM)."""
+    with torch.device(DEVICE):
+        yield
+
+
+@pytest.mark.usefixtures("fp8_device")
 @pytest.mark.parametrize("input_scale", [None, 0.05])
 def test_channel_scaled_linear_through_scaled_mm_equals_the_emulation(input_scale):
     fp8 = quantize_fp8_weight(torch.randn(48, 64))
@@ -62,6 +73,8 @@ def test_channel_scaled_linear_through_scaled_mm_equals_the_emulation(input_scal
     assert close_in_bfloat16(out, emulated(x.float(), fp8), bias)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and DEVICE == "cpu", reason="this GPU has no FP8 (sm_89+)")
+@pytest.mark.usefixtures("fp8_device")
 def test_block_scaled_linear_through_the_triton_kernel_equals_the_emulation():
     weight = torch.randn(256, 256).clamp(-448, 448).to(torch.float8_e4m3fn)
     fp8 = Fp8Weight(weight, torch.rand(2, 2) / 100 + 1e-3, block_size=(128, 128))

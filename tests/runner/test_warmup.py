@@ -50,6 +50,7 @@ def test_a_warmed_engine_samples_the_same_tokens_as_a_cold_one(tiny_model):
 def test_every_rank_warms_up_and_the_tokens_stay_transformers(tiny_model):
     # the ranks run the same dummy steps: their all-reduces and the LM head's gather line up
     prompts = random_prompts(52, [7, 30, 3], VOCAB)
+    device = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # a rank a GPU, else two CPU ranks
     tokens = generate(tiny_model, prompts, SamplingParams(temperature=0.0, max_tokens=8), tensor_parallel_size=2,
-                      warm_up=True, max_num_seqs=8)
+                      warm_up=True, max_num_seqs=8, device=device)
     assert [t[0] for t in tokens] == hf_greedy(tiny_model, prompts, 8)

@@ -139,13 +139,13 @@ def _blocks_that_fit(config: EngineConfig, device: torch.device, block_bytes: in
             return 0, (f"num_kvcache_blocks={config.num_kvcache_blocks} needs a KV cache of {_gib(need)} per "
                        f"rank, but {_gib(max(available, 0))} is available on {where}")
         return config.num_kvcache_blocks, None
-    if device.type == "cuda":
-        budget = available
-    elif config.kvcache_memory_gb is not None:
+    if config.kvcache_memory_gb is not None:
         budget = config.kvcache_memory_gb * (1 << 30)
         if budget > available:
             return 0, (f"kvcache_memory_gb={config.kvcache_memory_gb} asks for a KV cache of {_gib(budget)} per "
-                       f"rank, but {_gib(available)} is available on {where}")
+                       f"rank, but {_gib(max(available, 0))} is available on {where}")
+    elif device.type == "cuda":
+        budget = available
     else:
         budget = min(DEFAULT_CPU_KVCACHE_GB * (1 << 30), available)
     useful = config.max_num_seqs * max_num_blocks_per_seq  # never more than the limits can use

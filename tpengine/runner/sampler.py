@@ -347,7 +347,8 @@ def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: tor
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # drop a token when the tokens before it already cover top_p; the first always stays
         drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_ps.unsqueeze(1)
-        probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        # the kept values scattered back through the permutation (Inductor fails on a scatter of bools)
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop_sorted, 0.0))
     if min_ps is not None:
         threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
