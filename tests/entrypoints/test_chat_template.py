@@ -62,3 +62,20 @@ def test_template_kwargs_that_clash_with_the_renderer_are_a_value_error():
     tokenizer = byte_tokenizer(bos=False, chat_template=CHATML_TEMPLATE)
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         render_chat(tokenizer, None, MESSAGES, True, {"tokenize": True})
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_first_only_when_asked():
+    # vLLM's request field: on by default for a text prompt, off for a chat (whose template writes its own BOS)
+    import asyncio
+    from tpengine.entrypoints.renderer import PromptRenderer
+    renderer = PromptRenderer(byte_tokenizer(bos=True, chat_template=CHATML_TEMPLATE), None, 512)
+    try:
+        async def render():
+            return (await renderer.encode(["hi"]), await renderer.encode(["hi"], add_special_tokens=False),
+                    await renderer.render_chat(MESSAGES, True, None), await renderer.render_chat(
+                        MESSAGES, True, None, add_special_tokens=True))
+        with_bos, without, chat, chat_with_bos = asyncio.run(render())
+    finally:
+        renderer.close()
+    assert with_bos == [[256, *without[0]]] and 256 not in without[0]
+    assert chat_with_bos == [256, *chat] and 256 not in chat

@@ -31,6 +31,12 @@ def test_tokenize_gives_the_prompt_token_ids_a_completion_or_chat_would_run(serv
     assert tokenized["count"] == chat.usage.prompt_tokens == len(tokenized["token_strs"])
     status, without = server.request("POST", "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert status == 200 and without["tokens"] == tokenized["tokens"][:without["count"]] < tokenized["tokens"]
+    # vLLM's `vllm bench serve` tokenizes so, to align its random prompts with the server's tokenizer
+    status, plain = server.request("POST", "/tokenize", {"model": "tiny", "prompt": "def foo():",
+                                                         "add_special_tokens": False})
+    completion = client.completions.create(prompt="def foo():", **{**GREEDY, "extra_body": {
+        "return_token_ids": True, "add_special_tokens": False}})
+    assert status == 200 and plain["tokens"] == completion.choices[0].prompt_token_ids
 
 
 def test_detokenize_gives_back_the_text_of_tokenized_ids(server):

@@ -45,10 +45,11 @@ def per_prompt(value, num_prompts: int, name: str) -> list:
     return list(value)
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """The tokenizer's ids for a text prompt, BOS at most once: a tokenizer that adds BOS would double it
-    in a prompt that already starts with it (text rendered from a chat template, say)."""
-    token_ids = tokenizer.encode(text)
+    in a prompt that already starts with it (text rendered from a chat template, say). add_special_tokens=False:
+    the text's own tokens alone (vLLM's request field of that name)."""
+    token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     bos = tokenizer.bos_token_id
     if bos is not None and token_ids[:2] == [bos, bos]:
         del token_ids[0]

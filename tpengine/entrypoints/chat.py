@@ -177,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         try:
             return await self.renderer.render_chat(template_messages(request), request.add_generation_prompt,
-                                                   request.chat_template_kwargs, tools)
+                                                   request.chat_template_kwargs, tools, request.add_special_tokens)
         except ValueError as e:
             raise self.invalid(e, request) from None
 

@@ -27,9 +27,9 @@ def render_chat(tokenizer, chat_template: str | None, messages: list[dict[str, A
                                                         template_kwargs))
 
 
-def encode_chat_text(tokenizer, text: str) -> list[int]:
-    # The template writes any BOS itself: adding special tokens again would double it.
-    return tokenizer.encode(text, add_special_tokens=False)
+def encode_chat_text(tokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    # The template writes any BOS itself: adding special tokens again would double it, unless a request asks.
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def render_chat_text(tokenizer, chat_template: str | None, messages: list[dict[str, Any]],

@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if not all(texts):
             raise ApiError(400, "prompt is empty: it needs at least one token", param="prompt")
         try:
-            encoded = iter(await self.renderer.encode(texts))
+            encoded = iter(await self.renderer.encode(texts, add_special_tokens=request.add_special_tokens))
         except ValueError as e:
             raise self.invalid(e, request) from None
         return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]

@@ -274,6 +274,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1)
     suffix: Any = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (if it adds one) before a text prompt
 
     _suffix = field_validator("suffix")(_refuse_unsupported)
 
@@ -479,6 +480,7 @@ class ChatPrompt(OpenAIBody):
     """What the chat template renders into a prompt: /v1/chat/completions' and /tokenize's."""
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS on top of what the template writes
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
 
@@ -570,6 +572,7 @@ class TokenizeCompletionRequest(OpenAIBody):
     """POST /tokenize (vLLM's) with a prompt: its token ids as /v1/completions would run it."""
     model: str | None = None
     prompt: str
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (if it adds one) before the text
     return_token_strs: bool = False
 
     @property

@@ -36,29 +36,33 @@ class PromptRenderer:
                 f"{self.max_request_len} tokens per request (no token of this model covers more than "
                 f"{self.max_chars // self.max_request_len} characters)", param)
 
-    async def encode(self, texts: list[str], limit_length: bool = True) -> list[list[int]]:
+    async def encode(self, texts: list[str], limit_length: bool = True,
+                     add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text prompt, as LLM.generate encodes them; limit_length=False: a text that cannot
-        fit is still tokenized (an embedding input that will be truncated)."""
+        fit is still tokenized (an embedding input that will be truncated); add_special_tokens=False: no BOS."""
         for text in texts:
             if limit_length:
                 self.check_length(len(text), "prompt")
-        return await self.run(self._encode_all, texts)
+        return await self.run(self._encode_all, texts, add_special_tokens)
 
-    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+    def _encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         from tpengine.engine.inputs import encode_text
-        return [encode_text(self.tokenizer, text) for text in texts]
+        return [encode_text(self.tokenizer, text, add_special_tokens) for text in texts]
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> list[int]:
-        """Prompt token ids for chat messages (and the tools the model may call) through the chat template."""
+                          template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None,
+                          add_special_tokens: bool = False) -> list[int]:
+        """Prompt token ids for chat messages (and the tools the model may call) through the chat template;
+        add_special_tokens: the tokenizer's special tokens (BOS) on top of what the template writes."""
         self.check_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
-        return await self.run(self._render, messages, add_generation_prompt, template_kwargs, tools)
+        return await self.run(self._render, messages, add_generation_prompt, template_kwargs, tools,
+                              add_special_tokens)
 
-    def _render(self, messages, add_generation_prompt, template_kwargs, tools) -> list[int]:
+    def _render(self, messages, add_generation_prompt, template_kwargs, tools, add_special_tokens=False) -> list[int]:
         text = render_chat_text(self.tokenizer, self.chat_template, messages, add_generation_prompt, template_kwargs,
                                 tools)
         self.check_length(len(text), "messages")  # the template and chat_template_kwargs add text of their own
-        return encode_chat_text(self.tokenizer, text)
+        return encode_chat_text(self.tokenizer, text, add_special_tokens)
 
     def warm_up(self) -> None:
         """(the renderer's thread) A first encode and chat render: the tokenizer's and the template's one-time
