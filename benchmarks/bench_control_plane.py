@@ -437,8 +437,10 @@ def main(argv=None) -> None:
     args = parse_with_quick(parser, argv, dict(steps=20, warmup=5, repeats=3, readers=[1]))
 
     ncpu = len(os.sched_getaffinity(0))
+    # a reader re-runs this script's imports as it starts (multiprocessing's __main__ fix-up): preloaded, they're free
     mp.get_context("forkserver").set_forkserver_preload(
-        ["tpengine.distributed.messages", "tpengine.distributed.shm.ring", "tpengine.runner.block_tables"])
+        ["torch", "nano_baseline", "tpengine.distributed.messages", "tpengine.distributed.shm.ring",
+         "tpengine.engine.scheduler", "tpengine.runner.block_tables", "tpengine.runner.inputs"])
     cases = make_cases()
     for case in cases:
         check_round_trip(case)

@@ -25,17 +25,11 @@ import time
 
 import torch
 
-from kernel_baseline import load_baseline  # benchmarks/, this script's folder
+from kernel_baseline import start_baseline  # benchmarks/, this script's folder
 from tpengine.bench.quick import parse_with_quick
 from tpengine.kernels.cpu.paged_decode_attention import load
 
 SOURCE = "kernels/cpu/paged_decode_attention.cpp"
-
-
-def load_baseline_kernel(args, folder: str):
-    """The earlier kernel as torch.ops.tpengine_baseline.paged_decode_attention."""
-    load_baseline(SOURCE, args.baseline, args.baseline_source, folder)
-    return torch.ops.tpengine_baseline.paged_decode_attention
 
 
 def run_case(ops, dtype, batch: int, context: int, args) -> tuple[float, float, float]:
@@ -143,7 +137,12 @@ def main(argv=None):
                                                engine_steps=2, dtype="float32"))
     load()
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as folder:
-        ops = (load_baseline_kernel(args, folder), torch.ops.tpengine_cpu.paged_decode_attention)
+        load_baseline = start_baseline(SOURCE, args.baseline, args.baseline_source, folder)
+        if args.quick and not args.model:  # the engine part too, on a tiny model, written while the baseline builds
+            from tpengine.tiny_model import write_tiny_model
+            args.model = write_tiny_model(os.path.join(folder, "tiny"))
+        load_baseline()
+        ops = (torch.ops.tpengine_baseline.paged_decode_attention, torch.ops.tpengine_cpu.paged_decode_attention)
         print(f"paged decode attention, {args.heads} query heads, {args.kv_heads} KV heads of {args.head_dim}, "
               f"256-token blocks, {torch.get_num_threads()} threads; median of {args.rounds} alternating rounds "
               f"of {args.calls} calls\n")
@@ -156,9 +155,6 @@ def main(argv=None):
                 base, ours, diff = run_case(ops, dtype, batch, context, args)
                 print(f"| batch {batch}, context {context} | {str(dtype).removeprefix('torch.')} | {base:.1f} | "
                       f"{ours:.1f} | {base / ours:.2f}x | {diff:.1e} |", flush=True)
-        if args.quick and not args.model:  # the engine part too, on a tiny model
-            from tpengine.tiny_model import write_tiny_model
-            args.model = write_tiny_model(os.path.join(folder, "tiny"))
         if args.model:
             engine_rounds(ops, args)
 

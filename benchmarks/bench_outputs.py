@@ -11,8 +11,8 @@ loop over step() pays them); the server's case runs llm.step_reports() instead, 
 does, and times building its outputs apart (the server's event loop does that while the next step runs). Baseline:
 the same step with neither streaming nor stop strings (what generate() pays), same run.
 
-    .venv/bin/python benchmarks/bench_outputs.py [--seqs 256] [--steps 200] [--warmup 50]
-    .venv/bin/python benchmarks/bench_outputs.py --quick    # seconds: 6 sequences, 4 steps
+    .venv/bin/python benchmarks/bench_outputs.py [--seqs 256] [--steps 200] [--warmup 50] [--rounds 2]
+    .venv/bin/python benchmarks/bench_outputs.py --quick    # seconds: 6 sequences, 4 steps, 1 round
 """
 import argparse
 import gc
@@ -35,6 +35,7 @@ from tpengine.tiny_model import write_tiny_model
 VOCAB = 4096
 BLOCK_SIZE = 256
 STOPS = ["\n\nUser:", "###", "Observation:"]  # never in the replayed text; their first characters often are
+QUICK_TEXT_LINES = 2000  # --quick replays the corpus's first lines: encoding all of them takes a second
 
 
 def _corpus() -> list[str]:
@@ -127,7 +128,8 @@ def main(argv=None):
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--steps", type=int, default=200)
-    args = parse_with_quick(parser, argv, dict(seqs=6, steps=4, warmup=2))
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the cases, alternating; each keeps its best")
+    args = parse_with_quick(parser, argv, dict(seqs=6, steps=4, warmup=2, rounds=1))
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})  # one core: no migration noise
 
@@ -140,7 +142,7 @@ def main(argv=None):
     num_blocks = n * -(-max_len // BLOCK_SIZE)
     with LLM(path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=num_blocks, max_num_seqs=n,
              max_model_len=max_len, max_num_batched_tokens=1024 * n, attention_backend="torch") as llm:
-        text_ids = llm.tokenizer.encode("\n".join(corpus))
+        text_ids = llm.tokenizer.encode("\n".join(corpus[:QUICK_TEXT_LINES] if args.quick else corpus))
         prompts = [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(100, 1024))] for _ in range(n)]
         # step k gives sequence i token (offset_i + k) of the text: each sequence reads its own passage
         offsets = [rng.randrange(len(text_ids) - 2 * args.steps) for _ in range(n)]
@@ -155,7 +157,7 @@ def main(argv=None):
                  ("streamed, delta outputs, built off the step (the server's)", True, None, delta, True),
                  ("streamed + stop strings, delta outputs", True, STOPS, delta, False)]
         results, builds = {}, {}
-        for _ in range(2):  # alternate and keep the best of each: a noisy moment hurts no case alone
+        for _ in range(args.rounds):  # alternate and keep the best of each: a noisy moment hurts no case alone
             for name, stream, stop, kind, built_off_step in cases:
                 us, build_us = bench(llm, real, prompts, replay, stream, stop, kind, built_off_step, args.warmup,
                                      args.steps)

@@ -5,6 +5,7 @@ torch.ops.tpengine_cpu to torch.ops.tpengine_baseline, so both kernels load side
 """
 import os
 import subprocess
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +18,13 @@ def load_baseline(source: str, revision: str, source_file: str | None, folder: s
                   extra_flags: tuple[str, ...] = ()) -> None:
     """Builds and loads the baseline of `source` (a path under the repository, kernels/cpu/...) into folder:
     source_file's text if given, else the file at revision. Its ops are then torch.ops.tpengine_baseline.*."""
+    start_baseline(source, revision, source_file, folder, extra_flags)()
+
+
+def start_baseline(source: str, revision: str, source_file: str | None, folder: str,
+                   extra_flags: tuple[str, ...] = ()) -> Callable[[], None]:
+    """load_baseline's build, started in the background (the compiler runs for seconds): the function returned
+    waits for it and loads the ops."""
     if source_file:
         with open(source_file) as f:
             text = f.read()
@@ -27,5 +35,10 @@ def load_baseline(source: str, revision: str, source_file: str | None, folder: s
     cpp, library = os.path.join(folder, f"baseline_{name}.cpp"), os.path.join(folder, f"baseline_{name}.so")
     with open(cpp, "w") as f:
         f.write(text.replace("tpengine_cpu", "tpengine_baseline"))
-    subprocess.run(_compile_command(compiler_name(), cpp, library, extra_flags), check=True)
-    torch.ops.load_library(library)
+    build = subprocess.Popen(_compile_command(compiler_name(), cpp, library, extra_flags))
+
+    def finish() -> None:
+        if build.wait() != 0:
+            raise subprocess.CalledProcessError(build.returncode, build.args)
+        torch.ops.load_library(library)
+    return finish

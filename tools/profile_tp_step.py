@@ -78,8 +78,8 @@ from tpengine.bench.workload import NANO_VLLM, QUICK, warm_up_workload
 from tpengine.distributed import parallel_state
 workload = {workload}
 model = {model!r}
-from transformers import AutoConfig
-prompts, output_lens = workload.draw(AutoConfig.from_pretrained(model).vocab_size)
+from tpengine.hf_config import load_hf_config  # not transformers' AutoConfig: a second of import, in every run
+prompts, output_lens = workload.draw(load_hf_config(model).vocab_size)
 llm = LLM(model, tensor_parallel_size={tp}, max_model_len=workload.max_input_len + workload.max_output_len,
           max_num_seqs={max_num_seqs})
 for warm_prompts, warm_lens in warm_up_workload(prompts, output_lens):
