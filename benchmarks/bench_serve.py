@@ -91,6 +91,10 @@ def parse_args(argv=None):
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more flag for `tpengine serve`, e.g. --serve-arg=--max-num-seqs=512 (repeatable)")
     p.add_argument("--idle-seconds", type=float, default=5.0, help="how long the server's idle CPU is read (default 5)")
+    # vLLM's random dataset makes each prompt a rotation of one cyclic run of the vocabulary: on a small vocabulary
+    # (the tiny model's 320) later rounds find earlier rounds' prompts cached, so each round ran faster than the last
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="both servers without prefix caching, so no round reuses another's prompts")
     args = parse_with_quick(p, argv, dict(num_prompts=4, min_input_len=4, max_input_len=24, min_output_len=2,
                                           max_output_len=8, idle_seconds=1.0), "tpengine.bench's QUICK_MODEL")
     args.side_by_side = args.side_by_side or args.vllm_bin is not None
@@ -110,7 +114,8 @@ def max_model_len(args) -> int:
 
 
 def engine_flags(args) -> dict:
-    return dict(tensor_parallel_size=args.tp, device=args.device, max_model_len=max_model_len(args))
+    return dict(tensor_parallel_size=args.tp, device=args.device, max_model_len=max_model_len(args),
+                enable_prefix_caching=not args.no_prefix_caching)
 
 
 # --- offline baseline -------------------------------------------------------------------------------
@@ -132,7 +137,9 @@ def time_offline(args, model: str, prompts, output_lens) -> float:
 def start_server(args, model: str, port: int) -> subprocess.Popen:
     return client.start_server(port, ["--model", model, "--served-model-name", "bench", "--tp", str(args.tp),
                                       "--device", args.device, "--max-model-len", str(max_model_len(args)),
-                                      *(["--dtype", "float32"] if args.device == "cpu" else []), *args.serve_arg])
+                                      *(["--dtype", "float32"] if args.device == "cpu" else []),
+                                      *(["--no-enable-prefix-caching"] if args.no_prefix_caching else []),
+                                      *args.serve_arg])
 
 
 def start_vllm(args, model: str, port: int) -> subprocess.Popen:
@@ -145,7 +152,7 @@ def start_vllm(args, model: str, port: int) -> subprocess.Popen:
     command = [os.path.join(args.vllm_bin, "vllm-cli"), "serve", model, "--port", str(port),
                "--served-model-name", "bench", "--max-model-len", str(max_model_len(args)),
                "--tensor-parallel-size", str(args.tp), *(["--dtype", "float32"] if args.device == "cpu" else []),
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", *(["--no-enable-prefix-caching"] if args.no_prefix_caching else [])]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env)
 
