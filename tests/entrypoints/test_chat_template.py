@@ -73,9 +73,11 @@ def test_add_special_tokens_puts_the_tokenizers_bos_first_only_when_asked():
         async def render():
             return (await renderer.encode(["hi"]), await renderer.encode(["hi"], add_special_tokens=False),
                     await renderer.render_chat(MESSAGES, True, None), await renderer.render_chat(
-                        MESSAGES, True, None, add_special_tokens=True))
-        with_bos, without, chat, chat_with_bos = asyncio.run(render())
+                        MESSAGES, True, None, add_special_tokens=True),
+                    await renderer.encode(["<s><s>hi"], add_special_tokens=False))
+        with_bos, without, chat, chat_with_bos, own = asyncio.run(render())
     finally:
         renderer.close()
     assert with_bos == [[256, *without[0]]] and 256 not in without[0]
+    assert own == [[256, 256, *without[0]]]  # without special tokens, the text's own tokens, both of its BOS kept
     assert chat_with_bos == [256, *chat] and 256 not in chat

@@ -1,6 +1,7 @@
 """The CUDA platform's FP8 linears, on the GPU where there is one, else on CPU tensors: torch._scaled_mm has a
-CPU reference implementation and the block kernel runs in Triton's interpreter. Each is measured against the float32 product of the same
-e4m3 values and scales (what the GPU's FP8 GEMM computes, up to summation order and the bfloat16 output)."""
+CPU reference implementation and the block kernel runs in Triton's interpreter. Each is measured against the
+float32 product of the same e4m3 values and scales (what the GPU's FP8 GEMM computes, up to summation order and
+the bfloat16 output)."""
 import pytest
 import torch
 

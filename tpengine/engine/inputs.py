@@ -51,7 +51,7 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     the text's own tokens alone (vLLM's request field of that name)."""
     token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     bos = tokenizer.bos_token_id
-    if bos is not None and token_ids[:2] == [bos, bos]:
+    if add_special_tokens and bos is not None and token_ids[:2] == [bos, bos]:
         del token_ids[0]
     return token_ids
 
