@@ -201,7 +201,8 @@ def test_serve_passes_kv_cache_dtype_to_the_engine(monkeypatch):
 # Every EngineConfig field, none at its default, and the flags users type for them: a new field is added to both.
 EVERY_SETTING = dict(
     model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=128, seed=5, runner="pooling",
-    hf_overrides={"num_labels": 1}, reasoning_parser="qwen3", device="cpu",
+    hf_overrides={"num_labels": 1}, limit_mm_per_prompt={"image": 2}, allowed_local_media_path="/media",
+    reasoning_parser="qwen3", device="cpu",
     attention_backend="torch", enforce_eager=True, batch_invariant=True, mla_prefill="expanded",
     warm_up=True, tensor_parallel_size=2, pipeline_parallel_size=2,
     pp_layer_partition=[3, 1], max_steps_in_flight=1, step_timeout_s=10.0, kvcache_block_size=32, kv_cache_dtype="fp8",
@@ -212,7 +213,8 @@ EVERY_SETTING = dict(
     max_lora_rank=32, max_cpu_loras=4)
 EVERY_FLAG = [
     "--model", "/m", "--tokenizer", "/t", "--dtype", "bfloat16", "--max-model-len", "128", "--engine-seed", "5", "--runner", "pooling",
-    "--hf-overrides", '{"num_labels": 1}', "--reasoning-parser", "qwen3",
+    "--hf-overrides", '{"num_labels": 1}', "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
+    "/media", "--reasoning-parser", "qwen3",
     "--device", "cpu", "--attention-backend", "torch", "--enforce-eager", "--batch-invariant",
     "--mla-prefill", "expanded", "--warm-up", "--tp", "2", "--pp", "2",
     "--pp-layer-partition", "3,1", "--max-steps-in-flight", "1", "--step-timeout-s", "10", "--block-size", "32",

@@ -7,7 +7,8 @@ import os
 
 import pytest
 from transformers import (AutoConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
-                          MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                          MistralConfig, Phi3Config, Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from tests.models.deepseek import DEEPSEEK_V2_GROUPS, DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from tests.models.gpt_oss import GPT_OSS_MODEL
@@ -94,13 +95,21 @@ WRITTEN = {
     "deepseek_v2": ("DeepseekV2ForCausalLM", DeepseekV2Config, _settings(DEEPSEEK_V2_GROUPS)),
     "deepseek_v3": ("DeepseekV3ForCausalLM", DeepseekV3Config,
                     dict(_settings(DEEPSEEK_V3), rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLConfig,
+                   dict(text_config=dict(SMALL, model_type="qwen2_5_vl_text", rope_parameters=dict(
+                       rope_type="default", rope_theta=5e5, mrope_section=[4, 6, 6])),
+                        vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64),
+                        image_token_id=11, video_token_id=12, vision_start_token_id=13, vision_end_token_id=14,
+                        dtype="bfloat16")),
 }
+# an image-text config's own fields beside its text_config (vision_config compared key by key)
+VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
 # are its text_config's
 OUTER_FIELDS = ("model_type", "architectures", "dtype", "tie_word_embeddings", "quantization_config")
 OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id")
 # the per-layer-type rope of Gemma 3, which transformers 4 spelled rope_theta, rope_local_base_freq and rope_scaling
-FLAT_ROPE = [name for name in WRITTEN if not name.startswith("gemma3")]
+FLAT_ROPE = [name for name in WRITTEN if not name.startswith(("gemma3", "qwen2_5_vl"))]
 
 
 # (model_type, our field) -> the attribute its config class gives it under another name
@@ -117,9 +126,13 @@ def absent(field: dataclasses.Field):
     raise AttributeError(field.name)
 
 
-def transformers_value(config, field: dataclasses.Field):
-    if config.model_type == "gemma3" and not (field.name in OUTER_FIELDS
-                                              or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
+def transformers_value(config, field: dataclasses.Field, ours: HFConfig):
+    if config.model_type == "qwen2_5_vl" and field.name in VISION_FIELDS:
+        value = getattr(config, field.name)
+        return {k: v for k, v in value.to_dict().items() if k in ours.vision_config} if field.name == "vision_config" \
+            else value
+    if config.model_type in ("gemma3", "qwen2_5_vl") and not (
+            field.name in OUTER_FIELDS or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
         config = config.get_text_config()
     name = THEIR_NAMES.get((config.model_type, field.name), field.name)
     value = getattr(config, name) if hasattr(config, name) else absent(field)
@@ -138,8 +151,8 @@ def mismatches(path: str) -> list[str]:
             load_hf_config(path)
         return []
     ours = load_hf_config(path)
-    return [f"{f.name}: ours {getattr(ours, f.name)!r}, transformers {transformers_value(theirs, f)!r}"
-            for f in dataclasses.fields(HFConfig) if getattr(ours, f.name) != transformers_value(theirs, f)]
+    return [f"{f.name}: ours {getattr(ours, f.name)!r}, transformers {transformers_value(theirs, f, ours)!r}"
+            for f in dataclasses.fields(HFConfig) if getattr(ours, f.name) != transformers_value(theirs, f, ours)]
 
 
 def write_config(directory, name: str) -> tuple[str, dict]:
@@ -167,7 +180,9 @@ def test_a_config_transformers_wrote_reads_as_transformers_reads_it(name, tmp_pa
 # groups, and a default qk_rope_head_dim (64) disagrees with the head_dim written beside it.
 REFUSED_WITHOUT = {"deepseek_v2_lite": {"num_experts_per_tok", "qk_rope_head_dim", "every key"},
                    "deepseek_v2": {"num_experts_per_tok", "qk_rope_head_dim", "n_group", "topk_group", "every key"},
-                   "deepseek_v3": {"qk_rope_head_dim"}}
+                   "deepseek_v3": {"qk_rope_head_dim"},
+                   # Qwen2_5_VLTextConfig's 64 heads over the written hidden size of 64: heads one dimension wide
+                   "qwen2_5_vl": {"text_config.num_attention_heads"}}
 
 
 def mismatches_or_refused(name: str, key: str, path: str) -> list[str]:
@@ -194,7 +209,8 @@ def test_a_missing_key_takes_the_default_of_the_family_s_transformers_config(nam
                 found[f"rope_parameters.{key}.{inner}"] = mismatches(rewrite(path, {**raw, "rope_parameters": rope}))
     for key in sorted(raw.get("text_config") or ()):
         text = {k: v for k, v in raw["text_config"].items() if k != key}
-        found[f"text_config.{key}"] = mismatches(rewrite(path, {**raw, "text_config": text}))
+        found[f"text_config.{key}"] = mismatches_or_refused(name, f"text_config.{key}",
+                                                            rewrite(path, {**raw, "text_config": text}))
     found["every key"] = mismatches_or_refused(name, "every key",
                                                rewrite(path, {k: raw[k] for k in ("architectures", "model_type")}))
     assert {key: problems for key, problems in found.items() if problems} == {}
@@ -235,8 +251,9 @@ def test_every_supported_architecture_has_a_family():
     model_types = {Qwen3Config.model_type, Qwen2Config.model_type, LlamaConfig.model_type, MistralConfig.model_type,
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
                    Gemma3Config.model_type, Phi3Config.model_type, GptOssConfig.model_type,
-                   DeepseekV2Config.model_type, DeepseekV3Config.model_type}
-    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types)
+                   DeepseekV2Config.model_type, DeepseekV3Config.model_type, Qwen2_5_VLConfig.model_type,
+                   Qwen2_5_VLTextConfig.model_type}
+    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types) - 1  # Qwen2.5-VL's text part
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -247,7 +264,7 @@ def test_every_supported_architecture_has_a_family():
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
-                                    "gemma2, gemma3_text, gemma3, phi3, gpt_oss"),
+                                    "gemma2, gemma3_text, gemma3, qwen2_5_vl_text, qwen2_5_vl, phi3, gpt_oss"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

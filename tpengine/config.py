@@ -11,6 +11,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 
 import msgspec
 
+from tpengine.families import FAMILIES
 from tpengine.hf_config import (HFConfig, head_dim_of, load_hf_config, long_rope_threshold_of, max_model_len_of,
                                 max_positions_of, tensor_parallel_sizes)
 
@@ -30,6 +31,7 @@ FP8_NEEDS_A_GPU = ("quantization='fp8' runs FP8 matmuls, which need a CUDA GPU o
                    "newer (Ada, Hopper); on {where} use quantization='int8'")
 # proposers the engine has (engine/proposer.py, runner/drafter.py, runner/mtp_drafter.py)
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+DEFAULT_IMAGES_PER_PROMPT = 999  # vLLM's limit_mm_per_prompt default for each modality
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram length when neither prompt_lookup_min nor _max is given
 # Past this many tokens proposed a step, even a draft 90% right would see the next one kept under 4% of the
 # time (0.9 ** 33), while each costs a row of the verify forward; vLLM's users propose up to ~16.
@@ -222,6 +224,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "model", 'JSON whose keys replace config.json\'s, as vLLM\'s: {"architectures": '
                  '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]} scores with '
                  'Qwen3-Reranker', default_help="none")] = None
+    # an image model's images per prompt, as vLLM's limit_mm_per_prompt ({"image": N}); None: vLLM's default
+    limit_mm_per_prompt: Annotated[dict | None, Setting(
+        "model", 'JSON: the most images one prompt may hold, {"image": N} (an image model: Qwen2.5-VL)',
+        default_help=f'{{"image": {DEFAULT_IMAGES_PER_PROMPT}}}')] = None
+    # vLLM's allowed_local_media_path: file:// image URLs are read only from under it
+    allowed_local_media_path: Annotated[str | None, Setting(
+        "model", "folder whose files chat messages may name as file:// image URLs (nothing is fetched over the "
+                 "network: other images come as data: URLs)", default_help="none: file URLs refused")] = None
     # a reasoning model's parser: structured outputs constrain what follows its thinking (the server also
     # splits the thinking off as reasoning_content)
     reasoning_parser: Annotated[str | None, Setting(
@@ -359,8 +369,34 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         self._validate_quantization(hf_config)
         self._validate_speculative(hf_config)
         self._validate_lora()
+        self._validate_images(hf_config)
         if hf_config.kv_lora_rank is not None:
             self._check_latent_attention(hf_config)
+
+    @property
+    def images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    def _validate_images(self, hf_config: HFConfig) -> None:
+        limit = self.limit_mm_per_prompt
+        reads_images = FAMILIES[hf_config.model_type].images
+        if limit is not None:
+            if not isinstance(limit, dict) or any(not isinstance(key, str) for key in limit):
+                raise ValueError(f'limit_mm_per_prompt must be a dict such as {{"image": 4}}, got {limit!r}')
+            if set(limit) - {"image"}:
+                raise ValueError(f"limit_mm_per_prompt: {sorted(set(limit) - {'image'})} not supported: images are "
+                                 "the one modality (video and audio are not)")
+            count = limit.get("image", DEFAULT_IMAGES_PER_PROMPT)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"limit_mm_per_prompt image must be an integer >= 0, got {count!r}")
+            if not reads_images:
+                raise ValueError(f"limit_mm_per_prompt applies to image models; {hf_config.model_type} reads none")
+        if reads_images and self.speculative_config is not None:
+            raise ValueError(f"speculative_config is not supported for {hf_config.model_type}: its verify rows "
+                             "would need M-RoPE positions")
+        if reads_images and self.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size > 1 is not supported for {hf_config.model_type}: its vision "
+                             "tower and M-RoPE run on one stage")
 
     def _check_latent_attention(self, hf_config: HFConfig) -> None:
         if self.enable_lora:

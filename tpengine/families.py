@@ -43,6 +43,10 @@ class Family:
     # multi-head latent attention (DeepSeek): its config class sets head_dim to qk_rope_head_dim, whatever
     # config.json says, and the attention caches one latent per token, no per-head keys
     latent_attention: bool = False
+    # its model reads images: its vision tower runs on the ranks (tpengine/multimodal/)
+    images: bool = False
+    # a checkpoint may name its architecture; False: the text part of a multimodal family alone (its rules only)
+    standalone: bool = True
 
 
 QWEN3 = Family(
@@ -106,6 +110,19 @@ GEMMA3_TEXT = Family(
 # Gemma3ForConditionalGeneration: the text model's settings are its text_config's; these few are the outer config's own
 GEMMA3 = Family("gemma3", "Gemma3ForConditionalGeneration", "tpengine.models.gemma", text_model_type="gemma3_text",
                 defaults=dict(tie_word_embeddings=True))
+# Qwen2.5-VL: the text model is Qwen2's decoder (bias on q, k and v) rotated with M-RoPE; the vision tower and the
+# image tokens' ids are the outer config's (models/qwen2_5_vl.py)
+QWEN2_5_VL_TEXT = Family(
+    "qwen2_5_vl_text", "Qwen2_5_VLTextModel", "tpengine.models.qwen2_5_vl", rope_theta=1_000_000.0, standalone=False,
+    defaults=dict(
+        vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=80,
+        layer_types=None, bos_token_id=151643, eos_token_id=151645))
+QWEN2_5_VL = Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "tpengine.models.qwen2_5_vl",
+                    text_model_type="qwen2_5_vl_text", images=True,
+                    defaults=dict(tie_word_embeddings=False, vision_config={}, image_token_id=151655,
+                                  video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653))
 PHI3 = Family(
     "phi3", "Phi3ForCausalLM", "tpengine.models.phi3", partial_rotary=True, longrope=True,
     defaults=dict(
@@ -151,12 +168,14 @@ DEEPSEEK_V3 = Family(
 
 # model_type -> its description, in the order errors list them
 FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
-                                                     GEMMA3, PHI3, GPT_OSS, DEEPSEEK_V2, DEEPSEEK_V3)}
+                                                     GEMMA3, QWEN2_5_VL_TEXT, QWEN2_5_VL, PHI3, GPT_OSS,
+                                                     DEEPSEEK_V2, DEEPSEEK_V3)}
 # model_types whose configs a family's config class reads: Kimi K2's config.json says kimi_k2 (its remote code is
 # DeepSeek V3's config class) and architectures DeepseekV3ForCausalLM
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
-ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values())  # the architectures[0] values served
-assert len(set(ARCHITECTURES)) == len(FAMILIES), "one family per architecture"
+# the architectures[0] values served
+ARCHITECTURES = tuple(family.architecture for family in FAMILIES.values() if family.standalone)
+assert len(set(ARCHITECTURES)) == len(ARCHITECTURES), "one family per architecture"
 # a family's causal LM with a classification head on its last token in place of the LM head (a cross-encoder
 # reranker such as Qwen3ForSequenceClassification): the same decoder, loaded for scoring
 CLASSIFIER_SUFFIX = "ForSequenceClassification"

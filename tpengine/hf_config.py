@@ -83,6 +83,13 @@ class HFConfig:
     topk_group: int | None = None
     topk_method: str | None = None        # DeepSeek V2's: greedy or group_limited_greedy
     num_nextn_predict_layers: int = 0     # DeepSeek V3's multi-token-prediction layers after the last one
+    # an image-text checkpoint (Qwen2.5-VL): its vision tower's settings as config.json gives them, and the ids of the
+    # tokens that hold an image's place in a prompt
+    vision_config: dict | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
 
     @property
     def is_classifier(self) -> bool:
@@ -153,7 +160,11 @@ FIELD_KINDS = {
     "first_k_dense_replace": "int >= 0", "n_shared_experts": "int >= 0 or null", "routed_scaling_factor": "number",
     "n_group": "count or null", "topk_group": "count or null", "topk_method": "text or null",
     "num_nextn_predict_layers": "int >= 0",
+    "vision_config": "object or null", "image_token_id": "token id or null", "video_token_id": "token id or null",
+    "vision_start_token_id": "token id or null", "vision_end_token_id": "token id or null",
 }
+# an image-text config's own keys beside its text_config
+VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
                  "rope_local_base_freq": "number", "text_config": "object or null",
@@ -290,7 +301,8 @@ def _text_part(raw: dict, family: Family, source: str) -> HFConfig:
     own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
            "dtype": dtype if dtype is not None else config.dtype,
            "quantization_config": outer.get("quantization_config", config.quantization_config),
-           **{name: outer[name] for name in ("bos_token_id", "eos_token_id", "classifier_from_token") if name in outer}}
+           **{name: outer[name] for name in ("bos_token_id", "eos_token_id", "classifier_from_token",
+                                              *(VISION_FIELDS if family.images else ())) if name in outer}}
     if outer.get("id2label"):  # a classifier's labels are the outer config's
         own["num_labels"] = len(outer["id2label"])
     for name, value in own.items():
@@ -499,6 +511,18 @@ def _longrope_parameters(config: HFConfig, params: dict, common: dict, head_dim:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeParameters(rope_type="longrope", factor=float(factor), original_max_position=original,
                           attention_factor=float(attention_factor), **lists, **common)
+
+
+# Qwen2.5-VL's rotary class takes this split of each head's frequencies when rope_parameters has none
+DEFAULT_MROPE_SECTION = (16, 24, 24)
+
+
+def mrope_section_of(config: HFConfig) -> tuple[int, ...] | None:
+    """How an image model's M-RoPE splits each head's rotary frequencies between temporal, height and width
+    positions (layers/mrope.py); None for a model that rotates by one position."""
+    if not FAMILIES[config.model_type].images:
+        return None
+    return tuple(config.rope_parameters.get("mrope_section") or DEFAULT_MROPE_SECTION)
 
 
 def long_rope_threshold_of(config: HFConfig) -> int | None:

@@ -11,6 +11,7 @@ from tpengine.beam_search import BeamSearch, BeamSearchOutput
 from tpengine.engine.inputs import prompt_list
 from tpengine.engine.llm_engine import LLMEngine
 from tpengine.entrypoints.chat_template import encode_chat_text, render_chat_text
+from tpengine.multimodal.chat import has_image_parts, take_images
 from tpengine.errors import InvalidRequestError
 from tpengine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, RequestOutput,
                               ScoringRequestOutput)
@@ -67,10 +68,13 @@ def template_conversation(conversation, content_format: str) -> list[dict[str, A
         content = message.get("content")
         if isinstance(content, (list, tuple)):
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ValueError("a message's content parts must be text parts ({'type': 'text', 'text': ...}): "
-                                     f"tpengine runs text models; got {part!r:.60}")
-            message["content"] = list(content) if content_format == "openai" else \
+                if not (isinstance(part, dict) and (part.get("type") == "text" and isinstance(part.get("text"), str)
+                                                    or part.get("type") == "image")):
+                    raise ValueError("a message's content parts must be text parts ({'type': 'text', 'text': ...}) "
+                                     f"or images (image_url, image_pil); got {part!r:.60}")
+            # an image's part stays a part: the template writes its placeholder
+            with_images = any(part["type"] == "image" for part in content)
+            message["content"] = list(content) if content_format == "openai" or with_images else \
                 "".join(part["text"] for part in content)
         elif isinstance(content, str):
             if content_format == "openai":
@@ -165,20 +169,28 @@ class LLM(LLMEngine):
             raise ValueError(f"tools must be a list of dicts (OpenAI's tool definitions), got {tools!r:.60}")
         if continue_final_message:  # an apply_chat_template argument: the template renders as usual, then is cut
             chat_template_kwargs = {**(chat_template_kwargs or {}), "continue_final_message": True}
-        texts = []
+        texts, images = [], []
         for i, conversation in enumerate(conversation_list(messages)):
             try:
+                if self.images is None and has_image_parts(conversation):
+                    raise ValueError(f"this model ({self.config.model}) reads no images: image parts need an image "
+                                     "model (Qwen2.5-VL)")
+                conversation, conversation_images = take_images(conversation, self.config.allowed_local_media_path)
                 texts.append(render_chat_text(tokenizer, chat_template,
                                               template_conversation(conversation, chat_template_content_format),
                                               add_generation_prompt, chat_template_kwargs, tools))
+                images.append(conversation_images)
             except ValueError as e:
                 raise InvalidRequestError(f"conversation {i}: {e}", getattr(e, "param", "messages")) from None
         # a chat reply: a reasoning model may open its thinking with its first token (tpengine/thinking.py)
         replies = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(texts)
         replies = [dataclasses.replace(p or SamplingParams(), may_open_thinking=True)
                    if p is None or isinstance(p, SamplingParams) else p for p in replies]
-        outputs = self.generate([{"prompt_token_ids": encode_chat_text(tokenizer, text)} for text in texts],
-                                replies, use_tqdm, lora_request)
+        prompts = [{"prompt_token_ids": encode_chat_text(tokenizer, text)} for text in texts]
+        for prompt, conversation_images in zip(prompts, images):
+            if conversation_images:
+                prompt["multi_modal_data"] = {"image": conversation_images}
+        outputs = self.generate(prompts, replies, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs

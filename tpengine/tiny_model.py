@@ -29,10 +29,12 @@ CHATML_TEMPLATE = (
 )
 
 
-def write_byte_tokenizer(path: str, bos_token: str | None = None) -> int:
+def write_byte_tokenizer(path: str, bos_token: str | None = None, special_tokens: tuple[str, ...] = (),
+                         chat_template: str = CHATML_TEMPLATE) -> int:
     """A byte-level BPE tokenizer with no merges (one token per byte) plus an EOS token; returns its size.
 
     With bos_token, that token follows EOS and the tokenizer prepends it to every text, as Llama 3's does.
+    special_tokens follow them (an image model's <|image_pad|>, say), each one token wherever a text holds it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -41,13 +43,13 @@ def write_byte_tokenizer(path: str, bos_token: str | None = None) -> int:
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS_TOKEN] + ([bos_token] if bos_token else []))
+    tokenizer.add_special_tokens([EOS_TOKEN] + ([bos_token] if bos_token else []) + list(special_tokens))
     if bos_token:
         bos = (bos_token, tokenizer.token_to_id(bos_token))
         tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A $B",
                                                                  special_tokens=[bos])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=bos_token,
-                            chat_template=CHATML_TEMPLATE).save_pretrained(path)
+                            chat_template=chat_template).save_pretrained(path)
     return tokenizer.get_vocab_size()
 
 

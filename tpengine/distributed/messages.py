@@ -30,6 +30,21 @@ class PrefillChunk(msgspec.Struct, array_like=True, gc=False):
     # next_token (-1: the chunk ends the prompt)
     prompt_logprobs: bool = False
     next_token: int = -1
+    # an image model's sequence (tpengine/multimodal/): its rows' M-RoPE positions, [3, rows] int64 row-major
+    # (b"": each row's index, all three alike), and the images whose placeholders the chunk overlaps
+    positions: bytes = b""
+    images: list["ImageChunk"] = []
+
+
+class ImageChunk(msgspec.Struct, array_like=True, gc=False):
+    """One image of a sequence, as its chunks need it: which of the sequence's images it is, where its placeholders
+    start in the sequence and how many there are, its grid (t, h, w) in patches and its float32 patch rows (the
+    image processor's)."""
+    index: int
+    offset: int
+    num_tokens: int
+    grid: list[int]
+    pixel_values: bytes
 
 
 class PoolChunk(msgspec.Struct, array_like=True, gc=False):
@@ -110,6 +125,8 @@ class StepMessage(msgspec.Struct, array_like=True, gc=False):
     # int_column), when the engine serves adapters
     lora_loads: list[LoRALoad] = []
     decode_lora_slots: bytes = b""
+    # an image model's M-RoPE: what each decode row's position adds to its index (an int_column; b"": nothing)
+    decode_position_offsets: bytes = b""
 
     @property
     def num_decode_rows(self) -> int:

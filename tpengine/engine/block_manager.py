@@ -224,7 +224,7 @@ class BlockManager:
             parent = hashes[len(block_ids) - 1] if block_ids else chain_root(seq)
             start = len(block_ids) * block_size
             end = min(start + block_size, seq.num_tokens - 1)
-            head = seq.token_ids[start:end if limit is None else min(end, limit)]
+            head = seq.cache_keys(start, end if limit is None else min(end, limit))
             if head:
                 copy_src, num_copied = self.heads.longest_match(parent, head)
         num_cached_tokens = len(block_ids) * self.block_size + num_copied
@@ -428,4 +428,4 @@ class BlockManager:
             parent = self.blocks[seq.block_table[i - 1]].hash if seq.block_table[i - 1] != -1 else -1
             if parent == -1:
                 return  # its context is not in the hash chain: nothing could find it
-        self._index_head(block, parent, seq.token_ids[i * self.block_size:seq.num_cached_tokens])
+        self._index_head(block, parent, seq.cache_keys(i * self.block_size, seq.num_cached_tokens))

@@ -56,6 +56,21 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     return token_ids
 
 
+def images_of(prompt) -> list:
+    """The images of a prompt dict's multi_modal_data ({"image": one image or a list}), in order; [] for any
+    other prompt."""
+    if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+        return []
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict such as {{'image': image}}, got {type(data).__name__}")
+    if set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: {sorted(set(data) - {'image'})} not supported: images are the one "
+                         "modality (video and audio are not)")
+    images = data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+
+
 def parse_prompt(prompt, tokenizer) -> tuple[str | list[int], list[int]]:
     """(the prompt as RequestOutput reports it, its token ids); the ids are not yet checked against the vocabulary."""
     if isinstance(prompt, dict):

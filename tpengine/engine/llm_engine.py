@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tpengine.config import EngineConfig
 from tpengine.engine.detokenizer import Detokenizer
 from tpengine.engine.draft_policy import DraftPolicy
-from tpengine.engine.inputs import parse_prompt, per_prompt, prompt_list
+from tpengine.engine.inputs import images_of, parse_prompt, per_prompt, prompt_list
 from tpengine.engine.lora_slots import LoRASlots
 from tpengine.engine.prompt_logprob_cache import PromptLogprobCache
 from tpengine.engine.proposer import make_proposer
@@ -23,9 +23,11 @@ from tpengine.engine.sequence import Sequence, SequenceStatus
 from tpengine.engine.step_plan import StepPlan
 from tpengine.engine.virtual_engines import VirtualEngines
 from tpengine.errors import InvalidRequestError
+from tpengine.families import FAMILIES
 from tpengine.gguf import is_gguf
 from tpengine.lora.checks import LoRAAdapterChecks
 from tpengine.lora.request import LoRARequest
+from tpengine.multimodal.prompt import ImagePrompts, MultiModalPrompt
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
 from tpengine.outputs import (NO_TOKEN, ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -73,6 +75,9 @@ class LLMEngine:
         # before any worker starts: it may raise
         # (<think>, </think>): where structured outputs start in a reasoning model's completions (tpengine/thinking.py)
         self.reasoning_tokens = None if config.reasoning_parser is None else self._reasoning_tokens()
+        # an image model's processor: a request's images are read and checked here, before it is queued
+        self.images = ImagePrompts(model, hf_config, config.images_per_prompt) \
+            if FAMILIES[hf_config.model_type].images else None
         if hf_config.classifier_from_token is not None:  # every rank reads them: a missing one is told here, once
             classifier_token_ids(config.tokenizer or model, hf_config.classifier_from_token)
         if config.world_size > 1:
@@ -242,14 +247,15 @@ class LLMEngine:
         self._check_sampling_params(params)
         if lora_request is not None:
             self._lora_adapters.check(lora_request)
-        prompt, token_ids = self._prompt_tokens(prompt, params.max_tokens)
+        prompt, token_ids, multimodal = self._prompt_tokens(prompt, params.max_tokens)
         block_size = self.config.kvcache_block_size
         request_id = next(self._request_ids)
-        seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id, lora=lora_request)]
+        seqs = [Sequence(token_ids, params, block_size=block_size, request_id=request_id, lora=lora_request,
+                         multimodal=multimodal)]
         for i in range(1, params.n):  # child i samples with seed + i: reproducible, and distinct from its siblings
             child_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             seqs.append(Sequence(token_ids, child_params, block_size=block_size, index=i, parent=seqs[0],
-                                 request_id=request_id, lora=lora_request))
+                                 request_id=request_id, lora=lora_request, multimodal=multimodal))
         request = Request(request_id, prompt, token_ids, params, seqs, self.detokenizer, stream)
         if params.structured_outputs is not None:
             spec = params.structured_outputs
@@ -283,10 +289,13 @@ class LLMEngine:
                 if t >= self.vocab_size:
                     raise InvalidRequestError(f"{what} {t} is outside the vocabulary [0, {self.vocab_size})", name)
 
-    def _prompt_tokens(self, prompt, max_tokens: int, keep_last: int | None = None) -> tuple[str | list[int], list[int]]:
-        """A prompt as (what the user gave, its token ids: the last keep_last of them, if given), checked against the
-        vocabulary and, with max_tokens after it, the engine's limits. InvalidRequestError naming the prompt."""
+    def _prompt_tokens(self, prompt, max_tokens: int,
+                       keep_last: int | None = None) -> tuple[str | list[int], list[int], MultiModalPrompt | None]:
+        """A prompt as (what the user gave, its token ids: the last keep_last of them, if given; its images placed,
+        if it has any), checked against the vocabulary and, with max_tokens after it, the engine's limits.
+        InvalidRequestError naming the prompt."""
         try:
+            images = images_of(prompt)
             prompt, token_ids = parse_prompt(prompt, self.tokenizer)
             if not token_ids:
                 raise ValueError("prompt is empty: it needs at least one token")
@@ -295,12 +304,18 @@ class LLMEngine:
             for t in token_ids:
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+            multimodal = None
+            if self.images is not None:
+                token_ids, multimodal = self.images.place(token_ids, images)
+            elif images:
+                raise ValueError(f"this model ({self.config.model}) reads no images: multi_modal_data needs an "
+                                 "image model (Qwen2.5-VL)")
             self.scheduler.check_fits(len(token_ids), max_tokens)
         except InvalidRequestError:
             raise
         except ValueError as e:  # the prompt, or its length with max_tokens, is at fault
             raise InvalidRequestError(str(e), "prompt") from None
-        return prompt, token_ids
+        return prompt, token_ids, multimodal
 
     def _make_pooling_request(self, prompt, params: PoolingParams, lora_request: LoRARequest | None) -> Request:
         """An embedding request: its prompt (its last truncate_prompt_tokens, if asked) computed and pooled."""
@@ -311,10 +326,10 @@ class LLMEngine:
         spec = self.pooling.checked(params, self.hidden_size)
         keep = None if params.truncate_prompt_tokens is None else \
             self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        prompt, token_ids = self._prompt_tokens(prompt, 0, keep)
+        prompt, token_ids, multimodal = self._prompt_tokens(prompt, 0, keep)
         request_id = next(self._request_ids)
         seq = Sequence(token_ids, POOLED, block_size=self.config.kvcache_block_size, request_id=request_id,
-                       lora=lora_request)
+                       lora=lora_request, multimodal=multimodal)
         seq.pooling, seq.prompt_only = spec, True
         seq.reuse_limit = 0 if self.pooling.reads_every_token else None
         return PoolingRequest(request_id, prompt, token_ids, POOLED, [seq], self.detokenizer, False)

@@ -87,7 +87,8 @@ class Scheduler:
         self.deltas = TableDeltas()  # the block-table changes the next message carries
         # the last step's decode rows (a list schedule() made), with their sequence-id column and sampling records
         # (and their LoRA slots' column)
-        self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord], bytes] = ([], b"", [], b"")
+        # the last decode batch and its columns: (sequences, seq ids, sampling records, LoRA slots, position offsets)
+        self._last_decode: tuple[list[Sequence], bytes, list[SamplingRecord], bytes, bytes] = ([], b"", [], b"", b"")
         assert (proposer is None) == (num_speculative_tokens == 0)
         self.proposer = proposer
         self.speculation = None if proposer is None else Speculation(proposer, num_speculative_tokens, draft_policy)
@@ -217,9 +218,10 @@ class Scheduler:
             decode_seq_ids = int_column([seq.seq_id for seq in decode])
             decode_sampling = [seq.sampling for seq in decode]
             decode_lora_slots = b"" if self.lora_slots is None else int_column([seq.lora_slot for seq in decode])
-            self._last_decode = decode, decode_seq_ids, decode_sampling, decode_lora_slots
+            decode_offsets = decode_position_offsets(decode)
+            self._last_decode = decode, decode_seq_ids, decode_sampling, decode_lora_slots, decode_offsets
         else:
-            decode_lora_slots = self._last_decode[3]
+            decode_lora_slots, decode_offsets = self._last_decode[3:]
         chunks, new_tables, sampling = [], [], list(decode_sampling)
         num_prefill_tokens = 0
         add_whole_table = self.deltas.add_whole_table
@@ -229,10 +231,13 @@ class Scheduler:
             pooling = None if seq.pooling is None else PoolChunk(*seq.pooling, sampled)
             scored = seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens
             sampled = sampled and not seq.prompt_only  # an embedding's or a scored prompt's: no token sampled
+            multimodal = seq.multimodal
             chunks.append(PrefillChunk(seq.seq_id, seq.token_ids[start:end], start, sampled, 0, seq.long_rope,
                                        lora_slot=seq.lora_slot, pooling=pooling, prompt_logprobs=scored,
                                        next_token=seq.token_ids[end] if scored and end < seq.num_prompt_tokens
-                                       else -1))
+                                       else -1,
+                                       positions=b"" if multimodal is None else multimodal.chunk_positions(start, end),
+                                       images=[] if multimodal is None else multimodal.chunk_images(start, end)))
             num_prefill_tokens += end - start
             if sampled:
                 sampling.append(seq.sampling)
@@ -252,7 +257,7 @@ class Scheduler:
             draft_prompts=self.speculation is None or self.speculation.drafting,
             virtual_engine=self.virtual_engine,
             lora_loads=[] if self.lora_slots is None else self.lora_slots.take_loads(),
-            decode_lora_slots=decode_lora_slots, **self.deltas.take())
+            decode_lora_slots=decode_lora_slots, decode_position_offsets=decode_offsets, **self.deltas.take())
         return StepPlan(message, sampling, num_prefill_tokens, num_verify_tokens)
 
     def _forget_step_in_flight(self) -> None:
@@ -306,6 +311,7 @@ class Scheduler:
         computing = HeadIndex() if block_manager.enable_prefix_caching else None
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
         chunked = None
+        encoder_budget = self.max_num_batched_tokens  # image tokens whose encoding may start this step
         for seq in self._admission_order(head):
             if num_running + len(scheduled) >= self.max_num_seqs or token_budget <= 0:
                 break
@@ -334,6 +340,8 @@ class Scheduler:
             # where every layer slides, the table may cover only part of the rest (its blocks grow by chunk)
             seq.num_scheduled_tokens = min(num_new_tokens, token_budget,
                                            len(seq.block_table) * block_manager.block_size - seq.num_cached_tokens)
+            if seq.multimodal is not None:
+                encoder_budget = cut_for_encoder(seq, encoder_budget)
             token_budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if computing is not None:
@@ -448,7 +456,7 @@ class Scheduler:
         block_size = self.block_manager.block_size
         k = len(match.block_ids)
         start = k * block_size
-        head = seq.token_ids[start:min(start + block_size, seq.num_tokens - 1)]
+        head = seq.cache_keys(start, min(start + block_size, seq.num_tokens - 1))
         if not head:
             return False
         parent = seq.block_hashes[k - 1] if k else chain_root(seq)
@@ -464,7 +472,7 @@ class Scheduler:
         hashes = self.block_manager.block_hashes(seq, last)
         for i in range(first, last + 1):
             computing.add(hashes[i - 1] if i else chain_root(seq),
-                          seq.token_ids[i * block_size:min((i + 1) * block_size, end)], seq.seq_id)
+                          seq.cache_keys(i * block_size, min((i + 1) * block_size, end)), seq.seq_id)
 
     def _admit_rope_set(self, seq: Sequence) -> None:
         """LongRoPE: the factor set seq's K/V are computed with, taken as it is admitted (it holds no block): the
@@ -719,3 +727,24 @@ class Scheduler:
                     seq.finish_reason = "abort"
                     return seq
         return None
+
+
+def decode_position_offsets(decode: list[Sequence]) -> bytes:
+    """What each decode row's position adds to its index (an image prompt's M-RoPE delta); b"" when none does."""
+    offsets = [0 if seq.multimodal is None else seq.multimodal.position_delta for seq in decode]
+    return int_column(offsets) if any(offsets) else b""
+
+
+def cut_for_encoder(seq: Sequence, encoder_budget: int) -> int:
+    """vLLM's encoder budget: the images whose placeholders start in seq's chunk are encoded this step, at most
+    encoder_budget of their tokens; the chunk ends before an image past it (one that starts the chunk always runs,
+    so an image larger than the budget runs alone). Returns the budget left."""
+    start = seq.num_cached_tokens
+    for placement in seq.multimodal.images:
+        if not start <= placement.offset < start + seq.num_scheduled_tokens:
+            continue
+        if placement.image.num_tokens > encoder_budget and placement.offset > start:
+            seq.num_scheduled_tokens = placement.offset - start
+            break
+        encoder_budget -= placement.image.num_tokens
+    return encoder_budget

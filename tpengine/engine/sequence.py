@@ -26,21 +26,21 @@ class Sequence:
         "min_tokens", "status", "finish_reason", "stop_reason",
         "speculates", "draft_token_ids", "num_draft_cached_tokens",
         "arrival_step", "virtual_engine", "lora", "lora_slot", "pooling", "prompt_only", "reuse_limit",
-        "kept_prompt_logprobs",
+        "kept_prompt_logprobs", "multimodal",
     )
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, *,
-                 index: int = 0, parent: "Sequence | None" = None, request_id: int = -1, lora=None):
+                 index: int = 0, parent: "Sequence | None" = None, request_id: int = -1, lora=None, multimodal=None):
         # --- who it is
         self.seq_id = next(Sequence.counter)
         # its request, by id: a reference back would make a cycle only the cycle collector frees
         self.request_id = request_id
         self.index = index                  # which of its request's n completions
-        # Completions 1..n-1 of a request: they fork the parent's prompt blocks (scheduler) instead
-        # of computing the prompt again. Cleared once they have blocks of their own.
+        # Completions 1..n-1 of a request fork the parent's prompt blocks (scheduler); cleared once they have their own
         self.parent = parent
-        # its LoRA adapter (a LoRARequest; None: the base model) and, while it has blocks, its slot
-        self.lora, self.lora_slot = lora, -1
+        # its LoRA adapter (a LoRARequest; None: the base model) and, while it has blocks, its slot; its prompt's
+        # images and M-RoPE positions (a MultiModalPrompt, tpengine/multimodal/prompt.py; None: text alone)
+        self.lora, self.lora_slot, self.multimodal = lora, -1, multimodal
 
         # --- its tokens
         self.token_ids = copy(token_ids)  # a copy: the caller's list is never mutated
@@ -114,8 +114,16 @@ class Sequence:
         return blocks_for(self.num_tokens, self.block_size)
 
     def block(self, i: int) -> list[int]:
+        """Block i's keys in the prefix cache: its tokens (an image's placeholders as the image's key)."""
         assert 0 <= i < self.num_blocks
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        return self.cache_keys(i * self.block_size, (i + 1) * self.block_size)
+
+    def cache_keys(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) as the prefix cache keys them: the tokens, an image's placeholders as its image's
+        key (the same image reuses cached K/V, another never does)."""
+        if self.multimodal is None:
+            return self.token_ids[start:end]
+        return self.multimodal.cache_keys(self.token_ids, start, min(end, self.num_tokens))
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

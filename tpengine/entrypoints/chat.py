@@ -15,6 +15,8 @@ from tpengine.entrypoints.serving import (ApiError, ChoiceDelta, OpenAIServing, 
                                           final_outputs, new_response_fields, sse_stream, token_id_fields, usage)
 from tpengine.entrypoints.tool_calls import (AUTO_READERS, CallsReader, NamedCall, RequiredCalls, parameters_schema,
                                              required_schema)
+from tpengine.errors import InvalidRequestError
+from tpengine.multimodal.chat import has_image_parts, take_images
 from tpengine.outputs import CompletionOutput
 from tpengine.sampling_params import StructuredOutputsParams
 from tpengine.thinking import thinking_open_after
@@ -156,14 +158,15 @@ class OpenAIServingChat(OpenAIServing):
             except ValueError as e:  # the tools' parameters over a structured-outputs limit
                 raise self.invalid(e, request) from None
             spec = await self.checked_grammar(tool_spec, "tools", request)
-        prompt = await self.render_prompt(request)
+        prompt, images = await self.render_prompt_and_images(request)
         max_tokens = self.max_tokens(request.max_completion_tokens or request.max_tokens, [prompt], request)
         # a chat reply: a reasoning model may open its thinking with its first token (tpengine/thinking.py)
         params = dataclasses.replace(self.sampling_params(request, max_tokens, request.num_logprobs, spec),
                                      may_open_thinking=True)
         thinking_open = (None if self.reasoning_parser is None
                          else thinking_open_after(prompt, *self.engine.engine.reasoning_tokens))
-        return ChatRun(prompt, mode, thinking_open, await self.submit([prompt], params, request, by_step))
+        engine_prompt = {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}} if images else prompt
+        return ChatRun(prompt, mode, thinking_open, await self.submit([engine_prompt], params, request, by_step))
 
     async def render(self, request: ChatCompletionRequest) -> dict:
         """POST /v1/chat/completions/render (vLLM's): the prompt's token ids through the chat template, generating
@@ -174,12 +177,31 @@ class OpenAIServingChat(OpenAIServing):
                 "token_ids": await self.render_prompt(request)}
 
     async def render_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        return (await self.render_prompt_and_images(request))[0]
+
+    async def render_prompt_and_images(self, request: ChatCompletionRequest) -> tuple[list[int], list]:
+        """The prompt's token ids through the chat template, and the images its messages hold (read on the
+        renderer's thread: a malformed one is this request's 400, naming it)."""
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+        messages, images = template_messages(request), []
         try:
-            return await self.renderer.render_chat(template_messages(request), request.add_generation_prompt,
-                                                   request.chat_template_kwargs, tools, request.add_special_tokens)
+            if has_image_parts(messages):
+                if self.engine.engine.images is None:
+                    raise InvalidRequestError(f"this model ({self.model_name}) reads no images: image_url parts "
+                                              "need an image model (Qwen2.5-VL)", "messages")
+                messages, images = await self.renderer.run(self._read_images, messages)
+            prompt = await self.renderer.render_chat(messages, request.add_generation_prompt,
+                                                     request.chat_template_kwargs, tools, request.add_special_tokens)
         except ValueError as e:
             raise self.invalid(e, request) from None
+        return prompt, images
+
+    def _read_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
+        """(the renderer's thread) The messages' images decoded and through the image processor, so the engine
+        thread only places them."""
+        engine = self.engine.engine
+        messages, images = take_images(messages, engine.config.allowed_local_media_path)
+        return messages, engine.images.processor.process(images)
 
     def _logprobs(self, completion: CompletionOutput, num_top: int) -> dict:
         content = []

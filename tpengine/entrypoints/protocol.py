@@ -30,7 +30,7 @@ FIELD_KINDS = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0), or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids (integers >= 0), or a list of token-id lists",
     "stop": "a string or a list of strings",
-    "content": "a string, a list of text parts, or null",
+    "content": "a string, a list of text and image_url parts, or null",
 }
 
 
@@ -434,12 +434,23 @@ class TextPart(OpenAIBody):
     text: str
 
 
+class ImageURL(OpenAIBody):
+    url: str       # a data: URL (base64), or a file:// path under --allowed-local-media-path
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the image processor decides the resolution
+
+
+class ImageURLPart(OpenAIBody):
+    """An image (tpengine/multimodal/chat.py reads it; an image model's chat template renders its placeholder)."""
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, tool_call_id, ...) pass through to the chat template, which renders them.
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
 
     @field_validator("role")
     @classmethod
@@ -450,9 +461,9 @@ class ChatMessage(BaseModel):
 
     def template_dict(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):  # text parts are joined as OpenAI's models read them
-            message["content"] = "".join(part.text for part in self.content)
-        return message
+        if isinstance(self.content, list) and all(isinstance(part, TextPart) for part in self.content):
+            message["content"] = "".join(part.text for part in self.content)  # joined, as OpenAI's models read them
+        return message  # with images: the parts, each image's read and placed by multimodal/chat.py
 
 
 class FunctionDefinition(OpenAIBody):

@@ -127,15 +127,19 @@ class DecoderModel(nn.Module):
                                      if stage.holds(i) else nn.Module() for i in range(config.num_hidden_layers)])
         self.norm = family.norm(config.hidden_size, eps=config.rms_norm_eps) if stage.is_last else None
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata,
-                from_previous_stage: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata, from_previous_stage: torch.Tensor | None = None,
+                replaced_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The last stage's final hidden states; an earlier stage's hidden states and residual, stacked
-        [2, tokens, hidden] for the next (which passes them in as from_previous_stage)."""
+        [2, tokens, hidden] for the next (which passes them in as from_previous_stage). replaced_embeddings: (rows,
+        vectors) that those rows take as their embeddings (an image's placeholders: its vision tower's output)."""
         stage = self.stage
         if stage.is_first:
             hidden_states = self.embed_tokens(input_ids)
             if self.embed_scale is not None:
                 hidden_states = hidden_states * self.embed_scale.to(hidden_states.dtype)
+            if replaced_embeddings is not None:
+                rows, vectors = replaced_embeddings
+                hidden_states = hidden_states.index_copy(0, rows, vectors.to(hidden_states.dtype))
             residual = None
         else:
             hidden_states, residual = from_previous_stage[0], from_previous_stage[1]
@@ -215,9 +219,9 @@ class DecoderForCausalLM(nn.Module):
             return target if stage.is_last else None
         return target
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata,
-                from_previous_stage: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, from_previous_stage)
+    def forward(self, input_ids, positions, meta: AttentionMetadata, from_previous_stage: torch.Tensor | None = None,
+                replaced_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, from_previous_stage, replaced_embeddings)
 
     def classify_from_tokens(self, token_ids: list[int]) -> None:
         """The classifier as vLLM reads classifier_from_token: two tokens make one label, the second token's LM-head

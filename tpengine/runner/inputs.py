@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from tpengine.attention.metadata import AttentionMetadata
-from tpengine.distributed.messages import PrefillChunk, StepMessage
+from tpengine.distributed.messages import ImageChunk, PrefillChunk, StepMessage
 from tpengine.paging import blocks_for
 from tpengine.platforms import platform_for
 from tpengine.runner.block_tables import BlockTables
@@ -22,6 +22,9 @@ class ForwardInputs:
     num_logits: int                     # rows sampled: every decode row, each sampled chunk's last row, then
                                         # every row of each verify row
     lora_slots: np.ndarray | None = None  # each row's LoRA adapter slot (-1: none), when the engine serves adapters
+    # an image model's prompt rows that read an image's embeddings instead of their tokens': (sequence, image,
+    # first row in the forward, first of the image's tokens, how many)
+    image_rows: list[tuple[int, ImageChunk, int, int, int]] | None = None
 
 
 class InputBuilder:
@@ -30,9 +33,11 @@ class InputBuilder:
     head's rows are padded the same way; only the first num_logits rows of its logits are real."""
 
     def __init__(self, block_size: int, device: torch.device, long_rope_threshold: int | None = None,
-                 max_positions: int = 0, lora: bool = False):
+                 max_positions: int = 0, lora: bool = False, mrope: bool = False):
         """long_rope_threshold: LongRoPE's window (None: another rope); a row rotated with its long factors takes
-        its position plus max_positions, where the rotary cache holds the long set (layers/rotary_embedding.py)."""
+        its position plus max_positions, where the rotary cache holds the long set (layers/rotary_embedding.py).
+        mrope: the model rotates by M-RoPE (layers/mrope.py): a step with prompt rows has positions [3, rows]."""
+        self.mrope = mrope
         self.block_size = block_size
         self.long_rope_threshold = long_rope_threshold
         self.max_positions = max_positions
@@ -60,6 +65,8 @@ class InputBuilder:
         num_padding = self.row_bucket(step.num_rows) - step.num_rows
         seq_ids, input_ids, context_lens, chunks, num_verify_rows = decode_columns(step)
         positions, slot_mapping, decode = self._decode_rows(seq_ids, context_lens, num_padding)
+        if step.decode_position_offsets:  # M-RoPE: a generated token's position is its index plus its prompt's delta
+            positions[:step.num_decode_rows] += np.frombuffer(step.decode_position_offsets, dtype=np.int64)
         input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
         num_decode_rows = len(seq_ids) - num_verify_rows
         if not chunks:  # sampled in row order: the decode rows, then the verify rows
@@ -132,8 +139,12 @@ class InputBuilder:
         num_logits = len(logits_rows)
         if logits_rows:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
+        image_rows = None
+        if self.mrope:
+            positions = chunk_mrope_positions(chunks, positions, num_decode, cu_q)
+            image_rows = chunk_image_rows(chunks, num_decode, cu_q)
         return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
-                             num_logits)
+                             num_logits, image_rows=image_rows)
 
     def _add_chunk_rows(self, chunks: list[PrefillChunk], input_ids: list[int], positions: list[int],
                         slot_mapping: list[int]) -> tuple[list[int], list[int]]:
@@ -153,6 +164,30 @@ class InputBuilder:
                 slot_mapping.extend(range(base + max(start - i * block_size, 0),
                                           base + min(end - i * block_size, block_size)))
         return seqlens_q, seqlens_k
+
+
+def chunk_mrope_positions(chunks: list[PrefillChunk], positions: list[int], num_decode: int,
+                          cu_q: list[int]) -> np.ndarray:
+    """Every row's M-RoPE positions [3, rows]: a row's index on all three (decode and text rows), an image prompt's
+    chunk rows as its message gives them."""
+    table = np.tile(np.asarray(positions, dtype=np.int64), (3, 1))
+    for chunk, start, end in zip(chunks, cu_q, cu_q[1:]):
+        if chunk.positions:
+            table[:, num_decode + start:num_decode + end] = np.frombuffer(chunk.positions, np.int64).reshape(3, -1)
+    return table
+
+
+def chunk_image_rows(chunks: list[PrefillChunk], num_decode: int,
+                     cu_q: list[int]) -> list[tuple[int, ImageChunk, int, int, int]]:
+    """The rows of the step that read image embeddings: for each image a chunk overlaps, (sequence, image, the
+    first such row in the forward, its index among the image's tokens, how many rows)."""
+    rows = []
+    for chunk, row in zip(chunks, cu_q):
+        start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
+        for image in chunk.images:
+            lo, hi = max(start, image.offset), min(end, image.offset + image.num_tokens)
+            rows.append((chunk.seq_id, image, num_decode + row + lo - start, lo - image.offset, hi - lo))
+    return rows
 
 
 def decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[PrefillChunk], int]:

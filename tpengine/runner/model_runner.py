@@ -8,7 +8,8 @@ from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, VocabParallelSampling
 from tpengine.distributed.parallel_state import PipelineGroup, TensorParallelGroup, building_model_for
-from tpengine.hf_config import kv_head_dim_of, load_hf_config, long_rope_threshold_of, max_positions_of
+from tpengine.hf_config import (kv_head_dim_of, load_hf_config, long_rope_threshold_of, max_positions_of,
+                                 mrope_section_of)
 from tpengine.kernels.cpu import sampling as cpu_sampling
 from tpengine.layers.batch_invariant import building_batch_invariant
 from tpengine.models.loader import load_and_prepack
@@ -18,6 +19,7 @@ from tpengine.pooling import read_pooling_config
 from tpengine.platforms import platform_for
 from tpengine.runner.decode_path import EagerDecode, choose_decode_path
 from tpengine.runner.drafter import Drafter
+from tpengine.runner.image_embeddings import ImageEmbeddings
 from tpengine.runner.mtp_drafter import MtpDrafter
 from tpengine.runner.inputs import ForwardInputs, InputBuilder
 from tpengine.runner.cuda_graphs import MAX_GRAPH_BATCH_SIZE
@@ -60,6 +62,9 @@ class ModelRunner:
         self.attention_backend = make_backend(self.backend_name, config.batch_invariant)
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.lora = self._lora_adapters()
+        # an image model's image embeddings, made by its vision tower on this rank's shard
+        self.image_embeddings = ImageEmbeddings(self.model, device, self.dtype) \
+            if hasattr(self.model, "encode_images") else None
         # embedding requests' vectors are made on rank 0 (each tensor-parallel rank holds whole hidden states)
         self.pooler = Pooler(read_pooling_config(config.model, hf_config), self.model.classify) \
             if self.rank == 0 else None
@@ -130,7 +135,8 @@ class ModelRunner:
         """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
         cache wants them; each row's adapter slot with LoRA)."""
         return InputBuilder(self.block_size, self.device, long_rope_threshold_of(self.hf_config),
-                            max_positions_of(self.hf_config), lora=self.lora is not None)
+                            max_positions_of(self.hf_config), lora=self.lora is not None,
+                            mrope=mrope_section_of(self.hf_config) is not None)
 
     def load(self, path: str, hf_config, attention_backend, build=None) -> torch.nn.Module:
         """This rank's shard of a checkpoint (the model, a draft model, or build(hf_config, backend): the model's
@@ -224,6 +230,8 @@ class ModelRunner:
         from its gathered logits, or, when the envelope says so, by every rank over its own slice of the
         vocabulary. Other ranks get None."""
         step, vocab_parallel = envelope.step, envelope.vocab_parallel
+        if self.image_embeddings is not None:
+            self.image_embeddings.forget(step.released)
         if step.block_copies:
             self.kv_cache.copy_blocks(step.block_copies)
         if step.lora_loads:
@@ -237,8 +245,12 @@ class ModelRunner:
         if inputs.lora_slots is not None:
             self.lora.set_rows(inputs.lora_slots)
         # prompt chunks, with or without decode rows: eager; a decode step: the path chosen at start-up
-        forward = self.model if inputs.meta.is_prefill else self.decode_path.run
-        hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.image_rows:  # prompt rows that read an image: the vision tower's output replaces their embeddings
+            hidden_states = self.model(inputs.input_ids, inputs.positions, inputs.meta,
+                                       replaced_embeddings=self.image_embeddings.replaced_rows(inputs.image_rows))
+        else:
+            forward = self.model if inputs.meta.is_prefill else self.decode_path.run
+            hidden_states = forward(inputs.input_ids, inputs.positions, inputs.meta)
         if self.drafter is not None:
             self.drafter.follow(step, hidden_states)
         scored = None

@@ -1,0 +1,101 @@
+"""A tiny random Qwen2.5-VL checkpoint written by transformers, with its image processor's settings, a byte
+tokenizer holding the vision tokens and a chat template that places images as Qwen's does; images to feed it."""
+import functools
+
+import numpy as np
+import torch
+
+from tests.leftovers import session_folder
+from tpengine.tiny_model import write_byte_tokenizer
+
+# after the 256 bytes and EOS (256): the ids the checkpoint's config names
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 257, 258, 259, 260
+VOCAB = 320
+# ChatML, an image part as Qwen2.5-VL's template writes it: its placeholder between the vision markers
+VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# head_dim 16: 8 frequencies, split 2 / 3 / 3 between temporal, height and width
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            eos_token_id=256, bos_token_id=None)
+# window 56 pixels: 2x2 merged patches per window, so images of more than one window attend in windows
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+              spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+              initializer_range=0.1)
+# the processor resizes every image to between 8 and 64 merged patches (28 x 28 pixels each)
+MIN_PIXELS, MAX_PIXELS = 28 * 28 * 8, 28 * 28 * 64
+
+
+@functools.lru_cache(maxsize=None)
+def qwen2_5_vl_checkpoint(seed: int = 0) -> str:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+    path = session_folder(prefix="tpengine-qwen2_5_vl-")
+    write_byte_tokenizer(path, special_tokens=VISION_TOKENS, chat_template=VL_TEMPLATE)
+    config = Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE_TOKEN_ID,
+                              video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_ID,
+                              vision_end_token_id=VISION_END_ID, eos_token_id=256, tie_word_embeddings=False)
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # biases and norms drawn too, so they count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name or name.endswith("ln_q.weight"):
+                param.normal_(1.0, 0.1)
+    model.generation_config.eos_token_id = 256
+    model.save_pretrained(path, safe_serialization=True)
+    Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    return path
+
+
+def random_image(seed: int, width: int, height: int):
+    """An RGB image of random pixels."""
+    from PIL import Image
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def image_prompt(text_before: list[int], num_images: int, text_after: list[int]) -> list[int]:
+    """Token ids: text, then each image's placeholder between the vision markers, then text."""
+    return text_before + [VISION_START_ID, IMAGE_TOKEN_ID, VISION_END_ID] * num_images + text_after
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(path: str):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_image_greedy(path: str, prompt_token_ids: list[int], images: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for one prompt (its image placeholders one token each) and its images, through
+    the checkpoint's own image processor."""
+    from transformers import AutoImageProcessor
+    model = _hf_model(path)
+    input_ids = list(prompt_token_ids)
+    kwargs = {}
+    if images:
+        processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+        merge = VISION["spatial_merge_size"] ** 2
+        counts = iter((processed["image_grid_thw"].prod(-1) // merge).tolist())
+        input_ids = [t for token in input_ids for t in ([token] * next(counts) if token == IMAGE_TOKEN_ID else [token])]
+        # mm_token_type_ids (1: an image's token), as the processor gives it: without it transformers rotates by
+        # the tokens' indices, not M-RoPE's positions
+        kwargs = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
+                      mm_token_type_ids=torch.tensor([[int(t == IMAGE_TOKEN_ID) for t in input_ids]]))
+    ids = torch.tensor([input_ids])
+    model.model.rope_deltas = None  # the previous prompt's: generate would reuse it
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, len(input_ids):].tolist()
+

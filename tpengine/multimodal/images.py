@@ -1,0 +1,139 @@
+"""Images into what the ranks' vision tower reads, on rank 0 before a request is queued: decoded, resized and
+normalized by the checkpoint's own image processor (transformers', read from preprocessor_config.json), so the
+pixels are the ones transformers would feed its model. A malformed image is refused here and never reaches a worker.
+
+    PIL image -> processor (smart resize to min_pixels..max_pixels, rescale, normalize, patchify)
+              -> ProcessedImage: float32 patch rows [t*h*w, C*T*P*P], the grid (t, h, w) in patches,
+                 its placeholder-token count t*h*w / merge**2, and a content hash for the prefix cache
+"""
+import base64
+import binascii
+import io
+import os
+import urllib.parse
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+# A larger image is refused before it is decoded (PIL's own guard against decompression bombs is 2x its
+# MAX_IMAGE_PIXELS, about 179M); the processor would shrink it to max_pixels anyway.
+MAX_DECODED_PIXELS = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: bytes            # float32 patch rows, row-major [t*h*w, channels * temporal_patch * patch**2]
+    grid: tuple[int, int, int]     # (t, h, w) in patches, the processor's image_grid_thw row
+    num_tokens: int                # the prompt's placeholder tokens for it: t*h*w / merge_size**2
+    content_hash: int              # xxhash64 of the pixels and grid: the same image reuses cached K/V, another never
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+def content_hash(pixel_values: bytes, grid: tuple[int, int, int]) -> int:
+    h = xxhash.xxh64()
+    h.update(np.asarray(grid, dtype=np.int64).tobytes())
+    h.update(pixel_values)
+    return h.intdigest()
+
+
+class ImageProcessor:
+    """The checkpoint's image processor, and the per-prompt limit on images (vLLM's --limit-mm-per-prompt)."""
+
+    def __init__(self, model_path: str, merge_size: int, limit_per_prompt: int):
+        from transformers import AutoImageProcessor
+        if not os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
+            raise ValueError(f"{model_path} has no preprocessor_config.json: an image model needs its image "
+                             "processor's settings")
+        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.merge_size = merge_size
+        self.limit_per_prompt = limit_per_prompt
+
+    def process(self, images: list) -> list[ProcessedImage]:
+        """Each image's patches; ValueError naming the image (by its place in the prompt) that cannot be read."""
+        if len(images) > self.limit_per_prompt:
+            raise ValueError(f"the prompt has {len(images)} images, more than the limit of {self.limit_per_prompt} "
+                             "per prompt (--limit-mm-per-prompt)")
+        return [self._process_one(image, i) for i, image in enumerate(images)]
+
+    def _process_one(self, image, index: int) -> ProcessedImage:
+        from PIL import Image
+        if isinstance(image, ProcessedImage):  # processed already (a server's renderer thread did it)
+            return self._checked(image, index)
+        if not isinstance(image, Image.Image):
+            raise ValueError(f"image {index} must be a PIL.Image.Image, got {type(image).__name__}")
+        width, height = image.size
+        if width * height > MAX_DECODED_PIXELS:
+            raise ValueError(f"image {index} is {width}x{height}, more than {MAX_DECODED_PIXELS} pixels")
+        try:
+            out = self.processor(images=[image.convert("RGB")], return_tensors="np")
+        except (ValueError, OSError) as e:  # a truncated file surfaces when its pixels are first read
+            raise ValueError(f"image {index} could not be processed: {e}") from None
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        num_patches = grid[0] * grid[1] * grid[2]
+        assert pixels.shape[0] == num_patches, "the processor's patch rows follow its grid"
+        data = pixels.tobytes()
+        return ProcessedImage(data, grid, num_patches // self.merge_size ** 2, content_hash(data, grid))
+
+
+    def _checked(self, image: ProcessedImage, index: int) -> ProcessedImage:
+        t, h, w = image.grid
+        num_values = len(image.pixel_values) // 4
+        if image.num_tokens * self.merge_size ** 2 != t * h * w or num_values % (t * h * w):
+            raise ValueError(f"image {index}: its patches do not match its grid {image.grid}")
+        return image
+
+
+def decode_image(data: bytes, index: int):
+    """A PIL image from an encoded file's bytes (PNG, JPEG, ...), its pixels read now: ValueError naming the image
+    when they cannot be."""
+    from PIL import Image
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > MAX_DECODED_PIXELS:
+            raise ValueError(f"it is {width}x{height}, more than {MAX_DECODED_PIXELS} pixels")
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
+        raise ValueError(f"image {index} could not be decoded: {e}") from None
+    return image
+
+
+def load_image_url(url: str, index: int, allowed_local_media_path: str | None = None):
+    """The image an image_url names: a data: URL (base64), or a file:// path under allowed_local_media_path.
+    Nothing is fetched over the network: an http(s) URL is refused. ValueError naming the image."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        header, _, payload = url.partition(",")
+        if not header.lower().startswith("data:image/") or not header.lower().endswith(";base64"):
+            raise ValueError(f"image {index}: a data URL must be data:image/<type>;base64,<data>, got "
+                             f"{header[:60]!r}")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"image {index}: its data URL is not valid base64") from None
+        return decode_image(data, index)
+    if scheme == "file":
+        return decode_image(_read_local_file(url, index, allowed_local_media_path), index)
+    if scheme in ("http", "https"):
+        raise ValueError(f"image {index}: fetching images over the network is not enabled; send it as a data: URL "
+                         "(base64) or a file:// path under --allowed-local-media-path")
+    raise ValueError(f"image {index}: image_url must be a data: or file:// URL, got {url[:60]!r}")
+
+
+def _read_local_file(url: str, index: int, allowed: str | None) -> bytes:
+    if not allowed:
+        raise ValueError(f"image {index}: file:// URLs need the server started with --allowed-local-media-path")
+    path = os.path.realpath(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    root = os.path.realpath(allowed)
+    if os.path.commonpath([path, root]) != root:
+        raise ValueError(f"image {index}: {path} is outside --allowed-local-media-path {root}")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"image {index}: {e.strerror}: {path}") from None

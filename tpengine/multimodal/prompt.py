@@ -1,0 +1,106 @@
+"""A prompt with images, as the ledger keeps it (no tensors): where each image's placeholder tokens sit, its
+processed pixels for the ranks, and the prompt's M-RoPE positions.
+
+An image holds its place in the prompt as one image token (<|image_pad|>, as a chat template writes it) that
+grows here to one per merged patch, as transformers' processor expands it. The prefix cache tells images apart by
+content: in the keys it hashes and compares (cache_keys), an image's placeholders become a value derived from the
+image's hash, so the same image reuses cached K/V and another never does.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpengine.distributed.messages import ImageChunk
+from tpengine.multimodal.images import ImageProcessor, ProcessedImage
+from tpengine.multimodal.mrope_positions import image_runs, mrope_positions
+
+
+@dataclass(frozen=True)
+class ImagePlacement:
+    offset: int                # its first placeholder token's index in the prompt
+    image: ProcessedImage
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.image.num_tokens
+
+    @property
+    def cache_key(self) -> int:
+        """What its placeholders read as in the prefix cache's keys: negative, so never a real token id."""
+        return -1 - (self.image.content_hash >> 1)
+
+
+class MultiModalPrompt:
+    """The images of one prompt and its rotary positions: [3, prompt length] (temporal, height, width), and the
+    offset that every later token's position adds to its index (all three alike)."""
+
+    __slots__ = ("images", "positions", "position_delta")
+
+    def __init__(self, images: list[ImagePlacement], positions: np.ndarray, position_delta: int):
+        self.images = images
+        self.positions = positions
+        self.position_delta = position_delta
+
+    def cache_keys(self, token_ids: list[int], start: int, end: int) -> list[int]:
+        """token_ids[start:end] with image placeholders as their images' keys."""
+        keys = token_ids[start:end]
+        for placement in self.images:
+            lo, hi = max(placement.offset, start), min(placement.end, end)
+            if lo < hi:
+                keys[lo - start:hi - start] = [placement.cache_key] * (hi - lo)
+        return keys
+
+    def chunk_images(self, start: int, end: int) -> list[ImageChunk]:
+        """The images whose placeholders tokens [start, end) overlap, with their pixels: a rank encodes an image
+        when a chunk first needs it, and keeps its embeddings until the sequence's prompt is done."""
+        return [ImageChunk(i, p.offset, p.image.num_tokens, list(p.image.grid), p.image.pixel_values)
+                for i, p in enumerate(self.images) if p.offset < end and start < p.end]
+
+    def chunk_positions(self, start: int, end: int) -> bytes:
+        """The rows [start, end)'s positions, [3, end - start] int64 row-major: the prompt's from its table, a
+        generated token's (recomputed after preemption) its index plus the delta."""
+        num_prompt = self.positions.shape[1]
+        rows = self.positions[:, start:min(end, num_prompt)]
+        if end > num_prompt:
+            later = np.arange(max(start, num_prompt), end, dtype=np.int64) + self.position_delta
+            rows = np.concatenate([rows, np.broadcast_to(later, (3, len(later)))], axis=1)
+        return np.ascontiguousarray(rows, dtype=np.int64).tobytes()
+
+
+def place_images(token_ids: list[int], images: list[ProcessedImage], image_token_id: int,
+                 spatial_merge_size: int) -> tuple[list[int], MultiModalPrompt]:
+    """The prompt's tokens with each image's placeholder grown to its token count, and its MultiModalPrompt.
+    Each run of image tokens is one image, in order: one token (expanded here) or already the image's count.
+    ValueError when runs and images do not pair up."""
+    starts, ends = image_runs(np.asarray(token_ids, dtype=np.int64), image_token_id)
+    if len(starts) != len(images):
+        raise ValueError(f"the prompt has {len(starts)} image placeholders (runs of token id {image_token_id}) "
+                         f"but {len(images)} images were given")
+    expanded, placements, cursor = [], [], 0
+    for i, (start, end, image) in enumerate(zip(starts.tolist(), ends.tolist(), images)):
+        if end - start not in (1, image.num_tokens):
+            raise ValueError(f"image {i}'s placeholder is {end - start} tokens long: it must be 1 token or its "
+                             f"{image.num_tokens} tokens")
+        expanded += token_ids[cursor:start]
+        placements.append(ImagePlacement(len(expanded), image))
+        expanded += [image_token_id] * image.num_tokens
+        cursor = end
+    expanded += token_ids[cursor:]
+    positions, delta = mrope_positions(expanded, [image.grid for image in images], image_token_id,
+                                       spatial_merge_size)
+    return expanded, MultiModalPrompt(placements, positions, int(delta))
+
+
+class ImagePrompts:
+    """Rank 0's side of an image model: a prompt's images processed and placed (ValueError naming what is wrong)."""
+
+    def __init__(self, model_path: str, hf_config, images_per_prompt: int):
+        merge_size = (hf_config.vision_config or {}).get("spatial_merge_size", 2)
+        self.processor = ImageProcessor(model_path, merge_size, images_per_prompt)
+        self.image_token_id, self.merge_size = hf_config.image_token_id, merge_size
+
+    def place(self, token_ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt | None]:
+        """The prompt's tokens with its images' placeholders grown, and its MultiModalPrompt (None: text alone)."""
+        if not images and self.image_token_id not in token_ids:
+            return token_ids, None
+        return place_images(token_ids, self.processor.process(images), self.image_token_id, self.merge_size)
