@@ -296,8 +296,7 @@ class Scheduler:
         scheduled: list[Sequence] = []
         # max_num_seqs bounds the running set, not only each batch: admitted sequences hold blocks
         num_running = len(self.running)
-        room = self.max_num_seqs - num_running
-        waiting = self.waiting
+        room, waiting = self.max_num_seqs - num_running, self.waiting
         # every new admission takes a free block; only a partly prefilled sequence needs none
         if room <= 0 or not (block_manager.num_free_blocks or waiting[0].block_table):
             return scheduled
@@ -310,8 +309,7 @@ class Scheduler:
         # what this batch computes, block by block: a request sharing it waits a step to reuse it
         computing = HeadIndex() if block_manager.enable_prefix_caching else None
         oldest_fresh_step = self.num_steps - MAX_WAIT_STEPS
-        chunked = None
-        encoder_budget = self.max_num_batched_tokens  # image tokens whose encoding may start this step
+        chunked, encoder_budget = None, self.max_num_batched_tokens  # the image tokens this step may start encoding
         for seq in self._admission_order(head):
             if num_running + len(scheduled) >= self.max_num_seqs or token_budget <= 0:
                 break
@@ -340,8 +338,7 @@ class Scheduler:
             # where every layer slides, the table may cover only part of the rest (its blocks grow by chunk)
             seq.num_scheduled_tokens = min(num_new_tokens, token_budget,
                                            len(seq.block_table) * block_manager.block_size - seq.num_cached_tokens)
-            if seq.multimodal is not None:
-                encoder_budget = cut_for_encoder(seq, encoder_budget)
+            encoder_budget = cut_for_encoder(seq, encoder_budget)
             token_budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if computing is not None:
@@ -738,7 +735,9 @@ def decode_position_offsets(decode: list[Sequence]) -> bytes:
 def cut_for_encoder(seq: Sequence, encoder_budget: int) -> int:
     """vLLM's encoder budget: the images whose placeholders start in seq's chunk are encoded this step, at most
     encoder_budget of their tokens; the chunk ends before an image past it (one that starts the chunk always runs,
-    so an image larger than the budget runs alone). Returns the budget left."""
+    so an image larger than the budget runs alone). Returns the budget left (all of it for a text prompt)."""
+    if seq.multimodal is None:
+        return encoder_budget
     start = seq.num_cached_tokens
     for placement in seq.multimodal.images:
         if not start <= placement.offset < start + seq.num_scheduled_tokens:
