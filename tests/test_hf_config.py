@@ -8,7 +8,7 @@ import os
 import pytest
 from transformers import (AutoConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+                          Qwen3MoeConfig, Qwen3VLConfig, Qwen3VLTextConfig)
 
 from tests.models.deepseek import DEEPSEEK_V2_GROUPS, DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from tests.models.gpt_oss import GPT_OSS_MODEL
@@ -101,6 +101,12 @@ WRITTEN = {
                         vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64),
                         image_token_id=11, video_token_id=12, vision_start_token_id=13, vision_end_token_id=14,
                         dtype="bfloat16")),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", Qwen3VLConfig,
+                 dict(text_config=dict(SMALL, model_type="qwen3_vl_text", head_dim=24, rope_parameters=dict(
+                     rope_type="default", rope_theta=5e5, mrope_section=[4, 4, 4], mrope_interleaved=True)),
+                      vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64,
+                                         deepstack_visual_indexes=[0]),
+                      image_token_id=11, tie_word_embeddings=True)),
 }
 # an image-text config's own fields beside its text_config (vision_config compared key by key)
 VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -109,7 +115,7 @@ VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_st
 OUTER_FIELDS = ("model_type", "architectures", "dtype", "tie_word_embeddings", "quantization_config")
 OUTER_TOKEN_IDS = ("bos_token_id", "eos_token_id")
 # the per-layer-type rope of Gemma 3, which transformers 4 spelled rope_theta, rope_local_base_freq and rope_scaling
-FLAT_ROPE = [name for name in WRITTEN if not name.startswith(("gemma3", "qwen2_5_vl"))]
+FLAT_ROPE = [name for name in WRITTEN if not name.startswith(("gemma3", "qwen2_5_vl", "qwen3_vl"))]
 
 
 # (model_type, our field) -> the attribute its config class gives it under another name
@@ -127,11 +133,11 @@ def absent(field: dataclasses.Field):
 
 
 def transformers_value(config, field: dataclasses.Field, ours: HFConfig):
-    if config.model_type == "qwen2_5_vl" and field.name in VISION_FIELDS:
+    if config.model_type in ("qwen2_5_vl", "qwen3_vl") and field.name in VISION_FIELDS:
         value = getattr(config, field.name)
         return {k: v for k, v in value.to_dict().items() if k in ours.vision_config} if field.name == "vision_config" \
             else value
-    if config.model_type in ("gemma3", "qwen2_5_vl") and not (
+    if config.model_type in ("gemma3", "qwen2_5_vl", "qwen3_vl") and not (
             field.name in OUTER_FIELDS or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
         config = config.get_text_config()
     name = THEIR_NAMES.get((config.model_type, field.name), field.name)
@@ -252,8 +258,8 @@ def test_every_supported_architecture_has_a_family():
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
                    Gemma3Config.model_type, Phi3Config.model_type, GptOssConfig.model_type,
                    DeepseekV2Config.model_type, DeepseekV3Config.model_type, Qwen2_5_VLConfig.model_type,
-                   Qwen2_5_VLTextConfig.model_type}
-    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types) - 1  # Qwen2.5-VL's text part
+                   Qwen2_5_VLTextConfig.model_type, Qwen3VLConfig.model_type, Qwen3VLTextConfig.model_type}
+    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types) - 2  # the VL models' text parts
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -264,7 +270,8 @@ def test_every_supported_architecture_has_a_family():
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries, not num_hidden_layers=4"),
     ({"rope_parameters": "yarn"}, "rope_parameters must be an object, got 'yarn'"),
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: qwen3, qwen2, llama, mistral, qwen3_moe, "
-                                    "gemma2, gemma3_text, gemma3, qwen2_5_vl_text, qwen2_5_vl, phi3, gpt_oss"),
+                                    "gemma2, gemma3_text, gemma3, qwen2_5_vl_text, qwen2_5_vl, qwen3_vl_text, qwen3_vl, phi3, "
+                                    "gpt_oss"),
     ({"model_type": None}, "it has no model_type"),
 ])
 def test_a_field_of_the_wrong_kind_is_a_value_error_naming_the_file_and_the_field(settings, message, tmp_path):

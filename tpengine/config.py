@@ -198,8 +198,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # --- model -------------------------------------------------------------------------------------------------
     model: Annotated[str, Setting(
         "model", "local Hugging Face checkpoint folder of a supported family: Qwen3, Qwen3-MoE, Qwen2/2.5, "
-                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss; or a .gguf file (Llama, Qwen2, Qwen3, Gemma 2/3, "
-                 "Qwen3-MoE)")]
+                 "Llama 3.x, Mistral, Gemma 2/3, Phi-3/3.5/4, gpt-oss, DeepSeek V2/V3, Qwen2.5-VL, Qwen3-VL; or a .gguf "
+                 "file (Llama, Qwen2, Qwen3, Gemma 2/3, Qwen3-MoE)")]
     # None: the model's own (its folder's tokenizer files, or the one a GGUF file holds)
     tokenizer: Annotated[str | None, Setting(
         "model", "folder whose Hugging Face tokenizer replaces the model's (a GGUF file's, say)",
@@ -226,7 +226,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  'Qwen3-Reranker', default_help="none")] = None
     # an image model's images per prompt, as vLLM's limit_mm_per_prompt ({"image": N}); None: vLLM's default
     limit_mm_per_prompt: Annotated[dict | None, Setting(
-        "model", 'JSON: the most images one prompt may hold, {"image": N} (an image model: Qwen2.5-VL)',
+        "model", 'JSON: the most images one prompt may hold, {"image": N} (an image model: Qwen2.5-VL, Qwen3-VL)',
         default_help=f'{{"image": {DEFAULT_IMAGES_PER_PROMPT}}}')] = None
     # vLLM's allowed_local_media_path: file:// image URLs are read only from under it
     allowed_local_media_path: Annotated[str | None, Setting(

@@ -47,6 +47,10 @@ class Family:
     images: bool = False
     # a checkpoint may name its architecture; False: the text part of a multimodal family alone (its rules only)
     standalone: bool = True
+    # M-RoPE (layers/mrope.py): the split of each head's frequencies its config class takes when rope_parameters
+    # gives none (None: one position per token), and whether the sections interleave (Qwen3-VL)
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
 
 QWEN3 = Family(
@@ -119,10 +123,23 @@ QWEN2_5_VL_TEXT = Family(
         num_key_value_heads=8, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-5,
         tie_word_embeddings=False, use_sliding_window=False, sliding_window=4096, max_window_layers=80,
         layer_types=None, bos_token_id=151643, eos_token_id=151645))
+# the image tokens' ids of Qwen's image-text checkpoints, as their config classes default them
+QWEN_VISION_TOKENS = dict(vision_config={}, image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                          vision_end_token_id=151653)
 QWEN2_5_VL = Family("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "tpengine.models.qwen2_5_vl",
-                    text_model_type="qwen2_5_vl_text", images=True,
-                    defaults=dict(tie_word_embeddings=False, vision_config={}, image_token_id=151655,
-                                  video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653))
+                    text_model_type="qwen2_5_vl_text", images=True, mrope_section=(16, 24, 24),
+                    defaults=dict(tie_word_embeddings=False, **QWEN_VISION_TOKENS))
+# Qwen3-VL: Qwen3's decoder (q/k norms) with interleaved M-RoPE, and deepstack: the vision tower's earlier layers'
+# features added to the first decoder layers' image rows (models/qwen3_vl.py)
+QWEN3_VL_TEXT = Family(
+    "qwen3_vl_text", "Qwen3VLTextModel", "tpengine.models.qwen3_vl", rope_theta=500_000.0, standalone=False,
+    defaults=dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=128, hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None))
+QWEN3_VL = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "tpengine.models.qwen3_vl",
+                  text_model_type="qwen3_vl_text", images=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
+                  defaults=dict(tie_word_embeddings=False, **QWEN_VISION_TOKENS))
 PHI3 = Family(
     "phi3", "Phi3ForCausalLM", "tpengine.models.phi3", partial_rotary=True, longrope=True,
     defaults=dict(
@@ -168,7 +185,8 @@ DEEPSEEK_V3 = Family(
 
 # model_type -> its description, in the order errors list them
 FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
-                                                     GEMMA3, QWEN2_5_VL_TEXT, QWEN2_5_VL, PHI3, GPT_OSS,
+                                                     GEMMA3, QWEN2_5_VL_TEXT, QWEN2_5_VL, QWEN3_VL_TEXT, QWEN3_VL,
+                                                     PHI3, GPT_OSS,
                                                      DEEPSEEK_V2, DEEPSEEK_V3)}
 # model_types whose configs a family's config class reads: Kimi K2's config.json says kimi_k2 (its remote code is
 # DeepSeek V3's config class) and architectures DeepseekV3ForCausalLM

@@ -83,8 +83,8 @@ class HFConfig:
     topk_group: int | None = None
     topk_method: str | None = None        # DeepSeek V2's: greedy or group_limited_greedy
     num_nextn_predict_layers: int = 0     # DeepSeek V3's multi-token-prediction layers after the last one
-    # an image-text checkpoint (Qwen2.5-VL): its vision tower's settings as config.json gives them, and the ids of the
-    # tokens that hold an image's place in a prompt
+    # an image-text checkpoint (Qwen2.5-VL, Qwen3-VL): its vision tower's settings as config.json gives them, and
+    # the ids of the tokens that hold an image's place in a prompt
     vision_config: dict | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
@@ -513,16 +513,13 @@ def _longrope_parameters(config: HFConfig, params: dict, common: dict, head_dim:
                           attention_factor=float(attention_factor), **lists, **common)
 
 
-# Qwen2.5-VL's rotary class takes this split of each head's frequencies when rope_parameters has none
-DEFAULT_MROPE_SECTION = (16, 24, 24)
-
-
 def mrope_section_of(config: HFConfig) -> tuple[int, ...] | None:
     """How an image model's M-RoPE splits each head's rotary frequencies between temporal, height and width
-    positions (layers/mrope.py); None for a model that rotates by one position."""
-    if not FAMILIES[config.model_type].images:
+    positions (layers/mrope.py), as its config class reads it; None for a model that rotates by one position."""
+    family = FAMILIES[config.model_type]
+    if family.mrope_section is None:
         return None
-    return tuple(config.rope_parameters.get("mrope_section") or DEFAULT_MROPE_SECTION)
+    return tuple(config.rope_parameters.get("mrope_section") or family.mrope_section)
 
 
 def long_rope_threshold_of(config: HFConfig) -> int | None:

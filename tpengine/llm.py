@@ -174,7 +174,7 @@ class LLM(LLMEngine):
             try:
                 if self.images is None and has_image_parts(conversation):
                     raise ValueError(f"this model ({self.config.model}) reads no images: image parts need an image "
-                                     "model (Qwen2.5-VL)")
+                                     "model (Qwen2.5-VL, Qwen3-VL)")
                 conversation, conversation_images = take_images(conversation, self.config.allowed_local_media_path)
                 texts.append(render_chat_text(tokenizer, chat_template,
                                               template_conversation(conversation, chat_template_content_format),

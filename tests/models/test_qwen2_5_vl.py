@@ -7,10 +7,12 @@ import io
 
 import pytest
 
-from tests.models.vision import (IMAGE_TOKEN_ID, hf_image_greedy, image_prompt, qwen2_5_vl_checkpoint, random_image)
+from tests.models.vision import (IMAGE_TOKEN_ID, hf_image_greedy, image_prompt, qwen2_5_vl_checkpoint, random_image,
+                                 vl_checkpoint)
 from tpengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+QWEN2_5_VL, QWEN3_VL = "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"
 
 
 def image_requests():
@@ -33,10 +35,12 @@ def reference(path: str, requests, max_tokens: int = GREEDY.max_tokens) -> list[
     return [hf_image_greedy(path, token_ids, images, max_tokens) for token_ids, images in requests]
 
 
-# chunks of 16 tokens cut through both images (12 and 20 placeholder tokens)
-@pytest.mark.parametrize("tp, block_size, chunk", [(1, 16, 2048), (1, 256, 16), (2, 16, 16), (2, 256, 2048)])
-def test_greedy_matches_transformers_then_again_from_the_prefix_cache(tp, block_size, chunk):
-    path, requests = qwen2_5_vl_checkpoint(), image_requests()
+# chunks of 16 tokens cut through both images (12 and 20 placeholder tokens); Qwen3-VL: tests/models/test_qwen3_vl.py
+@pytest.mark.parametrize("architecture, tp, block_size, chunk", [
+    (QWEN2_5_VL, 1, 16, 2048), (QWEN2_5_VL, 1, 256, 16), (QWEN2_5_VL, 2, 16, 16), (QWEN2_5_VL, 2, 256, 2048),
+    (QWEN3_VL, 1, 16, 16), (QWEN3_VL, 2, 256, 2048)])
+def test_greedy_matches_transformers_then_again_from_the_prefix_cache(architecture, tp, block_size, chunk):
+    path, requests = vl_checkpoint(architecture), image_requests()
     expected = reference(path, requests)
     with LLM(path, tensor_parallel_size=tp, kvcache_block_size=block_size, max_num_batched_tokens=chunk) as llm:
         first = generate(llm, requests)

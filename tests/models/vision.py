@@ -31,21 +31,36 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
               spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
               initializer_range=0.1)
-# the processor resizes every image to between 8 and 64 merged patches (28 x 28 pixels each)
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 8, 28 * 28 * 64
+# Qwen3-VL: 16-pixel patches, a learned 4x4 position grid interpolated onto each image, deepstack from two layers
+QWEN3_VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1], initializer_range=0.1)
+QWEN3_TEXT = dict(TEXT, head_dim=16)
+# the processor resizes every image to between 8 and 64 merged patches (2x2 patches each)
+MIN_MERGED_PATCHES, MAX_MERGED_PATCHES = 8, 64
+# architecture -> (config class, text settings, vision settings, patch size)
+FAMILIES = {"Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", TEXT, VISION, 14),
+            "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", QWEN3_TEXT, QWEN3_VISION, 16)}
+
+
+def qwen2_5_vl_checkpoint(seed: int = 0) -> str:
+    return vl_checkpoint("Qwen2_5_VLForConditionalGeneration", seed)
 
 
 @functools.lru_cache(maxsize=None)
-def qwen2_5_vl_checkpoint(seed: int = 0) -> str:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
-    path = session_folder(prefix="tpengine-qwen2_5_vl-")
+def vl_checkpoint(architecture: str, seed: int = 0) -> str:
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+    config_class, text, vision, patch = FAMILIES[architecture]
+    path = session_folder(prefix=f"tpengine-{architecture.lower()}-")
     write_byte_tokenizer(path, special_tokens=VISION_TOKENS, chat_template=VL_TEMPLATE)
-    config = Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE_TOKEN_ID,
-                              video_token_id=VIDEO_TOKEN_ID, vision_start_token_id=VISION_START_ID,
-                              vision_end_token_id=VISION_END_ID, eos_token_id=256, tie_word_embeddings=False)
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config = getattr(transformers, config_class)(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID, eos_token_id=256,
+        tie_word_embeddings=False)
+    config.architectures = [architecture]
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
     with torch.no_grad():  # biases and norms drawn too, so they count
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
@@ -54,7 +69,9 @@ def qwen2_5_vl_checkpoint(seed: int = 0) -> str:
                 param.normal_(1.0, 0.1)
     model.generation_config.eos_token_id = 256
     model.save_pretrained(path, safe_serialization=True)
-    Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(path)
+    merged = (2 * patch) ** 2  # pixels of one merged patch
+    Qwen2VLImageProcessor(patch_size=patch, min_pixels=merged * MIN_MERGED_PATCHES,
+                          max_pixels=merged * MAX_MERGED_PATCHES).save_pretrained(path)
     return path
 
 
@@ -72,8 +89,8 @@ def image_prompt(text_before: list[int], num_images: int, text_after: list[int])
 
 @functools.lru_cache(maxsize=4)
 def _hf_model(path: str):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_image_greedy(path: str, prompt_token_ids: list[int], images: list, max_new_tokens: int) -> list[int]:

@@ -309,7 +309,7 @@ class LLMEngine:
                 token_ids, multimodal = self.images.place(token_ids, images)
             elif images:
                 raise ValueError(f"this model ({self.config.model}) reads no images: multi_modal_data needs an "
-                                 "image model (Qwen2.5-VL)")
+                                 "image model (Qwen2.5-VL, Qwen3-VL)")
             self.scheduler.check_fits(len(token_ids), max_tokens)
         except InvalidRequestError:
             raise

@@ -188,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
             if has_image_parts(messages):
                 if self.engine.engine.images is None:
                     raise InvalidRequestError(f"this model ({self.model_name}) reads no images: image_url parts "
-                                              "need an image model (Qwen2.5-VL)", "messages")
+                                              "need an image model (Qwen2.5-VL, Qwen3-VL)", "messages")
                 messages, images = await self.renderer.run(self._read_images, messages)
             prompt = await self.renderer.render_chat(messages, request.add_generation_prompt,
                                                      request.chat_template_kwargs, tools, request.add_special_tokens)

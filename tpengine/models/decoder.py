@@ -155,6 +155,7 @@ class DecoderForCausalLM(nn.Module):
     """The causal LM every family file subclasses: it says its family and, if it must, its MLP or layer."""
 
     layer_class = DecoderLayer
+    model_class = DecoderModel  # the layers' stack (Qwen3-VL's adds image features to its first layers' rows)
 
     # checkpoint name -> (our packed parameter, its shard id)
     packed_modules_mapping = {
@@ -168,7 +169,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: HFConfig, backend: AttentionBackend):
         super().__init__()
         family = self.family(config)
-        self.model = DecoderModel(config, family, backend, self.make_mlp, self.layer_class)
+        self.model = self.model_class(config, family, backend, self.make_mlp, self.layer_class)
         self.final_logit_softcap = family.final_logit_softcap
         self.stage = stage = self.model.stage
         self.tie_word_embeddings = config.tie_word_embeddings

@@ -14,6 +14,7 @@ visual.; both load.
 """
 import torch
 
+from tpengine.families import FAMILIES
 from tpengine.hf_config import HFConfig, head_dim_of, max_positions_of, mrope_section_of, rope_parameters_of
 from tpengine.layers.mrope import get_mrope
 from tpengine.models.decoder import DecoderAttention, DecoderFamily, DecoderForCausalLM, DecoderLayer
@@ -21,12 +22,13 @@ from tpengine.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, Qwen2_5
 
 
 class MRopeAttention(DecoderAttention):
-    """The decoder's attention, its rotary embedding M-RoPE's."""
+    """The decoder's attention, its rotary embedding M-RoPE's (sections contiguous or interleaved, as the family's)."""
 
     def __init__(self, config: HFConfig, family: DecoderFamily, backend, layer_idx: int):
         super().__init__(config, family, backend, layer_idx)
         self.rotary_emb = get_mrope(head_dim_of(config), max_positions_of(config),
-                                    rope_parameters_of(config, layer_idx), mrope_section_of(config))
+                                    rope_parameters_of(config, layer_idx), mrope_section_of(config),
+                                    FAMILIES[config.model_type].mrope_interleaved)
 
 
 class MRopeDecoderLayer(DecoderLayer):
@@ -35,6 +37,7 @@ class MRopeDecoderLayer(DecoderLayer):
 
 class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
     layer_class = MRopeDecoderLayer
+    vision_settings, vision_tower = Qwen2_5_VLVisionSettings, Qwen2_5_VisionTransformer
 
     # checkpoint prefix -> ours, first match wins (transformers 5's names, then transformers 4's)
     text_prefixes = {"model.language_model.": "model.", "lm_head.": "lm_head.", "model.": "model."}
@@ -44,11 +47,12 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         super().__init__(config, backend)
         if config.vision_config is None:
             raise ValueError("an image-text checkpoint's config.json needs vision_config")
-        settings = Qwen2_5_VLVisionSettings.from_dict(config.vision_config)
+        settings = self.vision_settings.from_dict(config.vision_config)
         if settings.out_hidden_size != config.hidden_size:
             raise ValueError(f"vision_config.out_hidden_size={settings.out_hidden_size} must equal the text model's "
                              f"hidden_size={config.hidden_size}")
-        self.visual = Qwen2_5_VisionTransformer(settings) if self.stage.is_first else None
+        self.hidden_size = config.hidden_size
+        self.visual = self.vision_tower(settings) if self.stage.is_first else None
 
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
