@@ -80,7 +80,7 @@ def test_continue_final_message_continues_the_assistants_text(llm):
 
 
 @pytest.mark.parametrize("messages, kwargs, error, match", [
-    (CONVERSATION, dict(mm_processor_kwargs={"num_crops": 4}), NotImplementedError, "mm_processor_kwargs"),
+    (CONVERSATION, dict(mm_processor_kwargs={"max_pixels": 4096}), ValueError, "reads no images"),
     (CONVERSATION, dict(lora_request=object()), ValueError, "lora_request needs an engine made with enable_lora"),
     (CONVERSATION, dict(chat_template_content_format="xml"), ValueError, "chat_template_content_format must be"),
     (CONVERSATION, dict(continue_final_message=True), ValueError, "needs add_generation_prompt=False"),

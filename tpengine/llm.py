@@ -26,7 +26,6 @@ VLLM_ONLY_ARGUMENTS = {
     "priority": "per-request priorities",
     "tokenization_kwargs": "tokenizer arguments (a text prompt is encoded as the server encodes it)",
     "guided_options_request": "guided_options_request (use SamplingParams(structured_outputs=...))",
-    "mm_processor_kwargs": "multimodal inputs",
 }
 
 
@@ -147,7 +146,6 @@ class LLM(LLMEngine):
         """Generate a reply to each conversation (one, a list of message dicts, or a list of them); one
         RequestOutput per conversation, its prompt the rendered text. Conversations render through the chat
         template exactly as the server's /v1/chat/completions renders messages."""
-        refuse_vllm_only("chat", {"mm_processor_kwargs": mm_processor_kwargs})
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: pass chat_template=JINJA")
@@ -172,9 +170,9 @@ class LLM(LLMEngine):
         texts, images = [], []
         for i, conversation in enumerate(conversation_list(messages)):
             try:
-                if self.images is None and has_image_parts(conversation):
-                    raise ValueError(f"this model ({self.config.model}) reads no images: image parts need an image "
-                                     "model (Qwen2.5-VL, Qwen3-VL)")
+                if self.images is None and (has_image_parts(conversation) or mm_processor_kwargs is not None):
+                    raise ValueError(f"this model ({self.config.model}) reads no images: image parts and "
+                                     "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)")
                 conversation, conversation_images = take_images(conversation, self.config.allowed_local_media_path)
                 texts.append(render_chat_text(tokenizer, chat_template,
                                               template_conversation(conversation, chat_template_content_format),
@@ -188,8 +186,8 @@ class LLM(LLMEngine):
                    if p is None or isinstance(p, SamplingParams) else p for p in replies]
         prompts = [{"prompt_token_ids": encode_chat_text(tokenizer, text)} for text in texts]
         for prompt, conversation_images in zip(prompts, images):
-            if conversation_images:
-                prompt["multi_modal_data"] = {"image": conversation_images}
+            if conversation_images:  # mm_processor_kwargs: each image's pixel range (min_pixels, max_pixels)
+                prompt.update(multi_modal_data={"image": conversation_images}, mm_processor_kwargs=mm_processor_kwargs)
         outputs = self.generate(prompts, replies, use_tqdm, lora_request)
         for output, text in zip(outputs, texts):
             output.prompt = text

@@ -16,7 +16,8 @@ def test_bench_vision_quick_times_first_token_and_encoder_for_both_engines(tmp_p
                          rf"\([\d,.]+-[\d,.]+\) \| \d+% \| [\d.]+x \|$", out, re.MULTILINE), out
     # 112 x 112 pixels: 8 x 8 patches of 14, 16 image tokens after the 2 x 2 merge
     assert "one 112x112 image (grid (1, 8, 8) patches, 16 image tokens)" in out, out
-    assert re.search(r"^first token: tpengine \d+, transformers \d+ \(same\)$", out, re.MULTILINE), out
+    # the same on this machine; random logits are near-tied, so another CPU's kernels may round to another
+    assert re.search(r"^first token: tpengine \d+, transformers \d+ \((same|differs: .*)\)$", out, re.MULTILINE), out
     record = json.loads(path.read_text())
     assert record["benchmark"] == "bench_vision" and record["cpu_flags"] and record["image_size"] == 112
     assert record["grid"] == [1, 8, 8] and record["repeat"] == 2

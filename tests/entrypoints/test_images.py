@@ -93,3 +93,18 @@ def test_a_text_model_refuses_image_parts(client):
         client.chat.completions.create(messages=[{"role": "user", "content": [image_part("data:image/png;base64,")]}],
                                        **GREEDY)
     assert "reads no images" in error.value.message
+
+
+def test_a_request_s_pixel_limits_resize_its_images_and_bad_ones_are_400s(vl_client):
+    from tests.models.vision import IMAGE_TOKEN_ID
+    content = [image_part(data_url(random_image(23, 300, 200))), {"type": "text", "text": "Small."}]
+    limits = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 6}
+    choice = vl_client.chat.completions.create(
+        messages=[{"role": "user", "content": content}],
+        **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "mm_processor_kwargs": limits}}).choices[0]
+    assert choice.prompt_token_ids.count(IMAGE_TOKEN_ID) <= 6
+    with pytest.raises(openai.BadRequestError) as error:
+        vl_client.chat.completions.create(
+            messages=[{"role": "user", "content": content}],
+            **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "mm_processor_kwargs": {"num_crops": 2}}})
+    assert "mm_processor_kwargs: ['num_crops'] not supported" in error.value.message

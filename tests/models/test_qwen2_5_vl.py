@@ -136,6 +136,27 @@ def test_bad_image_urls_in_chat_are_refused_by_name(vl_llm, url, message):
         vl_llm.chat(conversation, GREEDY, use_tqdm=False)
 
 
+def test_a_request_s_pixel_limits_resize_its_images_as_transformers_does(vl_llm):
+    token_ids, image = image_prompt([9, 8], 1, [7]), random_image(8, 300, 200)
+    limits = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 6}  # at most 6 merged patches, not 64
+    output = vl_llm.generate([{**as_prompt(token_ids, [image]), "mm_processor_kwargs": limits}], GREEDY,
+                             use_tqdm=False)[0]
+    assert output.prompt_token_ids.count(IMAGE_TOKEN_ID) <= 6
+    size = {"shortest_edge": limits["min_pixels"], "longest_edge": limits["max_pixels"]}
+    assert list(output.outputs[0].token_ids) == hf_image_greedy(qwen2_5_vl_checkpoint(), token_ids, [image], 8, size)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_crops": 4}, r"\['num_crops'\] not supported; supported: \['min_pixels', 'max_pixels'\]"),
+    ({"max_pixels": 0}, "max_pixels must be an integer >= 1, got 0"),
+    ({"min_pixels": 900, "max_pixels": 800}, "min_pixels=900 is more than max_pixels=800"),
+])
+def test_bad_pixel_limits_are_refused_by_name(vl_llm, kwargs, message):
+    prompt = {**as_prompt(*image_requests()[0]), "mm_processor_kwargs": kwargs}
+    with pytest.raises(ValueError, match=message):
+        vl_llm.generate([prompt], GREEDY, use_tqdm=False)
+
+
 def test_a_text_model_refuses_images(tiny_model):
     with LLM(tiny_model) as llm:
         with pytest.raises(ValueError, match="reads no images"):

@@ -93,15 +93,17 @@ def _hf_model(path: str):
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_image_greedy(path: str, prompt_token_ids: list[int], images: list, max_new_tokens: int) -> list[int]:
+def hf_image_greedy(path: str, prompt_token_ids: list[int], images: list, max_new_tokens: int,
+                    processor_size: dict | None = None) -> list[int]:
     """transformers' greedy tokens for one prompt (its image placeholders one token each) and its images, through
-    the checkpoint's own image processor."""
+    the checkpoint's own image processor (processor_size: its size setting overridden)."""
     from transformers import AutoImageProcessor
     model = _hf_model(path)
     input_ids = list(prompt_token_ids)
     kwargs = {}
     if images:
-        processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+        processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt",
+                                                             **({"size": processor_size} if processor_size else {}))
         merge = VISION["spatial_merge_size"] ** 2
         counts = iter((processed["image_grid_thw"].prod(-1) // merge).tolist())
         input_ids = [t for token in input_ids for t in ([token] * next(counts) if token == IMAGE_TOKEN_ID else [token])]

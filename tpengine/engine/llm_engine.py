@@ -295,7 +295,7 @@ class LLMEngine:
         if it has any), checked against the vocabulary and, with max_tokens after it, the engine's limits.
         InvalidRequestError naming the prompt."""
         try:
-            images = images_of(prompt)
+            prompt_dict, images = prompt, images_of(prompt)
             prompt, token_ids = parse_prompt(prompt, self.tokenizer)
             if not token_ids:
                 raise ValueError("prompt is empty: it needs at least one token")
@@ -305,11 +305,12 @@ class LLMEngine:
                 if not 0 <= t < self.vocab_size:
                     raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
             multimodal = None
+            processor_kwargs = prompt_dict.get("mm_processor_kwargs") if isinstance(prompt_dict, dict) else None
             if self.images is not None:
-                token_ids, multimodal = self.images.place(token_ids, images)
-            elif images:
-                raise ValueError(f"this model ({self.config.model}) reads no images: multi_modal_data needs an "
-                                 "image model (Qwen2.5-VL, Qwen3-VL)")
+                token_ids, multimodal = self.images.place(token_ids, images, processor_kwargs)
+            elif images or processor_kwargs is not None:
+                raise ValueError(f"this model ({self.config.model}) reads no images: multi_modal_data and "
+                                 "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)")
             self.scheduler.check_fits(len(token_ids), max_tokens)
         except InvalidRequestError:
             raise

@@ -17,6 +17,7 @@ from tpengine.entrypoints.tool_calls import (AUTO_READERS, CallsReader, NamedCal
                                              required_schema)
 from tpengine.errors import InvalidRequestError
 from tpengine.multimodal.chat import has_image_parts, take_images
+from tpengine.multimodal.images import checked_processor_kwargs
 from tpengine.outputs import CompletionOutput
 from tpengine.sampling_params import StructuredOutputsParams
 from tpengine.thinking import thinking_open_after
@@ -185,23 +186,26 @@ class OpenAIServingChat(OpenAIServing):
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         messages, images = template_messages(request), []
         try:
-            if has_image_parts(messages):
+            if has_image_parts(messages) or request.mm_processor_kwargs is not None:
                 if self.engine.engine.images is None:
-                    raise InvalidRequestError(f"this model ({self.model_name}) reads no images: image_url parts "
-                                              "need an image model (Qwen2.5-VL, Qwen3-VL)", "messages")
-                messages, images = await self.renderer.run(self._read_images, messages)
+                    raise InvalidRequestError(f"this model ({self.model_name}) reads no images: image_url parts and "
+                                              "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)",
+                                              "messages")
+                checked_processor_kwargs(request.mm_processor_kwargs)
+                messages, images = await self.renderer.run(self._read_images, messages, request.mm_processor_kwargs)
             prompt = await self.renderer.render_chat(messages, request.add_generation_prompt,
                                                      request.chat_template_kwargs, tools, request.add_special_tokens)
         except ValueError as e:
             raise self.invalid(e, request) from None
         return prompt, images
 
-    def _read_images(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list]:
-        """(the renderer's thread) The messages' images decoded and through the image processor, so the engine
-        thread only places them."""
+    def _read_images(self, messages: list[dict[str, Any]],
+                     processor_kwargs: dict | None) -> tuple[list[dict[str, Any]], list]:
+        """(the renderer's thread) The messages' images decoded and through the image processor (within the
+        request's min_pixels/max_pixels), so the engine thread only places them."""
         engine = self.engine.engine
         messages, images = take_images(messages, engine.config.allowed_local_media_path)
-        return messages, engine.images.processor.process(images)
+        return messages, engine.images.processor.process(images, processor_kwargs)
 
     def _logprobs(self, completion: CompletionOutput, num_top: int) -> dict:
         content = []

@@ -494,6 +494,7 @@ class ChatPrompt(OpenAIBody):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS on top of what the template writes
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: the images' min_pixels and max_pixels
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -21,6 +21,29 @@ import xxhash
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 
 
+# what a request may change of the image processor (vLLM's mm_processor_kwargs): the pixel range images resize to
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+
+
+def checked_processor_kwargs(kwargs) -> dict[str, int]:
+    """A request's mm_processor_kwargs: min_pixels and max_pixels, integers >= 1, min at most max; ValueError naming
+    anything else."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs must be a dict such as {{'max_pixels': 200704}}, got {kwargs!r:.60}")
+    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: {unknown} not supported; supported: {list(PROCESSOR_KWARGS)}")
+    for name, value in kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mm_processor_kwargs {name} must be an integer >= 1, got {value!r:.60}")
+    if kwargs.get("min_pixels", 1) > kwargs.get("max_pixels", kwargs.get("min_pixels", 1)):
+        raise ValueError(f"mm_processor_kwargs min_pixels={kwargs['min_pixels']} is more than "
+                         f"max_pixels={kwargs['max_pixels']}")
+    return dict(kwargs)
+
+
 @dataclass(frozen=True)
 class ProcessedImage:
     pixel_values: bytes            # float32 patch rows, row-major [t*h*w, channels * temporal_patch * patch**2]
@@ -52,14 +75,24 @@ class ImageProcessor:
         self.merge_size = merge_size
         self.limit_per_prompt = limit_per_prompt
 
-    def process(self, images: list) -> list[ProcessedImage]:
-        """Each image's patches; ValueError naming the image (by its place in the prompt) that cannot be read."""
+    def process(self, images: list, processor_kwargs: dict | None = None) -> list[ProcessedImage]:
+        """Each image's patches, resized within the request's min_pixels/max_pixels where it gives them (else the
+        processor's own); ValueError naming the image (by its place in the prompt) that cannot be read."""
         if len(images) > self.limit_per_prompt:
             raise ValueError(f"the prompt has {len(images)} images, more than the limit of {self.limit_per_prompt} "
                              "per prompt (--limit-mm-per-prompt)")
-        return [self._process_one(image, i) for i, image in enumerate(images)]
+        kwargs = checked_processor_kwargs(processor_kwargs)
+        size = None
+        if kwargs:
+            own = self.processor.size
+            size = {"shortest_edge": kwargs.get("min_pixels", own["shortest_edge"]),
+                    "longest_edge": kwargs.get("max_pixels", own["longest_edge"])}
+            if size["shortest_edge"] > size["longest_edge"]:
+                raise ValueError(f"mm_processor_kwargs: min_pixels {size['shortest_edge']} is more than max_pixels "
+                                 f"{size['longest_edge']}")
+        return [self._process_one(image, i, size) for i, image in enumerate(images)]
 
-    def _process_one(self, image, index: int) -> ProcessedImage:
+    def _process_one(self, image, index: int, size: dict | None = None) -> ProcessedImage:
         from PIL import Image
         if isinstance(image, ProcessedImage):  # processed already (a server's renderer thread did it)
             return self._checked(image, index)
@@ -69,7 +102,8 @@ class ImageProcessor:
         if width * height > MAX_DECODED_PIXELS:
             raise ValueError(f"image {index} is {width}x{height}, more than {MAX_DECODED_PIXELS} pixels")
         try:
-            out = self.processor(images=[image.convert("RGB")], return_tensors="np")
+            out = self.processor(images=[image.convert("RGB")], return_tensors="np",
+                                 **({} if size is None else {"size": size}))
         except (ValueError, OSError) as e:  # a truncated file surfaces when its pixels are first read
             raise ValueError(f"image {index} could not be processed: {e}") from None
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)

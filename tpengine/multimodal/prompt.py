@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpengine.distributed.messages import ImageChunk
-from tpengine.multimodal.images import ImageProcessor, ProcessedImage
+from tpengine.multimodal.images import ImageProcessor, ProcessedImage, checked_processor_kwargs
 from tpengine.multimodal.mrope_positions import image_runs, mrope_positions
 
 
@@ -99,8 +99,12 @@ class ImagePrompts:
         self.processor = ImageProcessor(model_path, merge_size, images_per_prompt)
         self.image_token_id, self.merge_size = hf_config.image_token_id, merge_size
 
-    def place(self, token_ids: list[int], images: list) -> tuple[list[int], MultiModalPrompt | None]:
-        """The prompt's tokens with its images' placeholders grown, and its MultiModalPrompt (None: text alone)."""
+    def place(self, token_ids: list[int], images: list,
+              processor_kwargs: dict | None = None) -> tuple[list[int], MultiModalPrompt | None]:
+        """The prompt's tokens with its images' placeholders grown, and its MultiModalPrompt (None: text alone);
+        processor_kwargs: the request's pixel limits (vLLM's mm_processor_kwargs)."""
+        checked_processor_kwargs(processor_kwargs)  # refused by name even where no image needs it
         if not images and self.image_token_id not in token_ids:
             return token_ids, None
-        return place_images(token_ids, self.processor.process(images), self.image_token_id, self.merge_size)
+        return place_images(token_ids, self.processor.process(images, processor_kwargs), self.image_token_id,
+                            self.merge_size)
