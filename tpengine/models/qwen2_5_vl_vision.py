@@ -20,6 +20,7 @@ The checkpoint's vision tensors (`model.visual.*` in transformers 5, `visual.*` 
 checkpoint_target gives them; load_vision_weights loads a dict of them through each parameter's weight_loader.
 """
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +50,67 @@ CHECKPOINT_PREFIXES = ("model.visual.", "visual.")
 TOP_MODULES = ("patch_embed.", "blocks.", "merger.")
 
 
+class VisionSettings:
+    """What Qwen's vision configs share: reading a vision_config dict, the checks every tower needs, the sizes
+    derived from them. A subclass is a frozen dataclass of its tower's fields; POSITIVE names its integer sizes."""
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """From an HF vision_config dict (in_chans, num_attention_heads, num_hidden_layers read as aliases); a
+        missing key takes transformers' default."""
+        d = dict(d)
+        for alias, name in (("in_chans", "in_channels"), ("num_attention_heads", "num_heads"),
+                            ("num_hidden_layers", "depth")):
+            if alias in d and name not in d:
+                d[name] = d[alias]
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if "rope_theta" not in d and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
+            raise ValueError(f"vision_config rope_parameters: rope_type {rope.get('rope_type')!r} is not supported "
+                             f"(only axial)")
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
+        return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})  # JSON lists
+
+    def check_common(self, activations: dict) -> None:
+        """ValueError naming a size that is not a positive integer, heads that do not divide the width or leave
+        the 2D rotary an odd split, or an activation the tower does not run."""
+        for name in self.POSITIVE:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"vision_config {name}={value!r}: must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision_config hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.head_dim % 4:  # the axial rotary splits each head in h and w halves, each rotated in pairs
+            raise ValueError(f"vision_config hidden_size / num_heads = {self.head_dim}: the 2D rotary needs a "
+                             f"multiple of 4")
+        if self.hidden_act not in activations:
+            raise ValueError(f"vision_config hidden_act={self.hidden_act!r} is not supported "
+                             f"(supported: {sorted(activations)})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_features(self) -> int:
+        """One patch row's values: C * T * P * P."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one output row."""
+        return self.spatial_merge_size ** 2
+
+
 @dataclass(frozen=True)
-class Qwen2_5_VLVisionSettings:
+class Qwen2_5_VLVisionSettings(VisionSettings):
     """The vision_config values the encoder runs by; a missing key takes transformers' default."""
+    POSITIVE: ClassVar[tuple[str, ...]] = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                           "patch_size", "spatial_merge_size", "temporal_patch_size", "window_size",
+                                           "out_hidden_size")
     depth: int = 32
     hidden_size: int = 3584
     intermediate_size: int = 3420
@@ -67,40 +126,8 @@ class Qwen2_5_VLVisionSettings:
     rms_norm_eps: float = 1e-6  # transformers' norms always use 1e-6; a config's rms_norm_eps is read if set
     rope_theta: float = 10000.0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen2_5_VLVisionSettings":
-        """From an HF vision_config dict (in_chans, num_attention_heads, num_hidden_layers read as aliases)."""
-        d = dict(d)
-        for alias, name in (("in_chans", "in_channels"), ("num_attention_heads", "num_heads"),
-                            ("num_hidden_layers", "depth")):
-            if alias in d and name not in d:
-                d[name] = d[alias]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" not in d and "rope_theta" in rope:
-            d["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
-            raise ValueError(f"vision_config rope_parameters: rope_type {rope.get('rope_type')!r} is not supported "
-                             f"(only axial)")
-        values = {f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None}
-        if "fullatt_block_indexes" in values:
-            values["fullatt_block_indexes"] = tuple(values["fullatt_block_indexes"])
-        return cls(**values)
-
     def __post_init__(self):
-        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
-                     "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"vision_config {name}={value!r}: must be a positive integer")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.head_dim % 4:  # the axial rotary splits each head in h and w halves, each rotated in pairs
-            raise ValueError(f"vision_config hidden_size / num_heads = {self.head_dim}: the 2D rotary needs a "
-                             f"multiple of 4")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"vision_config hidden_act={self.hidden_act!r} is not supported "
-                             f"(supported: {sorted(ACTIVATIONS)})")
+        self.check_common(ACTIVATIONS)
         if self.merger_window < 1:
             raise ValueError(f"vision_config window_size={self.window_size} is smaller than one merged patch "
                              f"(spatial_merge_size * patch_size = {self.spatial_merge_size * self.patch_size})")
@@ -109,20 +136,6 @@ class Qwen2_5_VLVisionSettings:
                              f"each must be a block index below depth={self.depth}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"vision_config rms_norm_eps={self.rms_norm_eps!r}: must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_features(self) -> int:
-        """One patch row's values: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output row."""
-        return self.spatial_merge_size ** 2
 
     @property
     def merger_window(self) -> int:

@@ -25,14 +25,15 @@ The checkpoint's vision tensors (`model.visual.*`, or `visual.*`) load by the na
 load_vision_weights loads a dict of them through each parameter's weight_loader.
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
 from tpengine.layers.linear import FUSED, ColumnParallelLinear, RowParallelLinear
-from tpengine.models.qwen2_5_vl_vision import (CHECKPOINT_PREFIXES, PatchEmbedLinear, VisionAttention,
+from tpengine.models.qwen2_5_vl_vision import (CHECKPOINT_PREFIXES, PatchEmbedLinear, VisionAttention, VisionSettings,
                                                check_inputs, check_shardable, load_vision_weights, patch_positions,
                                                rotary_angles, segment_rows)
 
@@ -45,8 +46,11 @@ NORM_EPS = 1e-6  # transformers' vision LayerNorms are built with eps 1e-6, what
 
 
 @dataclass(frozen=True)
-class Qwen3VLVisionSettings:
+class Qwen3VLVisionSettings(VisionSettings):
     """The vision_config values the encoder runs by; a missing key takes transformers' default."""
+    POSITIVE: ClassVar[tuple[str, ...]] = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                           "patch_size", "spatial_merge_size", "temporal_patch_size",
+                                           "out_hidden_size", "num_position_embeddings")
     depth: int = 27
     hidden_size: int = 1152
     hidden_act: str = "gelu_pytorch_tanh"
@@ -61,37 +65,8 @@ class Qwen3VLVisionSettings:
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     rope_theta: float = 10000.0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3VLVisionSettings":
-        """From an HF vision_config dict (num_attention_heads, num_hidden_layers, in_chans read as aliases)."""
-        d = dict(d)
-        for alias, name in (("in_chans", "in_channels"), ("num_attention_heads", "num_heads"),
-                            ("num_hidden_layers", "depth")):
-            if alias in d and name not in d:
-                d[name] = d[alias]
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if "rope_theta" not in d and "rope_theta" in rope:
-            d["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
-            raise ValueError(f"vision_config rope_parameters: rope_type {rope.get('rope_type')!r} is not supported "
-                             f"(only axial)")
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d and d[f.name] is not None})
-
     def __post_init__(self):
-        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
-                     "spatial_merge_size", "temporal_patch_size", "out_hidden_size", "num_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"vision_config {name}={value!r}: must be a positive integer")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"vision_config hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.head_dim % 4:  # the axial rotary splits each head in h and w halves, each rotated in pairs
-            raise ValueError(f"vision_config hidden_size / num_heads = {self.head_dim}: the 2D rotary needs a "
-                             f"multiple of 4")
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"vision_config hidden_act={self.hidden_act!r} is not supported "
-                             f"(supported: {sorted(ACTIVATIONS)})")
+        self.check_common(ACTIVATIONS)
         if isinstance(self.deepstack_visual_indexes, list):  # as a JSON config writes it
             object.__setattr__(self, "deepstack_visual_indexes", tuple(self.deepstack_visual_indexes))
         indexes = self.deepstack_visual_indexes
@@ -102,20 +77,6 @@ class Qwen3VLVisionSettings:
                              f"index below depth={self.depth}")
         if not self.rope_theta > 0:
             raise ValueError(f"vision_config rope_theta={self.rope_theta!r}: must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_features(self) -> int:
-        """One patch row's values: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output row."""
-        return self.spatial_merge_size ** 2
 
     @property
     def grid_side(self) -> int:
