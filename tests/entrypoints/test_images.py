@@ -108,3 +108,22 @@ def test_a_request_s_pixel_limits_resize_its_images_and_bad_ones_are_400s(vl_cli
             messages=[{"role": "user", "content": content}],
             **{**GREEDY, "extra_body": {**GREEDY["extra_body"], "mm_processor_kwargs": {"num_crops": 2}}})
     assert "mm_processor_kwargs: ['num_crops'] not supported" in error.value.message
+
+
+def test_anthropic_image_blocks_read_as_the_chat_s_image_url_parts(vl_server, vl_client):
+    import anthropic
+    picture = random_image(24, 90, 60)
+    encoded = data_url(picture).split(",", 1)[1]
+    text = [{"type": "text", "text": "What is it?"}]
+    chat = vl_client.chat.completions.create(
+        messages=[{"role": "user", "content": [image_part(data_url(picture)), *text]}], **GREEDY).choices[0]
+    with anthropic.Anthropic(base_url=vl_server.url, api_key="unused", max_retries=0) as claude:
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}}
+        message = claude.messages.create(model="tiny", max_tokens=6, extra_body={"temperature": 0},  # not in the SDK
+                                         messages=[{"role": "user", "content": [image, *text]}])
+        assert message.content[0].text == chat.message.content
+        assert message.usage.input_tokens == len(chat.prompt_token_ids)
+        with pytest.raises(anthropic.BadRequestError) as error:
+            claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
+        assert "fetching images over the network is not enabled" in error.value.message

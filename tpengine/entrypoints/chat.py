@@ -195,6 +195,8 @@ class OpenAIServingChat(OpenAIServing):
                 messages, images = await self.renderer.run(self._read_images, messages, request.mm_processor_kwargs)
             prompt = await self.renderer.render_chat(messages, request.add_generation_prompt,
                                                      request.chat_template_kwargs, tools, request.add_special_tokens)
+            if images:  # each placeholder grown to its image's tokens, as the engine runs it (and counts it)
+                prompt = (await self.renderer.run(self.engine.engine.images.place, prompt, images))[0]
         except ValueError as e:
             raise self.invalid(e, request) from None
         return prompt, images

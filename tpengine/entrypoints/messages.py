@@ -25,9 +25,9 @@ from tpengine.entrypoints.protocol import ChatCompletionRequest, OpenAIBody
 from tpengine.entrypoints.serving import ApiError, StreamUsage, cancel_on_disconnect, choice_deltas, engine_down
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range is [0, 1]
-# Blocks of Anthropic's that carry more than text: this server's models read text
-REFUSED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use",
-                  "web_search_tool_result", "redacted_thinking")
+# Blocks of Anthropic's that carry what this server's models do not read (an image model reads image blocks)
+REFUSED_BLOCKS = ("document", "search_result", "container_upload", "server_tool_use", "web_search_tool_result",
+                  "redacted_thinking")
 # Anthropic's error type for an HTTP status; any other is "api_error"
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error"}
@@ -50,8 +50,17 @@ def content_blocks(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in REFUSED_BLOCKS:
             raise ValueError(f"block {i} is of type {kind!r}, which is not supported: this server reads text, "
-                             "tool_use, tool_result and thinking blocks")
+                             "image, tool_use, tool_result and thinking blocks")
     return content
+
+
+def text_blocks(content):
+    """A tool result's or the system prompt's blocks: text only (an image there is refused, naming it)."""
+    blocks = content_blocks(content)
+    for i, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get("type") == "image":
+            raise ValueError(f"block {i} is an image: images are read in a user message's content, not here")
+    return blocks
 
 
 class CacheControl(OpenAIBody):
@@ -65,6 +74,34 @@ class TextBlock(OpenAIBody):
     text: str
     cache_control: CacheControl | None = None
     citations: Annotated[list, Field(max_length=0)] | None = None  # none are made, so none come back
+
+
+class ImageSource(OpenAIBody):
+    """An image as Anthropic sends it: base64 data of a media type, or a URL (a data: or file:// one: nothing is
+    fetched over the network)."""
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.type == "base64" and (self.media_type is None or self.data is None or self.url is not None):
+            raise ValueError("a base64 image source needs media_type and data (and no url)")
+        if self.type == "url" and (self.url is None or self.data is not None):
+            raise ValueError("a url image source needs url (and no data)")
+        return self
+
+    @property
+    def chat_url(self) -> str:
+        """The image_url a chat completion reads it by."""
+        return self.url if self.type == "url" else f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(OpenAIBody):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(OpenAIBody):
@@ -82,7 +119,7 @@ class ToolResultBlock(OpenAIBody):
     is_error: bool = False
     cache_control: CacheControl | None = None
 
-    _blocks = field_validator("content", mode="before")(content_blocks)
+    _blocks = field_validator("content", mode="before")(text_blocks)
 
     @property
     def text(self) -> str:
@@ -96,7 +133,8 @@ class ThinkingBlock(OpenAIBody):
     signature: str = ""  # this server signs nothing: a thinking block it wrote comes back with ""
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+ContentBlock = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class Message(OpenAIBody):
@@ -107,7 +145,7 @@ class Message(OpenAIBody):
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
-        wrong = {"user": ("tool_use", "thinking"), "assistant": ("tool_result",)}[self.role]
+        wrong = {"user": ("tool_use", "thinking"), "assistant": ("tool_result", "image")}[self.role]
         for block in self.content:
             if block.type in wrong:
                 raise ValueError(f"a {self.role} message cannot hold a {block.type} block")
@@ -163,7 +201,7 @@ class MessagesPrompt(OpenAIBody):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
 
-    _system = field_validator("system", mode="before")(lambda v: v if v is None else content_blocks(v))
+    _system = field_validator("system", mode="before")(lambda v: v if v is None else text_blocks(v))
 
     @field_validator("tool_choice")
     @classmethod
@@ -218,16 +256,17 @@ def chat_messages(prompt: MessagesPrompt) -> list[dict[str, Any]]:
         if message.role == "assistant":
             messages.append(assistant_message(message.content))
             continue
-        text = None
-        for block in message.content:  # tool results and text, in their order
+        parts = None
+        for block in message.content:  # tool results, text and images, in their order
             if block.type == "tool_result":
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text})
-                text = None
-            elif text is None:
-                text = {"role": "user", "content": block.text}
-                messages.append(text)
-            else:
-                text["content"] += block.text
+                parts = None
+                continue
+            if parts is None:  # a user message's parts: text alone is joined into one string (ChatMessage)
+                parts = []
+                messages.append({"role": "user", "content": parts})
+            parts.append({"type": "text", "text": block.text} if block.type == "text" else
+                         {"type": "image_url", "image_url": {"url": block.source.chat_url}})
     return messages
 
 
