@@ -127,3 +127,16 @@ def test_anthropic_image_blocks_read_as_the_chat_s_image_url_parts(vl_server, vl
             claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}])
         assert "fetching images over the network is not enabled" in error.value.message
+
+
+def test_responses_input_image_parts_read_as_the_chat_s_image_url_parts(vl_client):
+    picture = random_image(25, 90, 60)
+    chat = vl_client.chat.completions.create(  # EOS may end both: the Responses API has no ignore_eos
+        messages=[{"role": "user", "content": [image_part(data_url(picture)), {"type": "text", "text": "Name it."}]}],
+        **{**GREEDY, "extra_body": {"return_token_ids": True}}).choices[0]
+    reply = vl_client.responses.create(model="tiny", max_output_tokens=6, temperature=0.0, input=[
+                                       {"role": "user", "content": [
+                                           {"type": "input_image", "image_url": data_url(picture)},
+                                           {"type": "input_text", "text": "Name it."}]}])
+    assert reply.output_text == chat.message.content
+    assert reply.usage.input_tokens == len(chat.prompt_token_ids)

@@ -9,7 +9,7 @@ a value asking for them is a 400 saying so.
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from tpengine.entrypoints.protocol import (MAX_TEMPERATURE, UNSUPPORTED, ChatCompletionRequest, OpenAIBody,
                                            StreamOptions, refusing, stream_options_need_stream)
@@ -49,23 +49,43 @@ class InputText(OpenAIBody):
     logprobs: list[Any] | None = None
 
 
-def _text_parts_only(content):
-    for part in content if type(content) is list else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise ValueError(f"a content part has type {kind!r:.60}, which is not supported: only text "
-                             f"({', '.join(TEXT_PARTS)})")
-    return content
+class InputImage(OpenAIBody):
+    """An image an image model reads (a data: URL, or a file:// one under --allowed-local-media-path)."""
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None  # the image processor decides the resolution
+
+
+def _parts_of(kinds: tuple[str, ...]):
+    """A content validator: a list's parts must be of these kinds (refused by name)."""
+    def check(content):
+        for part in content if type(content) is list else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in kinds:
+                raise ValueError(f"a content part has type {kind!r:.60}, which is not supported: only "
+                                 f"{', '.join(kinds)}")
+        return content
+    return check
+
+
+_text_parts_only = _parts_of(TEXT_PARTS)
 
 
 class MessageItem(OpenAIBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputText | InputImage]
     id: str | None = None
     status: str | None = None
 
-    _parts = field_validator("content", mode="before")(_text_parts_only)
+    _parts = field_validator("content", mode="before")(_parts_of((*TEXT_PARTS, "input_image")))
+
+    @model_validator(mode="after")
+    def _images_in_user_messages(self):
+        if self.role != "user" and not isinstance(self.content, str) and \
+                any(part.type == "input_image" for part in self.content):
+            raise ValueError(f"a {self.role} message cannot hold an input_image: images are read in user messages")
+        return self
 
 
 class FunctionCallItem(OpenAIBody):
@@ -285,6 +305,14 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
+def _user_content(content):
+    """A message's content as chat reads it: text joined, or with images the chat's text and image_url parts."""
+    if isinstance(content, str) or all(part["type"] in TEXT_PARTS for part in content):
+        return _text(content)
+    return [{"type": "image_url", "image_url": {"url": part["image_url"]}} if part["type"] == "input_image"
+            else {"type": "text", "text": part["text"]} for part in content]
+
+
 def chat_messages(items: list[dict]) -> list[dict]:
     """Input or output items as chat messages: an assistant's consecutive items (its reasoning, text and function
     calls) make one assistant message, a function_call_output a tool message."""
@@ -298,7 +326,7 @@ def chat_messages(items: list[dict]) -> list[dict]:
     for item in items:
         kind = item["type"]
         if kind == "message" and item["role"] != "assistant":
-            messages.append({"role": item["role"], "content": _text(item["content"])})
+            messages.append({"role": item["role"], "content": _user_content(item["content"])})
         elif kind == "message":
             assistant_turn()["content"] += _text(item["content"])
         elif kind == "function_call_output":
