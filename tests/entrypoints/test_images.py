@@ -140,3 +140,11 @@ def test_responses_input_image_parts_read_as_the_chat_s_image_url_parts(vl_clien
                                            {"type": "input_text", "text": "Name it."}]}])
     assert reply.output_text == chat.message.content
     assert reply.usage.input_tokens == len(chat.prompt_token_ids)
+
+
+def test_tokenize_counts_each_image_s_tokens_as_the_chat_runs_them(vl_server, vl_client):
+    messages = [{"role": "user", "content": [image_part(data_url(random_image(26, 90, 60))),
+                                             {"type": "text", "text": "Count me."}]}]
+    chat = vl_client.chat.completions.create(messages=messages, **GREEDY).choices[0]
+    status, tokenized = vl_server.request("POST", "/tokenize", {"model": "tiny", "messages": messages})
+    assert status == 200 and tokenized["tokens"] == chat.prompt_token_ids
