@@ -359,19 +359,23 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return self.merger(x)[plan.reverse]
 
     def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
-        """Our parameter for a vision checkpoint tensor (named relative to the tower, or with its `model.visual.`
-        / `visual.` prefix) and the extra arguments its weight_loader takes; None for a tensor not the tower's
-        (the language model's, or rotary_pos_emb's buffer, which is computed)."""
-        for prefix in CHECKPOINT_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
-        if not name.startswith(TOP_MODULES):
-            return None, ()
-        for checkpoint_name, (ours, shard_id) in self.packed_modules_mapping.items():
-            if f".{checkpoint_name}." in name:
-                return name.replace(f".{checkpoint_name}.", f".{ours}."), (shard_id,)
-        return name, ()
+        return tower_checkpoint_target(name, TOP_MODULES, self.packed_modules_mapping)
+
+
+def tower_checkpoint_target(name: str, top_modules: tuple[str, ...], packed: dict) -> tuple[str | None, tuple]:
+    """A vision tower's parameter for a checkpoint tensor (named relative to the tower, or with its `model.visual.`
+    / `visual.` prefix) and the extra arguments its weight_loader takes; None for a tensor not the tower's (the
+    language model's, or a rotary buffer, which is computed). packed: checkpoint name -> (ours, shard id)."""
+    for prefix in CHECKPOINT_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if not name.startswith(top_modules):
+        return None, ()
+    for checkpoint_name, (ours, shard_id) in packed.items():
+        if f".{checkpoint_name}." in name:
+            return name.replace(f".{checkpoint_name}.", f".{ours}."), (shard_id,)
+    return name, ()
 
 
 def _filled(param: nn.Parameter, loaded_args: set) -> bool:

@@ -33,9 +33,9 @@ from torch import nn
 
 from tpengine.distributed.parallel_state import get_tp_group
 from tpengine.layers.linear import FUSED, ColumnParallelLinear, RowParallelLinear
-from tpengine.models.qwen2_5_vl_vision import (CHECKPOINT_PREFIXES, PatchEmbedLinear, VisionAttention, VisionSettings,
+from tpengine.models.qwen2_5_vl_vision import (PatchEmbedLinear, VisionAttention, VisionSettings,
                                                check_inputs, check_shardable, load_vision_weights, patch_positions,
-                                               rotary_angles, segment_rows)
+                                               rotary_angles, segment_rows, tower_checkpoint_target)
 
 __all__ = ["Qwen3VLVisionSettings", "Qwen3VLVisionTransformer", "load_vision_weights", "position_interpolation"]
 
@@ -229,16 +229,4 @@ class Qwen3VLVisionTransformer(nn.Module):
         return self.merger(x), deepstack
 
     def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
-        """Our parameter for a vision checkpoint tensor (named relative to the tower, or with its `model.visual.`
-        / `visual.` prefix) and the extra arguments its weight_loader takes; None for a tensor not the tower's
-        (the language model's, or rotary_pos_emb's buffer, which is computed)."""
-        for prefix in CHECKPOINT_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
-        if not name.startswith(TOP_MODULES):
-            return None, ()
-        for checkpoint_name, (ours, shard_id) in self.packed_modules_mapping.items():
-            if f".{checkpoint_name}." in name:
-                return name.replace(f".{checkpoint_name}.", f".{ours}."), (shard_id,)
-        return name, ()
+        return tower_checkpoint_target(name, TOP_MODULES, self.packed_modules_mapping)
