@@ -2,6 +2,8 @@
 
 Each sequence's new queries are the last seqlen_q of its seqlen_k keys, so a cached
 prefix (prefix-cache hit or earlier chunk of a chunked prefill) is attended to as well.
+Optional per-row key ends let a query see keys past its own position (Gemma 3's
+bidirectional attention within an image).
 """
 
 import torch
@@ -27,6 +29,7 @@ def _paged_prefill_kernel(
     cu_seqlens_q,
     cu_seqlens_k,
     block_tables,
+    key_ends,  # HAS_KEY_ENDS: int32 [total_q], each row's exclusive end of visible keys (unread otherwise)
     sinks,
     k_scale,  # FP8 cache: pointers to the layer's float32 scales (unread otherwise)
     v_scale,
@@ -49,6 +52,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     FP8_KV: tl.constexpr,
+    HAS_KEY_ENDS: tl.constexpr,
 ):
     # One program per (query tile, sequence, query head).
     tile = tl.program_id(0)
@@ -78,9 +82,8 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Causal: query i sees keys [0, prefix_len + i]; clamp so padding rows stay in range.
-    row_limit = tl.minimum(prefix_len + offs_m + 1, seqlen_k)
-    kv_end = tl.minimum(prefix_len + start_m + BLOCK_M, seqlen_k)
+    row_limit, kv_end = _row_key_ends(key_ends + q_start, offs_m, start_m, seqlen_q, prefix_len, seqlen_k,
+                                      BLOCK_M, HAS_KEY_ENDS)
     # a sliding window: query i sees keys from prefix_len + i - window + 1; the tile's first row sees the earliest
     span = tl.where(window > 0, window, seqlen_k)  # no window: one that reaches key 0 from every row
     row_start = tl.maximum(prefix_len + offs_m - span + 1, 0)
@@ -98,6 +101,20 @@ def _paged_prefill_kernel(
     tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=qo_mask)
 
 
+@triton.jit
+def _row_key_ends(row_key_ends, offs_m, start_m, seqlen_q, prefix_len, seqlen_k, BLOCK_M: tl.constexpr,
+                  HAS_KEY_ENDS: tl.constexpr):
+    """(row_limit [M]: each row sees keys < it, kv_end: the tile's last key + 1) for query rows offs_m."""
+    if HAS_KEY_ENDS:  # rows in an image see its later keys too, so the tile may reach past its diagonal
+        row_limit = tl.load(row_key_ends + offs_m, mask=offs_m < seqlen_q, other=0)  # padding rows see nothing
+        row_limit = tl.minimum(row_limit, seqlen_k)
+        kv_end = tl.max(row_limit, axis=0)
+    else:  # causal: query i sees keys [0, prefix_len + i]; clamp so padding rows stay in range
+        row_limit = tl.minimum(prefix_len + offs_m + 1, seqlen_k)
+        kv_end = tl.minimum(prefix_len + start_m + BLOCK_M, seqlen_k)
+    return row_limit, kv_end
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -113,6 +130,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over all its cached keys.
 
@@ -120,6 +138,8 @@ def paged_prefill_attention(
     cu_seqlens_q, cu_seqlens_k: int32 [batch + 1]; block_tables: int32 [batch, max_num_blocks].
     Query i of sequence b attends to keys [0, seqlen_k - seqlen_q + i], only the last `window` of them when
     window > 0; softcap, sinks and an FP8 cache's k_scale, v_scale as in paged_decode_attention.
+    key_ends: int32 [total_q], optional: query row r at position p instead sees keys [0, key_ends[r]), with
+    p + 1 <= key_ends[r] <= seqlen_k (bidirectional within an image); a window still hides keys <= p - window.
     Returns [total_q, num_heads, head_dim].
     """
     total_q, num_heads, head_dim = q.shape
@@ -130,35 +150,43 @@ def paged_prefill_attention(
     fp8_kv = k_cache.dtype == torch.float8_e4m3fn
     assert k_cache.dtype == v_cache.dtype and (fp8_kv or q.dtype == k_cache.dtype)
     assert not fp8_kv or (k_scale is not None and v_scale is not None)
+    assert key_ends is None or (key_ends.dtype == torch.int32 and key_ends.shape == (total_q,))
 
     out = torch.empty((total_q, num_heads, head_dim), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, sinks if sinks is not None else q,
+        out, q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables,
+        key_ends if key_ends is not None else cu_seqlens_q, sinks if sinks is not None else q,
         k_scale if fp8_kv else q, v_scale if fp8_kv else q, scale * LOG2E.value, window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        **_constexprs(head_dim, num_heads // num_kv_heads, block_size, sinks is not None, fp8_kv),
+        **_constexprs(head_dim, num_heads // num_kv_heads, block_size, sinks is not None, fp8_kv,
+                      key_ends is not None),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out
 
 
-def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool, fp8_kv: bool) -> dict:
+def _constexprs(head_dim: int, group_size: int, block_size: int, has_sinks: bool, fp8_kv: bool,
+                has_key_ends: bool) -> dict:
     """The kernel's compile-time arguments for one model shape: what the launcher passes and COMPILE_CASES compile."""
     return dict(HEAD_DIM=head_dim, GROUP_SIZE=group_size, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M,
-                BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=has_sinks, FP8_KV=fp8_kv)
+                BLOCK_D=dot_block(head_dim), BLOCK_N=BLOCK_N, HAS_SINKS=has_sinks, FP8_KV=fp8_kv,
+                HAS_KEY_ENDS=has_key_ends)
 
 
 def _compile_case(name: str, dtype: str, head_dim: int, group_size: int, block_size: int, has_sinks: bool,
-                  fp8_kv: bool = False) -> dict:
+                  fp8_kv: bool = False, has_key_ends: bool = False) -> dict:
     """One COMPILE_CASES entry: the kernel as the launcher calls it."""
     strides = ["stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_block", "stride_slot",
                "stride_kv_head"]
-    return attention_compile_case(_paged_prefill_kernel, name, dtype, ["cu_seqlens_q", "cu_seqlens_k", "block_tables"],
-                                  strides,
-                                  _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv), NUM_WARPS,
-                                  NUM_STAGES)
+    index_args = ["cu_seqlens_q", "cu_seqlens_k", "block_tables", "key_ends"]
+    return attention_compile_case(_paged_prefill_kernel, name, dtype, index_args, strides,
+                                  _constexprs(head_dim, group_size, block_size, has_sinks, fp8_kv, has_key_ends),
+                                  NUM_WARPS, NUM_STAGES)
 
 
-COMPILE_CASES = [_compile_case(*shape) for shape in ATTENTION_COMPILE_SHAPES]
+# Gemma 3 (head_dim 256, bf16, no sinks) with images: the largest tiles, walking key tiles past the diagonal
+COMPILE_CASES = [*(_compile_case(*shape) for shape in ATTENTION_COMPILE_SHAPES),
+                 _compile_case("head_dim 256, group 2, bf16, block 256, key ends", "bf16", 256, 2, 256, False,
+                               has_key_ends=True)]

@@ -47,6 +47,9 @@ class AttentionBackend(ABC):
     # its store and decode read only tensors (no host lists), so a recorded CPU decode forward can be replayed
     decode_reads_only_tensors: bool = False
 
+    # its prefill takes AttentionMetadata.key_ends (rows that see keys past their own position)
+    reads_key_ends: bool = True
+
     def check(self, params: AttentionParams) -> None:
         """ValueError naming what of a layer's attention this backend cannot compute; it computes it all here."""
 
@@ -60,7 +63,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, params: AttentionParams) -> torch.Tensor:
-        """Causal varlen attention of the new tokens over each sequence's cached prefix and themselves."""
+        """Causal varlen attention of the new tokens over each sequence's cached prefix and themselves; a row sees
+        up to meta.key_ends' position where they are given."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -15,6 +15,7 @@ class BatchInvariantAttention(AttentionBackend):
         self.name = f"{inner.name} (batch-invariant)"
         self.cuda_graph_safe = inner.cuda_graph_safe
         self.decode_reads_only_tensors = inner.decode_reads_only_tensors
+        self.reads_key_ends = False  # a prompt row runs as a decode row: its window would trail its key end
         self._rows_for: tuple[AttentionMetadata, AttentionMetadata] | None = None  # one step's rows, built once
 
     def check(self, params: AttentionParams) -> None:

@@ -24,6 +24,7 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     # the torch store's mask syncs with the host, which capture forbids: without Triton, decode is eager
     cuda_graph_safe = triton_store_kvcache is not None
+    reads_key_ends = False  # its varlen kernel is causal or full, no per-row limit
 
     def check(self, params: AttentionParams) -> None:
         if params.sinks is not None:

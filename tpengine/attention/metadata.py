@@ -20,6 +20,9 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     has_cached_prefix: bool = False        # some sequence attends to K/V computed in an earlier step
+    # [prefill rows] int32: the end (exclusive) of the positions each prefill row sees, past its own where an
+    # image's tokens attend to each other both ways (Gemma 3); None: causal, each row sees up to itself
+    key_ends: torch.Tensor | None = None
     # decode: one query per sequence over context_lens[b] cached tokens
     context_lens: torch.Tensor | None = None
     # a mixed step (is_prefill, with decode tokens too): its first num_decode_tokens rows are decode

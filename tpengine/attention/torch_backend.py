@@ -26,20 +26,22 @@ def first_block_in_window(query_pos: int, params: AttentionParams, block_size: i
     return max(0, query_pos - params.sliding_window + 1) // block_size
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: int, params: AttentionParams) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_start: int, params: AttentionParams,
+           key_ends: torch.Tensor | None = None) -> torch.Tensor:
     """q [len_q, heads, head_dim] at the last len_q positions of key_start + len(k); k, v [len_k, kv_heads, head_dim]
-    hold positions key_start.. . Causal, within the window, with the layer's soft cap and sinks."""
+    hold positions key_start.. . Causal, within the window, with the layer's soft cap and sinks; key_ends [len_q]:
+    each query sees positions below its key end instead (at least its own position + 1)."""
     len_q, len_k = q.size(0), k.size(0)
     first_query = key_start + len_k - len_q
     window = params.sliding_window
     plain = params.logit_softcap is None and params.sinks is None
-    if plain and key_start == 0 and len_q == len_k and (window is None or window >= len_k):
+    if plain and key_ends is None and key_start == 0 and len_q == len_k and (window is None or window >= len_k):
         mask, causal = None, True  # nothing cached before and no window inside: SDPA's own causal mask
     else:
         query_pos = torch.arange(first_query, first_query + len_q, device=q.device)[:, None]
         key_pos = torch.arange(key_start, key_start + len_k, device=q.device)[None, :]
-        mask = key_pos <= query_pos
-        if window is not None:
+        mask = key_pos <= query_pos if key_ends is None else key_pos < key_ends.to(key_pos.dtype)[:, None]
+        if window is not None:  # the window stays behind the query's own position (transformers' AND)
             mask &= key_pos > query_pos - window
         causal = False
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, head_dim]
@@ -86,7 +88,8 @@ class TorchAttentionBackend(AttentionBackend):
                 k_b = dequantize_kv(gather_paged(k_cache, block_table, len_k, first), params.k_scale, q.dtype)
                 v_b = dequantize_kv(gather_paged(v_cache, block_table, len_k, first), params.v_scale, q.dtype)
                 key_start = first * block_size
-            out[start:end] = attend(q[start:end], k_b, v_b, key_start, params)
+            key_ends = None if meta.key_ends is None else meta.key_ends[start:end]
+            out[start:end] = attend(q[start:end], k_b, v_b, key_start, params, key_ends)
             start = end
         return out
 

@@ -20,7 +20,7 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
                                        meta.block_tables, params.scale, meta.max_seqlen_q, window=params.window,
                                        softcap=params.softcap, sinks=params.sinks, k_scale=params.k_scale,
-                                       v_scale=params.v_scale)
+                                       v_scale=params.v_scale, key_ends=meta.key_ends)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,
