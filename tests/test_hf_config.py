@@ -8,7 +8,7 @@ import os
 import pytest
 from transformers import (AutoConfig, DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2_5_VLConfig, Qwen2_5_VLTextConfig, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig, Qwen3VLConfig, Qwen3VLTextConfig)
+                          Qwen3MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig, Qwen3VLMoeTextConfig, Qwen3VLTextConfig)
 
 from tests.models.deepseek import DEEPSEEK_V2_GROUPS, DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from tests.models.gpt_oss import GPT_OSS_MODEL
@@ -107,9 +107,19 @@ WRITTEN = {
                       vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64,
                                          deepstack_visual_indexes=[0]),
                       image_token_id=11, tie_word_embeddings=True)),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", Qwen3VLMoeConfig,
+                     dict(text_config=dict(SMALL, model_type="qwen3_vl_moe_text", head_dim=24, num_experts=8,
+                                           num_experts_per_tok=3, moe_intermediate_size=32, decoder_sparse_step=2,
+                                           mlp_only_layers=[3], rope_parameters=dict(
+                                               rope_type="default", rope_theta=5e5, mrope_section=[4, 4, 4],
+                                               mrope_interleaved=True)),
+                          vision_config=dict(depth=2, hidden_size=32, num_heads=2, out_hidden_size=64,
+                                             deepstack_visual_indexes=[0]),
+                          image_token_id=11, tie_word_embeddings=True)),
 }
 # an image-text config's own fields beside its text_config (vision_config compared key by key)
-VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "boi_token_id", "eoi_token_id", "mm_tokens_per_image")
 # a Gemma3ForConditionalGeneration config's own fields (its token ids too, where it has them); its text model's
 # are its text_config's
 OUTER_FIELDS = ("model_type", "architectures", "dtype", "tie_word_embeddings", "quantization_config")
@@ -133,11 +143,11 @@ def absent(field: dataclasses.Field):
 
 
 def transformers_value(config, field: dataclasses.Field, ours: HFConfig):
-    if config.model_type in ("qwen2_5_vl", "qwen3_vl") and field.name in VISION_FIELDS:
-        value = getattr(config, field.name)
+    if config.model_type in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3") and field.name in VISION_FIELDS:
+        value = getattr(config, field.name, absent(field))  # Gemma 3's token ids through its attribute_map
         return {k: v for k, v in value.to_dict().items() if k in ours.vision_config} if field.name == "vision_config" \
             else value
-    if config.model_type in ("gemma3", "qwen2_5_vl", "qwen3_vl") and not (
+    if config.model_type in ("gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe") and not (
             field.name in OUTER_FIELDS or field.name in OUTER_TOKEN_IDS and hasattr(config, field.name)):
         config = config.get_text_config()
     name = THEIR_NAMES.get((config.model_type, field.name), field.name)
@@ -258,8 +268,9 @@ def test_every_supported_architecture_has_a_family():
                    Qwen3MoeConfig.model_type, Gemma2Config.model_type, Gemma3TextConfig.model_type,
                    Gemma3Config.model_type, Phi3Config.model_type, GptOssConfig.model_type,
                    DeepseekV2Config.model_type, DeepseekV3Config.model_type, Qwen2_5_VLConfig.model_type,
-                   Qwen2_5_VLTextConfig.model_type, Qwen3VLConfig.model_type, Qwen3VLTextConfig.model_type}
-    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types) - 2  # the VL models' text parts
+                   Qwen2_5_VLTextConfig.model_type, Qwen3VLConfig.model_type, Qwen3VLTextConfig.model_type,
+                   Qwen3VLMoeConfig.model_type, Qwen3VLMoeTextConfig.model_type}
+    assert set(FAMILIES) == model_types and len(ARCHITECTURES) == len(model_types) - 3  # the VL models' text parts
 
 
 @pytest.mark.parametrize("settings, message", [

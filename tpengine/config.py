@@ -226,7 +226,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  'Qwen3-Reranker', default_help="none")] = None
     # an image model's images per prompt, as vLLM's limit_mm_per_prompt ({"image": N}); None: vLLM's default
     limit_mm_per_prompt: Annotated[dict | None, Setting(
-        "model", 'JSON: the most images one prompt may hold, {"image": N} (an image model: Qwen2.5-VL, Qwen3-VL)',
+        "model", 'JSON: the most images one prompt may hold, {"image": N} (an image model: Qwen2.5-VL, Qwen3-VL, Gemma 3)',
         default_help=f'{{"image": {DEFAULT_IMAGES_PER_PROMPT}}}')] = None
     # vLLM's allowed_local_media_path: file:// image URLs are read only from under it
     allowed_local_media_path: Annotated[str | None, Setting(
@@ -391,6 +391,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"limit_mm_per_prompt image must be an integer >= 0, got {count!r}")
             if not reads_images:
                 raise ValueError(f"limit_mm_per_prompt applies to image models; {hf_config.model_type} reads none")
+        # Gemma 3 serves its text model alone there instead (LLMEngine: text_only_reason)
+        reads_images = reads_images and not FAMILIES[hf_config.model_type].bidirectional_images
         if reads_images and self.speculative_config is not None:
             raise ValueError(f"speculative_config is not supported for {hf_config.model_type}: its verify rows "
                              "would need M-RoPE positions")
@@ -483,9 +485,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             if hf_config.quantization_config:
                 raise ValueError(f"quantization={self.quantization!r} quantizes a float checkpoint, but "
                                  f"{self.model!r} is already quantized (its config.json has a quantization_config)")
-            if hf_config.model_type == "gpt_oss":  # its experts load whole per projection, float only
-                raise ValueError(f"quantization={self.quantization!r} is not supported for gpt-oss: its experts, most "
-                                 "of its weights, would stay float")
+            if hf_config.model_type in ("gpt_oss", "qwen3_vl_moe"):  # experts load whole per projection, float only
+                raise ValueError(f"quantization={self.quantization!r} is not supported for {hf_config.model_type}: "
+                                 "its experts, most of its weights, would stay float")
             self._check_positive("quantization_group_size")
             if self.quantization == "fp8" and self.device == "cpu":
                 raise ValueError(FP8_NEEDS_A_GPU.format(where="the CPU"))

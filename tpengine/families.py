@@ -51,6 +51,9 @@ class Family:
     # gives none (None: one position per token), and whether the sections interleave (Qwen3-VL)
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
+    # an image's tokens attend to each other both ways in prefill (Gemma 3): a step computes an image's tokens
+    # together, and the attention's key limit reaches to the image's end for them (AttentionMetadata.key_ends)
+    bidirectional_images: bool = False
 
 
 QWEN3 = Family(
@@ -111,9 +114,14 @@ GEMMA3_TEXT = Family(
         rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True, attention_bias=False,
         query_pre_attn_scalar=256, sliding_window=4096, layer_types=None, final_logit_softcapping=None,
         attn_logit_softcapping=None, use_bidirectional_attention=False, sliding_window_pattern=6))
-# Gemma3ForConditionalGeneration: the text model's settings are its text_config's; these few are the outer config's own
+# Gemma3ForConditionalGeneration: the text model's settings are its text_config's; these few are the outer config's own.
+# Its SigLIP tower and projector (models/gemma3_vision.py) make mm_tokens_per_image rows per image, bidirectional
 GEMMA3 = Family("gemma3", "Gemma3ForConditionalGeneration", "tpengine.models.gemma", text_model_type="gemma3_text",
-                defaults=dict(tie_word_embeddings=True))
+                images=True, bidirectional_images=True,
+                key_aliases={"image_token_id": "image_token_index", "boi_token_id": "boi_token_index",
+                             "eoi_token_id": "eoi_token_index"},
+                defaults=dict(tie_word_embeddings=True, vision_config={}, mm_tokens_per_image=256,
+                              boi_token_index=255_999, eoi_token_index=256_000, image_token_index=262_144))
 # Qwen2.5-VL: the text model is Qwen2's decoder (bias on q, k and v) rotated with M-RoPE; the vision tower and the
 # image tokens' ids are the outer config's (models/qwen2_5_vl.py)
 QWEN2_5_VL_TEXT = Family(
@@ -140,6 +148,19 @@ QWEN3_VL_TEXT = Family(
 QWEN3_VL = Family("qwen3_vl", "Qwen3VLForConditionalGeneration", "tpengine.models.qwen3_vl",
                   text_model_type="qwen3_vl_text", images=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
                   defaults=dict(tie_word_embeddings=False, **QWEN_VISION_TOKENS))
+# Qwen3-VL MoE (Qwen3-VL-30B-A3B): Qwen3-VL's decoder whose MLPs are Qwen3-MoE's experts, the router always
+# renormalising its top-k weights (models/qwen3_vl_moe.py)
+QWEN3_VL_MOE_TEXT = Family(
+    "qwen3_vl_moe_text", "Qwen3VLMoeTextModel", "tpengine.models.qwen3_vl_moe", rope_theta=500_000.0,
+    standalone=False, key_aliases={"num_experts": "num_local_experts"},
+    defaults=dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=16, head_dim=None, hidden_act="silu", max_position_embeddings=128000, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, attention_bias=False, decoder_sparse_step=1, moe_intermediate_size=1408,
+        num_experts_per_tok=4, num_experts=60, mlp_only_layers=None, bos_token_id=None, eos_token_id=None))
+QWEN3_VL_MOE = Family("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "tpengine.models.qwen3_vl_moe",
+                      text_model_type="qwen3_vl_moe_text", images=True, mrope_section=(24, 20, 20),
+                      mrope_interleaved=True, defaults=dict(tie_word_embeddings=False, **QWEN_VISION_TOKENS))
 PHI3 = Family(
     "phi3", "Phi3ForCausalLM", "tpengine.models.phi3", partial_rotary=True, longrope=True,
     defaults=dict(
@@ -187,7 +208,8 @@ DEEPSEEK_V3 = Family(
 FAMILIES = {family.model_type: family for family in (QWEN3, QWEN2, LLAMA, MISTRAL, QWEN3_MOE, GEMMA2, GEMMA3_TEXT,
                                                      GEMMA3, QWEN2_5_VL_TEXT, QWEN2_5_VL, QWEN3_VL_TEXT, QWEN3_VL,
                                                      PHI3, GPT_OSS,
-                                                     DEEPSEEK_V2, DEEPSEEK_V3)}
+                                                     DEEPSEEK_V2, DEEPSEEK_V3, QWEN3_VL_MOE_TEXT,
+                                                     QWEN3_VL_MOE)}
 # model_types whose configs a family's config class reads: Kimi K2's config.json says kimi_k2 (its remote code is
 # DeepSeek V3's config class) and architectures DeepseekV3ForCausalLM
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}

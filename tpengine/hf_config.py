@@ -83,13 +83,18 @@ class HFConfig:
     topk_group: int | None = None
     topk_method: str | None = None        # DeepSeek V2's: greedy or group_limited_greedy
     num_nextn_predict_layers: int = 0     # DeepSeek V3's multi-token-prediction layers after the last one
-    # an image-text checkpoint (Qwen2.5-VL, Qwen3-VL): its vision tower's settings as config.json gives them, and
-    # the ids of the tokens that hold an image's place in a prompt
+    # an image-text checkpoint (Qwen2.5-VL, Qwen3-VL, Gemma 3): its vision tower's settings as config.json gives
+    # them, and the ids of the tokens that hold an image's place in a prompt
     vision_config: dict | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
+    # Gemma 3: an image's placeholder in a prompt (<start_of_image>), the token closing its run of image tokens,
+    # and the run's length
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
+    mm_tokens_per_image: int | None = None
 
     @property
     def is_classifier(self) -> bool:
@@ -162,9 +167,11 @@ FIELD_KINDS = {
     "num_nextn_predict_layers": "int >= 0",
     "vision_config": "object or null", "image_token_id": "token id or null", "video_token_id": "token id or null",
     "vision_start_token_id": "token id or null", "vision_end_token_id": "token id or null",
+    "boi_token_id": "token id or null", "eoi_token_id": "token id or null", "mm_tokens_per_image": "count or null",
 }
 # an image-text config's own keys beside its text_config
-VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VISION_FIELDS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "boi_token_id", "eoi_token_id", "mm_tokens_per_image")
 # keys read only to derive fields
 SETTING_KINDS = {"use_sliding_window": "bool", "max_window_layers": "int >= 0", "sliding_window_pattern": "count",
                  "rope_local_base_freq": "number", "text_config": "object or null",
@@ -297,6 +304,9 @@ def _text_part(raw: dict, family: Family, source: str) -> HFConfig:
     text = _checked(source, "text_config", raw.get("text_config"), "object or null") or {}
     config = parse_hf_config({**text, "model_type": family.text_model_type}, f"{source} (text_config)")
     outer = {**family.defaults, **raw}
+    for name, key in family.key_aliases.items():
+        if key in outer:
+            outer[name] = outer[key]
     dtype = outer.get("dtype") if outer.get("dtype") is not None else outer.get("torch_dtype")
     own = {"architectures": outer.get("architectures"), "tie_word_embeddings": outer["tie_word_embeddings"],
            "dtype": dtype if dtype is not None else config.dtype,

@@ -171,8 +171,8 @@ class LLM(LLMEngine):
         for i, conversation in enumerate(conversation_list(messages)):
             try:
                 if self.images is None and (has_image_parts(conversation) or mm_processor_kwargs is not None):
-                    raise ValueError(f"this model ({self.config.model}) reads no images: image parts and "
-                                     "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)")
+                    raise ValueError(f"this model ({self.config.model}) reads no images{self.text_only_reason}: image parts and "
+                                     "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL, Gemma 3)")
                 conversation, conversation_images = take_images(conversation, self.config.allowed_local_media_path)
                 texts.append(render_chat_text(tokenizer, chat_template,
                                               template_conversation(conversation, chat_template_content_format),
@@ -184,7 +184,9 @@ class LLM(LLMEngine):
         replies = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(texts)
         replies = [dataclasses.replace(p or SamplingParams(), may_open_thinking=True)
                    if p is None or isinstance(p, SamplingParams) else p for p in replies]
-        prompts = [{"prompt_token_ids": encode_chat_text(tokenizer, text)} for text in texts]
+        # a conversation's image placeholders written out as the model's processor writes them, then tokenized
+        prompts = [{"prompt_token_ids": encode_chat_text(tokenizer, self.images.expand_text(text) if imgs else text)}
+                   for text, imgs in zip(texts, images)]
         for prompt, conversation_images in zip(prompts, images):
             if conversation_images:  # mm_processor_kwargs: each image's pixel range (min_pixels, max_pixels)
                 prompt.update(multi_modal_data={"image": conversation_images}, mm_processor_kwargs=mm_processor_kwargs)

@@ -148,3 +148,22 @@ def test_tokenize_counts_each_image_s_tokens_as_the_chat_runs_them(vl_server, vl
     chat = vl_client.chat.completions.create(messages=messages, **GREEDY).choices[0]
     status, tokenized = vl_server.request("POST", "/tokenize", {"model": "tiny", "messages": messages})
     assert status == 200 and tokenized["tokens"] == chat.prompt_token_ids
+
+
+def test_gemma3_chat_with_images_gives_transformers_tokens_through_the_server(media):
+    """Gemma 3: each image part's <start_of_image> written out as Gemma3Processor writes it, its tokens attending to
+    each other both ways; its processor takes no pixel limits (a 400 naming them)."""
+    from PIL import Image
+    from tests.models.vision import gemma3_checkpoint, hf_gemma3_greedy
+    path, picture = gemma3_checkpoint(), random_image(22, 70, 50)
+    content = [{"type": "text", "text": "Compare "}, image_part(data_url(picture)), {"type": "text", "text": " and "},
+               image_part(f"file://{media}/photo.png")]
+    for server in running_server(path, "--allowed-local-media-path", str(media)):
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60.0) as client:
+            choice = client.chat.completions.create(messages=[{"role": "user", "content": content}],
+                                                    **GREEDY).choices[0]
+            expected = hf_gemma3_greedy(path, choice.prompt_token_ids, [picture, Image.open(media / "photo.png")], 6)
+            assert choice.prompt_token_ids.count(259) == 8 and choice.token_ids == expected
+            with pytest.raises(openai.BadRequestError, match="pixel limits do not apply"):
+                client.chat.completions.create(messages=[{"role": "user", "content": content}],
+                                               **{**GREEDY, "extra_body": {"mm_processor_kwargs": {"max_pixels": 900}}})

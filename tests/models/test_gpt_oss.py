@@ -97,7 +97,7 @@ def test_tp_must_divide_the_experts_intermediate_size(tmp_path):
 
 
 def test_quantizing_at_load_is_refused_rather_than_leaving_the_experts_float():
-    with pytest.raises(ValueError, match="quantization='int8' is not supported for gpt-oss"):
+    with pytest.raises(ValueError, match="quantization='int8' is not supported for gpt_oss"):
         LLM(gpt_oss_checkpoint(), quantization="int8")
 
 

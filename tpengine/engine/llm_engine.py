@@ -27,7 +27,7 @@ from tpengine.families import FAMILIES
 from tpengine.gguf import is_gguf
 from tpengine.lora.checks import LoRAAdapterChecks
 from tpengine.lora.request import LoRARequest
-from tpengine.multimodal.prompt import ImagePrompts, MultiModalPrompt
+from tpengine.multimodal.prompt import MultiModalPrompt, image_prompts_for
 from tpengine.hf_config import (every_layer_slides, load_eos_token_ids, load_hf_config, long_rope_threshold_of,
                                 sliding_window_of)
 from tpengine.outputs import (NO_TOKEN, ClassificationOutput, ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -59,6 +59,21 @@ def load_tokenizer(model: str, tokenizer: str | None):
     return AutoTokenizer.from_pretrained(tokenizer or model)
 
 
+def text_only_reason(model: str, hf_config, config: EngineConfig) -> str | None:
+    """None where the model reads images; else why not, as the tail of an error ("" for a text model). Gemma 3's
+    image-text checkpoints serve their text model alone without an image processor, with pipeline stages or with
+    speculative decoding (other image families refuse those settings: EngineConfig)."""
+    family = FAMILIES[hf_config.model_type]
+    if not family.images:
+        return ""
+    if family.bidirectional_images:
+        if not os.path.isfile(os.path.join(model, "preprocessor_config.json")):
+            return " (its folder has no preprocessor_config.json)"
+        if config.pipeline_parallel_size > 1 or config.speculative_config is not None:
+            return " with pipeline_parallel_size > 1 or speculative decoding"
+    return None
+
+
 class LLMEngine:
     def __init__(self, model: str | os.PathLike, **kwargs):
         model = os.fspath(model)
@@ -76,8 +91,9 @@ class LLMEngine:
         # (<think>, </think>): where structured outputs start in a reasoning model's completions (tpengine/thinking.py)
         self.reasoning_tokens = None if config.reasoning_parser is None else self._reasoning_tokens()
         # an image model's processor: a request's images are read and checked here, before it is queued
-        self.images = ImagePrompts(model, hf_config, config.images_per_prompt) \
-            if FAMILIES[hf_config.model_type].images else None
+        self.text_only_reason = text_only_reason(model, hf_config, config)
+        self.images = image_prompts_for(model, hf_config, config.images_per_prompt, self.tokenizer) \
+            if self.text_only_reason is None else None
         if hf_config.classifier_from_token is not None:  # every rank reads them: a missing one is told here, once
             classifier_token_ids(config.tokenizer or model, hf_config.classifier_from_token)
         if config.world_size > 1:
@@ -296,7 +312,13 @@ class LLMEngine:
         InvalidRequestError naming the prompt."""
         try:
             prompt_dict, images = prompt, images_of(prompt)
-            prompt, token_ids = parse_prompt(prompt, self.tokenizer)
+            if images and self.images is not None and isinstance(prompt.get("prompt"), str):
+                # its image placeholders written out as the model's processor writes them, then tokenized
+                text = prompt["prompt"]
+                _, token_ids = parse_prompt({**prompt, "prompt": self.images.expand_text(text)}, self.tokenizer)
+                prompt = text
+            else:
+                prompt, token_ids = parse_prompt(prompt, self.tokenizer)
             if not token_ids:
                 raise ValueError("prompt is empty: it needs at least one token")
             if keep_last is not None:
@@ -309,14 +331,25 @@ class LLMEngine:
             if self.images is not None:
                 token_ids, multimodal = self.images.place(token_ids, images, processor_kwargs)
             elif images or processor_kwargs is not None:
-                raise ValueError(f"this model ({self.config.model}) reads no images: multi_modal_data and "
-                                 "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)")
+                raise ValueError(f"this model ({self.config.model}) reads no images{self.text_only_reason}: "
+                                 "multi_modal_data and mm_processor_kwargs need an image model (Qwen2.5-VL, "
+                                 "Qwen3-VL, Gemma 3)")
+            if multimodal is not None and multimodal.whole_images:
+                self._check_whole_images(multimodal)
             self.scheduler.check_fits(len(token_ids), max_tokens)
         except InvalidRequestError:
             raise
         except ValueError as e:  # the prompt, or its length with max_tokens, is at fault
             raise InvalidRequestError(str(e), "prompt") from None
         return prompt, token_ids, multimodal
+
+    def _check_whole_images(self, multimodal: MultiModalPrompt) -> None:
+        """A step computes all of an image's tokens when they attend to each other both ways (Gemma 3)."""
+        limit = self.config.max_num_batched_tokens
+        for i, placement in enumerate(multimodal.images):
+            if placement.image.num_tokens > limit:
+                raise ValueError(f"image {i} takes {placement.image.num_tokens} tokens, more than "
+                                 f"max_num_batched_tokens={limit}: this model computes an image's tokens in one step")
 
     def _make_pooling_request(self, prompt, params: PoolingParams, lora_request: LoRARequest | None) -> Request:
         """An embedding request: its prompt (its last truncate_prompt_tokens, if asked) computed and pooled."""

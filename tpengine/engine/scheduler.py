@@ -746,4 +746,18 @@ def cut_for_encoder(seq: Sequence, encoder_budget: int) -> int:
             seq.num_scheduled_tokens = placement.offset - start
             break
         encoder_budget -= placement.image.num_tokens
+    if seq.multimodal.whole_images:
+        keep_images_whole(seq)
     return encoder_budget
+
+
+def keep_images_whole(seq: Sequence) -> None:
+    """A chunk of a model whose image tokens attend to each other both ways never ends inside an image: it ends
+    before an image that starts within it, or, where the image starts it (or a prefix hit ended inside it), runs to
+    the image's end, past the step's token budget by less than one image (add_request bounds an image by it)."""
+    start = seq.num_cached_tokens
+    end = start + seq.num_scheduled_tokens
+    for placement in seq.multimodal.images:
+        if placement.offset < end < placement.end:
+            seq.num_scheduled_tokens = (placement.offset if placement.offset > start else placement.end) - start
+            return

@@ -187,14 +187,16 @@ class OpenAIServingChat(OpenAIServing):
         messages, images = template_messages(request), []
         try:
             if has_image_parts(messages) or request.mm_processor_kwargs is not None:
-                if self.engine.engine.images is None:
-                    raise InvalidRequestError(f"this model ({self.model_name}) reads no images: image_url parts and "
-                                              "mm_processor_kwargs need an image model (Qwen2.5-VL, Qwen3-VL)",
-                                              "messages")
+                engine = self.engine.engine
+                if engine.images is None:
+                    raise InvalidRequestError(f"this model ({self.model_name}) reads no images"
+                                              f"{engine.text_only_reason}: image_url parts and mm_processor_kwargs "
+                                              "need an image model (Qwen2.5-VL, Qwen3-VL, Gemma 3)", "messages")
                 checked_processor_kwargs(request.mm_processor_kwargs)
                 messages, images = await self.renderer.run(self._read_images, messages, request.mm_processor_kwargs)
             prompt = await self.renderer.render_chat(messages, request.add_generation_prompt,
-                                                     request.chat_template_kwargs, tools, request.add_special_tokens)
+                                                     request.chat_template_kwargs, tools, request.add_special_tokens,
+                                                     self.engine.engine.images.expand_text if images else None)
             if images:  # each placeholder grown to its image's tokens, as the engine runs it (and counts it)
                 prompt = (await self.renderer.run(self.engine.engine.images.place, prompt, images))[0]
         except ValueError as e:

@@ -51,17 +51,21 @@ class PromptRenderer:
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False, expand_text=None) -> list[int]:
         """Prompt token ids for chat messages (and the tools the model may call) through the chat template;
-        add_special_tokens: the tokenizer's special tokens (BOS) on top of what the template writes."""
+        add_special_tokens: the tokenizer's special tokens (BOS) on top of what the template writes; expand_text:
+        the rendered text's image placeholders written out before tokenizing (ImagePrompts.expand_text)."""
         self.check_length(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
         return await self.run(self._render, messages, add_generation_prompt, template_kwargs, tools,
-                              add_special_tokens)
+                              add_special_tokens, expand_text)
 
-    def _render(self, messages, add_generation_prompt, template_kwargs, tools, add_special_tokens=False) -> list[int]:
+    def _render(self, messages, add_generation_prompt, template_kwargs, tools, add_special_tokens=False,
+                expand_text=None) -> list[int]:
         text = render_chat_text(self.tokenizer, self.chat_template, messages, add_generation_prompt, template_kwargs,
                                 tools)
         self.check_length(len(text), "messages")  # the template and chat_template_kwargs add text of their own
+        if expand_text is not None:
+            text = expand_text(text)
         return encode_chat_text(self.tokenizer, text, add_special_tokens)
 
     def warm_up(self) -> None:

@@ -23,6 +23,7 @@ from tpengine.hf_config import HFConfig
 from tpengine.layers.activation import GeluTanhAndMul
 from tpengine.layers.layernorm import GemmaRMSNorm
 from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, DecoderLayer
+from tpengine.models.gemma3_vision import Gemma3VisionSettings, Gemma3VisionTower
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -71,20 +72,46 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text model of a Gemma 3 image-text checkpoint; its vision tower and projector are not loaded.
-    Its text weights are under model.language_model. (transformers 5) or language_model.model. (transformers 4)."""
+    """Gemma 3's image-text checkpoint: the text model, and its SigLIP tower and projector (models/gemma3_vision.py),
+    which turn each image into mm_tokens_per_image rows put in place of its image tokens' embeddings (after the
+    embedding's scale, as transformers' masked_scatter does). Prefill lets an image's rows attend to each other both
+    ways (AttentionMetadata.key_ends). Its text weights are under model.language_model. (transformers 5) or
+    language_model.model. (transformers 4), the tower's under model.vision_tower. or vision_tower., the projector's
+    under model.multi_modal_projector. or multi_modal_projector.."""
 
     # checkpoint prefix -> ours, first match wins
     text_prefixes = {"model.language_model.": "model.", "language_model.model.": "model.",
                      "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head.",
                      "score.": "score."}  # Gemma3ForSequenceClassification's head
+    vision_prefixes = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                       "multi_modal_projector.")
+
+    def __init__(self, config: HFConfig, backend):
+        super().__init__(config, backend)
+        self.visual = None
+        if config.vision_config is not None and self.model.stage.is_first:
+            settings = Gemma3VisionSettings.from_config(config.vision_config, config.mm_tokens_per_image,
+                                                        config.hidden_size)
+            self.visual = Gemma3VisionTower(settings)
 
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
         return gemma_family(config, qk_norm=True, final_logit_softcap=None)  # transformers caps none here
 
     def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
+        for prefix in self.vision_prefixes:
+            if name.startswith(prefix):
+                if self.visual is None:
+                    return None, ()
+                target, args = self.visual.checkpoint_target(name.removeprefix("model."))
+                return (None if target is None else "visual." + target), args
         for prefix, ours in self.text_prefixes.items():
             if name.startswith(prefix):
                 return super().checkpoint_target(ours + name.removeprefix(prefix))
-        return None, ()  # the vision tower and the multimodal projector
+        return None, ()
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """[mm_tokens_per_image * images, hidden]: each processed image (the processor's [C, side, side], flat
+        in pixel_values) through the tower and projector."""
+        side = self.visual.settings.image_size
+        return self.visual(pixel_values.reshape(len(grids), -1, side, side))

@@ -290,12 +290,12 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbedLinear(ReplicatedLinear):
-    """The patch embed's Conv3d as a matmul: its stride is its kernel, so each output is one patch row (C, T, P, P
-    flattened, the processor's order) times the kernel flattened alike. Loads the checkpoint's
-    [embed, C, T, P, P] kernel as [embed, C*T*P*P]."""
+    """The patch embed's Conv3d (Gemma 3's Conv2d) as a matmul: its stride is its kernel, so each output is one
+    patch row (C, T, P, P flattened, the processor's order) times the kernel flattened alike. Loads the checkpoint's
+    [embed, C, T, P, P] (or [embed, C, P, P]) kernel as [embed, C*T*P*P]."""
 
     def weight_loader(self, param: nn.Parameter, loaded_weight) -> None:
-        if isinstance(loaded_weight, torch.Tensor) and loaded_weight.dim() == 5:
+        if isinstance(loaded_weight, torch.Tensor) and loaded_weight.dim() > 2:
             loaded_weight = loaded_weight.reshape(loaded_weight.size(0), -1)
         super().weight_loader(param, loaded_weight)
 

@@ -5,6 +5,7 @@ pixels are the ones transformers would feed its model. A malformed image is refu
     PIL image -> processor (smart resize to min_pixels..max_pixels, rescale, normalize, patchify)
               -> ProcessedImage: float32 patch rows [t*h*w, C*T*P*P], the grid (t, h, w) in patches,
                  its placeholder-token count t*h*w / merge**2, and a content hash for the prefix cache
+    Gemma 3: resized to one square, [C, side, side]; grid (1, side / P, side / P); mm_tokens_per_image tokens
 """
 import base64
 import binascii
@@ -47,6 +48,7 @@ def checked_processor_kwargs(kwargs) -> dict[str, int]:
 @dataclass(frozen=True)
 class ProcessedImage:
     pixel_values: bytes            # float32 patch rows, row-major [t*h*w, channels * temporal_patch * patch**2]
+                                   # (Gemma 3: the resized image, [channels, side, side])
     grid: tuple[int, int, int]     # (t, h, w) in patches, the processor's image_grid_thw row
     num_tokens: int                # the prompt's placeholder tokens for it: t*h*w / merge_size**2
     content_hash: int              # xxhash64 of the pixels and grid: the same image reuses cached K/V, another never
@@ -64,9 +66,14 @@ def content_hash(pixel_values: bytes, grid: tuple[int, int, int]) -> int:
 
 
 class ImageProcessor:
-    """The checkpoint's image processor, and the per-prompt limit on images (vLLM's --limit-mm-per-prompt)."""
+    """The checkpoint's image processor, and the per-prompt limit on images (vLLM's --limit-mm-per-prompt).
 
-    def __init__(self, model_path: str, merge_size: int, limit_per_prompt: int):
+    Qwen's processors resize each image within a pixel range and give its patch grid; an image's tokens are its
+    merged patches. fixed_tokens (Gemma 3): the processor resizes every image to one square of patch_size patches,
+    and each image takes that many tokens; pan-and-scan crops are not made."""
+
+    def __init__(self, model_path: str, merge_size: int, limit_per_prompt: int, fixed_tokens: int | None = None,
+                 patch_size: int = 14):
         from transformers import AutoImageProcessor
         if not os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
             raise ValueError(f"{model_path} has no preprocessor_config.json: an image model needs its image "
@@ -74,6 +81,7 @@ class ImageProcessor:
         self.processor = AutoImageProcessor.from_pretrained(model_path)
         self.merge_size = merge_size
         self.limit_per_prompt = limit_per_prompt
+        self.fixed_tokens, self.patch_size = fixed_tokens, patch_size
 
     def process(self, images: list, processor_kwargs: dict | None = None) -> list[ProcessedImage]:
         """Each image's patches, resized within the request's min_pixels/max_pixels where it gives them (else the
@@ -83,6 +91,9 @@ class ImageProcessor:
                              "per prompt (--limit-mm-per-prompt)")
         kwargs = checked_processor_kwargs(processor_kwargs)
         size = None
+        if kwargs and self.fixed_tokens is not None:
+            raise ValueError(f"mm_processor_kwargs {sorted(kwargs)}: this model's processor resizes every image to "
+                             "one size, so pixel limits do not apply")
         if kwargs:
             own = self.processor.size
             size = {"shortest_edge": kwargs.get("min_pixels", own["shortest_edge"]),
@@ -101,23 +112,32 @@ class ImageProcessor:
         width, height = image.size
         if width * height > MAX_DECODED_PIXELS:
             raise ValueError(f"image {index} is {width}x{height}, more than {MAX_DECODED_PIXELS} pixels")
+        options = {} if size is None else {"size": size}
+        if self.fixed_tokens is not None:
+            options["do_pan_and_scan"] = False
         try:
-            out = self.processor(images=[image.convert("RGB")], return_tensors="np",
-                                 **({} if size is None else {"size": size}))
+            out = self.processor(images=[image.convert("RGB")], return_tensors="np", **options)
         except (ValueError, OSError) as e:  # a truncated file surfaces when its pixels are first read
             raise ValueError(f"image {index} could not be processed: {e}") from None
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        num_patches = grid[0] * grid[1] * grid[2]
-        assert pixels.shape[0] == num_patches, "the processor's patch rows follow its grid"
+        if self.fixed_tokens is None:
+            grid = tuple(int(x) for x in out["image_grid_thw"][0])
+            assert pixels.shape[0] == grid[0] * grid[1] * grid[2], "the processor's patch rows follow its grid"
+        else:  # one image [1, channels, side, side]: its grid in patches
+            assert pixels.shape[0] == 1 and pixels.shape[2] == pixels.shape[3], "one square image, no crops"
+            grid = (1, pixels.shape[2] // self.patch_size, pixels.shape[3] // self.patch_size)
         data = pixels.tobytes()
-        return ProcessedImage(data, grid, num_patches // self.merge_size ** 2, content_hash(data, grid))
+        return ProcessedImage(data, grid, self._num_tokens(grid), content_hash(data, grid))
 
+    def _num_tokens(self, grid: tuple[int, int, int]) -> int:
+        if self.fixed_tokens is not None:
+            return self.fixed_tokens
+        return grid[0] * grid[1] * grid[2] // self.merge_size ** 2
 
     def _checked(self, image: ProcessedImage, index: int) -> ProcessedImage:
         t, h, w = image.grid
         num_values = len(image.pixel_values) // 4
-        if image.num_tokens * self.merge_size ** 2 != t * h * w or num_values % (t * h * w):
+        if image.num_tokens != self._num_tokens(image.grid) or num_values % (t * h * w):
             raise ValueError(f"image {index}: its patches do not match its grid {image.grid}")
         return image
 

@@ -31,15 +31,19 @@ class ImagePlacement:
 
 
 class MultiModalPrompt:
-    """The images of one prompt and its rotary positions: [3, prompt length] (temporal, height, width), and the
-    offset that every later token's position adds to its index (all three alike)."""
+    """The images of one prompt and, for M-RoPE, its rotary positions: [3, prompt length] (temporal, height, width),
+    and the offset that every later token's position adds to its index (all three alike). positions None: each
+    token's position is its index (Gemma 3). whole_images: an image's tokens attend to each other both ways, so a
+    step computes all of an image's tokens or none."""
 
-    __slots__ = ("images", "positions", "position_delta")
+    __slots__ = ("images", "positions", "position_delta", "whole_images")
 
-    def __init__(self, images: list[ImagePlacement], positions: np.ndarray, position_delta: int):
+    def __init__(self, images: list[ImagePlacement], positions: np.ndarray | None, position_delta: int,
+                 whole_images: bool = False):
         self.images = images
         self.positions = positions
         self.position_delta = position_delta
+        self.whole_images = whole_images
 
     def cache_keys(self, token_ids: list[int], start: int, end: int) -> list[int]:
         """token_ids[start:end] with image placeholders as their images' keys."""
@@ -58,7 +62,9 @@ class MultiModalPrompt:
 
     def chunk_positions(self, start: int, end: int) -> bytes:
         """The rows [start, end)'s positions, [3, end - start] int64 row-major: the prompt's from its table, a
-        generated token's (recomputed after preemption) its index plus the delta."""
+        generated token's (recomputed after preemption) its index plus the delta. b"" without M-RoPE."""
+        if self.positions is None:
+            return b""
         num_prompt = self.positions.shape[1]
         rows = self.positions[:, start:min(end, num_prompt)]
         if end > num_prompt:
@@ -99,6 +105,11 @@ class ImagePrompts:
         self.processor = ImageProcessor(model_path, merge_size, images_per_prompt)
         self.image_token_id, self.merge_size = hf_config.image_token_id, merge_size
 
+    def expand_text(self, text: str) -> str:
+        """A text prompt with images, as transformers' processor rewrites it before tokenizing: Qwen's placeholder
+        is one special token, grown after tokenizing, so the text stays."""
+        return text
+
     def place(self, token_ids: list[int], images: list,
               processor_kwargs: dict | None = None) -> tuple[list[int], MultiModalPrompt | None]:
         """The prompt's tokens with its images' placeholders grown, and its MultiModalPrompt (None: text alone);
@@ -108,3 +119,75 @@ class ImagePrompts:
             return token_ids, None
         return place_images(token_ids, self.processor.process(images, processor_kwargs), self.image_token_id,
                             self.merge_size)
+
+
+class WholeImagePrompts(ImagePrompts):
+    """Gemma 3's images: each <start_of_image> in a prompt becomes, as Gemma3Processor writes it,
+    "\n\n<start_of_image>" + mm_tokens_per_image image tokens + "<end_of_image>\n\n"; the image's tokens attend
+    to each other both ways; positions are plain."""
+
+    def __init__(self, model_path: str, hf_config, images_per_prompt: int, tokenizer):
+        if tokenizer is None:
+            raise ValueError(f"{model_path} has no tokenizer: Gemma 3's image prompts are written with its tokens")
+        if all(t == "sliding_attention" for t in hf_config.layer_types or ()):
+            raise ValueError("every layer of this Gemma 3 checkpoint slides: its images need a full-attention "
+                             "layer (a step computes an image's tokens together)")
+        patch_size = (hf_config.vision_config or {}).get("patch_size", 14)
+        self.processor = ImageProcessor(model_path, 1, images_per_prompt, hf_config.mm_tokens_per_image, patch_size)
+        self.image_token_id, self.num_tokens = hf_config.image_token_id, hf_config.mm_tokens_per_image
+        self.boi_token_id, self.eoi_token_id = hf_config.boi_token_id, hf_config.eoi_token_id
+        self.boi_text = tokenizer.convert_ids_to_tokens(self.boi_token_id)
+        self.image_text = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.eoi_text = tokenizer.convert_ids_to_tokens(self.eoi_token_id)
+        self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def expand_text(self, text: str) -> str:
+        # in the text, before tokenizing, so the newlines merge with their neighbours as transformers' do
+        run = f"\n\n{self.boi_text}{self.image_text * self.num_tokens}{self.eoi_text}\n\n"
+        return text.replace(self.boi_text, run)
+
+    def place(self, token_ids: list[int], images: list,
+              processor_kwargs: dict | None = None) -> tuple[list[int], MultiModalPrompt | None]:
+        checked_processor_kwargs(processor_kwargs)
+        if not images and self.image_token_id not in token_ids:
+            return token_ids, None  # a <start_of_image> without images is text, as transformers reads it
+        processed = self.processor.process(images, processor_kwargs)
+        expanded, placements, cursor = [], [], 0
+        for i, (start, end) in enumerate(self._placeholders(token_ids, len(processed))):
+            expanded += token_ids[cursor:start]
+            if end - start == 1 and token_ids[start] == self.boi_token_id:  # grown here, as the processor would
+                expanded += [*self.newlines, self.boi_token_id]
+                placements.append(ImagePlacement(len(expanded), processed[i]))
+                expanded += [self.image_token_id] * self.num_tokens + [self.eoi_token_id, *self.newlines]
+            else:
+                placements.append(ImagePlacement(len(expanded), processed[i]))
+                expanded += token_ids[start:end]
+            cursor = end
+        expanded += token_ids[cursor:]
+        return expanded, MultiModalPrompt(placements, None, 0, whole_images=True)
+
+    def _placeholders(self, token_ids: list[int], num_images: int) -> list[tuple[int, int]]:
+        """Each image's place: a run of image tokens (grown already, num_tokens long) or a <start_of_image> not
+        followed by one; ValueError when they do not pair up with the images."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        starts, ends = image_runs(ids, self.image_token_id)
+        places = list(zip(starts.tolist(), ends.tolist()))
+        for i, (start, end) in enumerate(places):
+            if end - start != self.num_tokens:
+                raise ValueError(f"image {i}'s run of image tokens (id {self.image_token_id}) is {end - start} "
+                                 f"tokens long: it must be {self.num_tokens} (mm_tokens_per_image)")
+        bare = np.flatnonzero(ids == self.boi_token_id)
+        places += [(b, b + 1) for b in bare.tolist() if b + 1 == len(ids) or ids[b + 1] != self.image_token_id]
+        places.sort()
+        if len(places) != num_images:
+            raise ValueError(f"the prompt has {len(places)} image placeholders (<start_of_image>, token id "
+                             f"{self.boi_token_id}) but {num_images} images were given")
+        return places
+
+
+def image_prompts_for(model_path: str, hf_config, images_per_prompt: int, tokenizer) -> ImagePrompts:
+    """The image side of an image model's prompts: Gemma 3's whole images, or Qwen's."""
+    from tpengine.families import FAMILIES
+    if FAMILIES[hf_config.model_type].bidirectional_images:
+        return WholeImagePrompts(model_path, hf_config, images_per_prompt, tokenizer)
+    return ImagePrompts(model_path, hf_config, images_per_prompt)

@@ -33,11 +33,13 @@ class InputBuilder:
     head's rows are padded the same way; only the first num_logits rows of its logits are real."""
 
     def __init__(self, block_size: int, device: torch.device, long_rope_threshold: int | None = None,
-                 max_positions: int = 0, lora: bool = False, mrope: bool = False):
+                 max_positions: int = 0, lora: bool = False, mrope: bool = False, images: bool = False,
+                 bidirectional_images: bool = False):
         """long_rope_threshold: LongRoPE's window (None: another rope); a row rotated with its long factors takes
         its position plus max_positions, where the rotary cache holds the long set (layers/rotary_embedding.py).
-        mrope: the model rotates by M-RoPE (layers/mrope.py): a step with prompt rows has positions [3, rows]."""
-        self.mrope = mrope
+        mrope: the model rotates by M-RoPE (layers/mrope.py): a step with prompt rows has positions [3, rows].
+        images: the model reads images (their rows listed); bidirectional_images: an image's rows see to its end."""
+        self.mrope, self.images, self.bidirectional_images = mrope, images, bidirectional_images
         self.block_size = block_size
         self.long_rope_threshold = long_rope_threshold
         self.max_positions = max_positions
@@ -139,10 +141,11 @@ class InputBuilder:
         num_logits = len(logits_rows)
         if logits_rows:
             logits_rows += logits_rows[-1:] * (self.row_bucket(num_logits) - num_logits)
-        image_rows = None
         if self.mrope:
             positions = chunk_mrope_positions(chunks, positions, num_decode, cu_q)
-            image_rows = chunk_image_rows(chunks, num_decode, cu_q)
+        image_rows = chunk_image_rows(chunks, num_decode, cu_q) if self.images else None
+        if self.bidirectional_images and image_rows:
+            meta.key_ends = self._tensor(chunk_key_ends(chunks, cu_q), np.int32)
         return ForwardInputs(self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_rows),
                              num_logits, image_rows=image_rows)
 
@@ -188,6 +191,21 @@ def chunk_image_rows(chunks: list[PrefillChunk], num_decode: int,
             lo, hi = max(start, image.offset), min(end, image.offset + image.num_tokens)
             rows.append((chunk.seq_id, image, num_decode + row + lo - start, lo - image.offset, hi - lo))
     return rows
+
+
+def chunk_key_ends(chunks: list[PrefillChunk], cu_q: list[int]) -> np.ndarray:
+    """Each prompt row's key end: its position + 1, or its image's end for an image's rows (a step holds an image's
+    rows together: the scheduler never ends a chunk inside one)."""
+    key_ends = np.empty(cu_q[-1], dtype=np.int64)
+    for chunk, row in zip(chunks, cu_q):
+        start, end = chunk.num_cached_tokens, chunk.num_cached_tokens + len(chunk.token_ids)
+        key_ends[row:row + end - start] = np.arange(start + 1, end + 1)
+        for image in chunk.images:
+            image_end = image.offset + image.num_tokens
+            assert image_end <= end, "a chunk never ends inside an image whose tokens attend both ways"
+            lo = max(start, image.offset)
+            key_ends[row + lo - start:row + image_end - start] = image_end
+    return key_ends
 
 
 def decode_columns(step: StepMessage) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[PrefillChunk], int]:

@@ -7,6 +7,7 @@ from tpengine.attention import make_backend, resolve_backend_name
 from tpengine.attention.kv_cache_dtype import is_fp8, kv_cache_torch_dtype
 from tpengine.config import EngineConfig
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, VocabParallelSampling
+from tpengine.families import FAMILIES
 from tpengine.distributed.parallel_state import PipelineGroup, TensorParallelGroup, building_model_for
 from tpengine.hf_config import (kv_head_dim_of, load_hf_config, long_rope_threshold_of, max_positions_of,
                                  mrope_section_of)
@@ -60,6 +61,10 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         self.backend_name = self._attention_backend_name()
         self.attention_backend = make_backend(self.backend_name, config.batch_invariant)
+        if FAMILIES[hf_config.model_type].bidirectional_images and not self.attention_backend.reads_key_ends:
+            raise ValueError(f"{hf_config.architectures[0]}'s image tokens attend to each other both ways, which "
+                             f"attention backend {self.attention_backend.name!r} cannot compute; use "
+                             "attention_backend='triton' or 'torch' (and batch_invariant=False)")
         self.model = self.load(config.model, hf_config, self.attention_backend)
         self.lora = self._lora_adapters()
         # an image model's image embeddings, made by its vision tower on this rank's shard
@@ -134,9 +139,11 @@ class ModelRunner:
     def input_builder(self) -> InputBuilder:
         """Step messages into this model's inputs (LongRoPE's rows rotated with the long set offset as its rotary
         cache wants them; each row's adapter slot with LoRA)."""
+        family = FAMILIES[self.hf_config.model_type]
         return InputBuilder(self.block_size, self.device, long_rope_threshold_of(self.hf_config),
                             max_positions_of(self.hf_config), lora=self.lora is not None,
-                            mrope=mrope_section_of(self.hf_config) is not None)
+                            mrope=mrope_section_of(self.hf_config) is not None, images=family.images,
+                            bidirectional_images=family.bidirectional_images)
 
     def load(self, path: str, hf_config, attention_backend, build=None) -> torch.nn.Module:
         """This rank's shard of a checkpoint (the model, a draft model, or build(hf_config, backend): the model's
