@@ -1,6 +1,6 @@
 """Gemma 3 with images gives transformers' greedy tokens (its image processor, SigLIP tower and projector, and its
 image tokens attending to each other both ways in prefill) at tp 1 and 2, blocks 16 and 256, chunked prefill (a
-chunk never ends inside an image), prefix hits on the same image and misses on another,
+chunk never ends inside an image), prefix hits on the same image (one ending inside it) and misses on another,
 preemption, and through LLM.chat; bad prompts are refused by name."""
 import pytest
 
@@ -66,6 +66,21 @@ def test_the_prefix_cache_reuses_an_image_and_never_another(tokenizer):
         different = check_generates_as_transformers(llm, path, [(bare, full, [other])])[0]
         same = check_generates_as_transformers(llm, path, [(bare, full, [other])])[0]
     assert different.num_cached_tokens <= 20 and same.num_cached_tokens > 36
+
+
+def test_a_prefix_hit_ending_inside_an_image_computes_the_rest_of_it(tokenizer):
+    """A text prompt takes the cache's later blocks (the last freed go first), so the image prompt then hits blocks
+    up to 32 only, inside its image (20 to 36): the next chunk computes the image's last rows, which see all of it,
+    over the cached K/V of its first ones (computed with the whole image in view)."""
+    path = gemma3_checkpoint(tokens_per_image=16)
+    bare, full = gemma3_image_ids(tokenizer, "a longer prompt: ", 1, " tell me", 16)
+    filler = tokenizer.encode("z" * 50, add_special_tokens=False)
+    image = random_image(3, 60, 60)
+    with LLM(path, kvcache_block_size=16, max_num_batched_tokens=16, num_kvcache_blocks=6) as llm:
+        check_generates_as_transformers(llm, path, [(bare, full, [image])])
+        check_generates_as_transformers(llm, path, [(filler, filler, [])])
+        inside = check_generates_as_transformers(llm, path, [(bare, full, [image])])[0]
+    assert inside.num_cached_tokens == 32
 
 
 def test_preemption_recomputes_images_and_still_matches(tokenizer):
