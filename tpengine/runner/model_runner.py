@@ -125,14 +125,17 @@ class ModelRunner:
         return Drafter(self.load(spec.model, load_hf_config(spec.model), backend), self.group)
 
     def _lora_adapters(self) -> LoRAAdapters | None:
-        """The model's LoRA slots, with a row buffer for any step: its tokens, a decode batch's verify queries and
-        a decode bucket's padding."""
+        """The model's LoRA slots, with a row buffer for any step: its tokens (and the rest of an image a chunk
+        runs to the end of, scheduler.keep_images_whole), a decode batch's verify queries and a decode bucket's
+        padding."""
         config = self.config
         if not config.enable_lora:
             return None
         spec = config.speculative_config
         max_decode_rows = config.max_num_seqs * (1 + (0 if spec is None else spec.num_speculative_tokens))
-        max_num_rows = (self.platform.row_bucket(self.max_num_batched_tokens + max_decode_rows)
+        whole_image = self.hf_config.mm_tokens_per_image or 0 \
+            if FAMILIES[self.hf_config.model_type].bidirectional_images else 0
+        max_num_rows = (self.platform.row_bucket(self.max_num_batched_tokens + max_decode_rows + whole_image)
                         + MAX_GRAPH_BATCH_SIZE)
         return LoRAAdapters(self.model, config, self.dtype, self.device, max_num_rows)
 
