@@ -7,13 +7,13 @@ At tp 2, two real rank processes (gloo) each load their shard of the same tensor
 output. A config value it cannot run is a ValueError naming it."""
 import dataclasses
 import functools
-import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.models.vision import end_rank
 from tpengine.distributed.parallel_state import (TensorParallelGroup, building_model_for, connect_store,
                                                  new_process_group, serve_store)
 from tpengine.models.gemma3_vision import Gemma3VisionSettings, Gemma3VisionTower, load_vision_weights
@@ -206,11 +206,7 @@ def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None
     assert torch.equal(mlp.fc2.weight, data["tensors"][f"{prefix}mlp.fc2.weight"].chunk(size, dim=1)[rank])
     with torch.no_grad():
         torch.save(tower(data["images"]), f"{outputs}.{rank}")
-    # both ranks past their last all-reduce before either tears its communicator down
-    store.set(f"done{rank}", "1")
-    store.wait([f"done{other}" for other in range(size)])
-    group.shutdown()
-    os._exit(0)  # skip the interpreter's teardown, which can race gloo's
+    end_rank(store, group, rank, size)
 
 
 def test_two_ranks_each_end_with_transformers_output(tmp_path):

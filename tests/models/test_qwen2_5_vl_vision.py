@@ -4,13 +4,13 @@ a two-frame video; loaded from the relative names and from the `model.visual.` /
 two real rank processes (gloo) each load their shard of the same tensors and both end with transformers' output.
 A vision_config value it cannot run is a ValueError naming it."""
 import functools
-import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.models.vision import end_rank
 from tpengine.distributed.parallel_state import (TensorParallelGroup, building_model_for, connect_store,
                                                  new_process_group, serve_store)
 from tpengine.layers.linear import FUSED
@@ -175,10 +175,7 @@ def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None
     with torch.no_grad():
         results = [module(pixel_values, grid) for pixel_values, grid in data["inputs"]]
     torch.save(results, f"{outputs}.{rank}")
-    group.shutdown()
-    # gone without the interpreter's finalization: gloo's worker thread may still be dropping its last work (and
-    # the tensors it holds) then, and a thread that wants the GIL while Python finalizes aborts the process
-    os._exit(0)
+    end_rank(store, group, rank, size)
 
 
 def test_two_ranks_each_end_with_transformers_output(tmp_path):

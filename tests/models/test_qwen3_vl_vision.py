@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.models.vision import end_rank
 from tpengine.distributed.parallel_state import (TensorParallelGroup, building_model_for, connect_store,
                                                  new_process_group, serve_store)
 from tpengine.layers.linear import FUSED
@@ -219,10 +220,7 @@ def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None
     with torch.no_grad():
         results = [module(pixel_values, grid) for pixel_values, grid in data["inputs"]]
     torch.save(results, f"{outputs}.{rank}")
-    # both ranks past their last all-reduce before either tears its communicator down
-    store.set(f"done{rank}", "1")
-    store.wait([f"done{other}" for other in range(size)])
-    group.shutdown()
+    end_rank(store, group, rank, size)
 
 
 def test_two_ranks_each_end_with_transformers_outputs(tmp_path):

@@ -198,3 +198,14 @@ def hf_gemma3_greedy(path: str, input_ids: list[int], images: list, max_new_toke
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
     return out[0, len(input_ids):].tolist()
+
+
+def end_rank(store, group, rank: int, size: int) -> None:
+    """A tower test's rank done: every rank past its last all-reduce before any tears its communicator down, then
+    gone without the interpreter's finalization (gloo's worker thread may still be dropping its last work then, and
+    a thread that wants the GIL while Python finalizes aborts the process)."""
+    import os
+    store.set(f"done{rank}", "1")
+    store.wait([f"done{other}" for other in range(size)])
+    group.shutdown()
+    os._exit(0)
