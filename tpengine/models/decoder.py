@@ -246,3 +246,23 @@ class DecoderForCausalLM(nn.Module):
             return logits
         cap = self.final_logit_softcap
         return torch.tanh(logits / cap) * cap
+
+
+class ImageTextCheckpoint:
+    """An image-text checkpoint's tensor names, for a model class deriving from this and then DecoderForCausalLM:
+    the vision side's (self.visual, None on a rank that holds no tower) under vision_prefixes, the text model's
+    under text_prefixes, each checkpoint prefix -> ours, first match wins; any other name is not loaded."""
+    vision_prefixes: dict[str, str] = {}
+    text_prefixes: dict[str, str] = {}
+
+    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
+        for prefix, ours in self.vision_prefixes.items():
+            if name.startswith(prefix):
+                if self.visual is None:
+                    return None, ()
+                target, args = self.visual.checkpoint_target(ours + name.removeprefix(prefix))
+                return (None if target is None else "visual." + target), args
+        for prefix, ours in self.text_prefixes.items():
+            if name.startswith(prefix):
+                return super().checkpoint_target(ours + name.removeprefix(prefix))
+        return None, ()

@@ -22,7 +22,7 @@ from tpengine.attention.metadata import AttentionMetadata
 from tpengine.hf_config import HFConfig
 from tpengine.layers.activation import GeluTanhAndMul
 from tpengine.layers.layernorm import GemmaRMSNorm
-from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, DecoderLayer
+from tpengine.models.decoder import DecoderFamily, DecoderForCausalLM, DecoderLayer, ImageTextCheckpoint
 from tpengine.models.gemma3_vision import Gemma3VisionSettings, Gemma3VisionTower
 
 
@@ -71,7 +71,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         return gemma_family(config, qk_norm=True)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(ImageTextCheckpoint, Gemma3ForCausalLM):
     """Gemma 3's image-text checkpoint: the text model, and its SigLIP tower and projector (models/gemma3_vision.py),
     which turn each image into mm_tokens_per_image rows put in place of its image tokens' embeddings (after the
     embedding's scale, as transformers' masked_scatter does). Prefill lets an image's rows attend to each other both
@@ -83,8 +83,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     text_prefixes = {"model.language_model.": "model.", "language_model.model.": "model.",
                      "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head.",
                      "score.": "score."}  # Gemma3ForSequenceClassification's head
-    vision_prefixes = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                       "multi_modal_projector.")
+    vision_prefixes = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                       "model.multi_modal_projector.": "multi_modal_projector.",
+                       "multi_modal_projector.": "multi_modal_projector."}
 
     def __init__(self, config: HFConfig, backend):
         super().__init__(config, backend)
@@ -97,18 +98,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
         return gemma_family(config, qk_norm=True, final_logit_softcap=None)  # transformers caps none here
-
-    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
-        for prefix in self.vision_prefixes:
-            if name.startswith(prefix):
-                if self.visual is None:
-                    return None, ()
-                target, args = self.visual.checkpoint_target(name.removeprefix("model."))
-                return (None if target is None else "visual." + target), args
-        for prefix, ours in self.text_prefixes.items():
-            if name.startswith(prefix):
-                return super().checkpoint_target(ours + name.removeprefix(prefix))
-        return None, ()
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """[mm_tokens_per_image * images, hidden]: each processed image (the processor's [C, side, side], flat

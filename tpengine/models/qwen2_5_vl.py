@@ -17,7 +17,8 @@ import torch
 from tpengine.families import FAMILIES
 from tpengine.hf_config import HFConfig, head_dim_of, max_positions_of, mrope_section_of, rope_parameters_of
 from tpengine.layers.mrope import get_mrope
-from tpengine.models.decoder import DecoderAttention, DecoderFamily, DecoderForCausalLM, DecoderLayer
+from tpengine.models.decoder import (DecoderAttention, DecoderFamily, DecoderForCausalLM, DecoderLayer,
+                                     ImageTextCheckpoint)
 from tpengine.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer, Qwen2_5_VLVisionSettings
 
 
@@ -35,13 +36,13 @@ class MRopeDecoderLayer(DecoderLayer):
     attention_class = MRopeAttention
 
 
-class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
+class Qwen2_5_VLForConditionalGeneration(ImageTextCheckpoint, DecoderForCausalLM):
     layer_class = MRopeDecoderLayer
     vision_settings, vision_tower = Qwen2_5_VLVisionSettings, Qwen2_5_VisionTransformer
 
     # checkpoint prefix -> ours, first match wins (transformers 5's names, then transformers 4's)
     text_prefixes = {"model.language_model.": "model.", "lm_head.": "lm_head.", "model.": "model."}
-    vision_prefixes = ("model.visual.", "visual.")
+    vision_prefixes = {"model.visual.": "", "visual.": ""}
 
     def __init__(self, config: HFConfig, backend):
         super().__init__(config, backend)
@@ -57,18 +58,6 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
     @staticmethod
     def family(config: HFConfig) -> DecoderFamily:
         return DecoderFamily(qkv_bias=True)
-
-    def checkpoint_target(self, name: str) -> tuple[str | None, tuple]:
-        for prefix in self.vision_prefixes:
-            if name.startswith(prefix):
-                if self.visual is None:
-                    return None, ()
-                target, args = self.visual.checkpoint_target(name.removeprefix(prefix))
-                return (None if target is None else "visual." + target), args
-        for prefix, ours in self.text_prefixes.items():
-            if name.startswith(prefix):
-                return super().checkpoint_target(ours + name.removeprefix(prefix))
-        return None, ()
 
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """[placeholder tokens of every image, hidden]: the images' patch rows (the processor's, in order) through
