@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpengine.distributed.messages import ImageChunk
+from tpengine.families import FAMILIES
 from tpengine.multimodal.images import ImageProcessor, ProcessedImage, checked_processor_kwargs
 from tpengine.multimodal.mrope_positions import image_runs, mrope_positions
 
@@ -187,7 +188,6 @@ class WholeImagePrompts(ImagePrompts):
 
 def image_prompts_for(model_path: str, hf_config, images_per_prompt: int, tokenizer) -> ImagePrompts:
     """The image side of an image model's prompts: Gemma 3's whole images, or Qwen's."""
-    from tpengine.families import FAMILIES
     if FAMILIES[hf_config.model_type].bidirectional_images:
         return WholeImagePrompts(model_path, hf_config, images_per_prompt, tokenizer)
     return ImagePrompts(model_path, hf_config, images_per_prompt)
