@@ -165,3 +165,33 @@ def test_a_chunk_never_ends_inside_an_image_whose_tokens_attend_both_ways():
     seq.num_cached_tokens, seq.num_scheduled_tokens = 26, 24  # [26, 50) ends inside the second image
     cut_for_encoder(seq, 1000)
     assert seq.num_scheduled_tokens == 14
+
+
+def test_a_lora_adapter_on_the_language_model_applies_to_image_and_text_prompts(tokenizer, tmp_path):
+    """peft names Gemma 3's text layers model.language_model.layers.N...: they are the decoder's layers here, and
+    the vision tower's linears take no adapter. Greedy tokens equal transformers' with peft's adapter applied."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+    from tests.lora.adapters import make_peft_adapter
+    from tpengine.lora.request import LoRARequest
+    path = gemma3_checkpoint()
+    base = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    adapter = make_peft_adapter(base, str(tmp_path / "adapter"),
+                                targets=r".*language_model.*\.(q_proj|v_proj|gate_proj|down_proj)")
+    reference = PeftModel.from_pretrained(base, adapter).eval()
+    (bare, full, images), _, (text, _, _) = image_requests(tokenizer)
+    pixel_values = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")["pixel_values"]
+    expected = []
+    for ids, extra in ((full, dict(pixel_values=pixel_values, token_type_ids=torch.tensor([full]).eq(GEMMA_IMAGE_ID)
+                                   .long())), (text, {})):
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
+        expected.append(out[0, ids.size(1):].tolist())
+    assert expected[0] != hf_gemma3_greedy(path, full, images, 8)  # the adapter changes the tokens
+    with LLM(path, enable_lora=True, max_lora_rank=8, kvcache_block_size=16) as llm:
+        outputs = llm.generate([as_prompt(bare, images), as_prompt(text, [])], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("adapter", 1, adapter))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected

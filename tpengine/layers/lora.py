@@ -116,6 +116,7 @@ def attach_lora(model: torch.nn.Module, max_loras: int, max_rank: int, max_num_r
     rows = LoRARows(max_num_rows, device)
     layers = {}
     for name, module in model.named_modules():
-        if isinstance(module, LORA_LINEARS) and ".layers." in f".{name}":
+        # the decoder's layers only: an image model's vision tower has linears of its own, never adapted
+        if isinstance(module, LORA_LINEARS) and name.startswith("model.layers."):
             module.lora = layers[name] = LoRAWeights(module, rows, max_loras, max_rank, dtype, batch_invariant)
     return layers

@@ -17,6 +17,8 @@ SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
 # peft's state-dict keys name the module inside PeftModel.base_model.model; the base model's own path follows
 KEY_PREFIX = "base_model.model."
+# an image-text model's text layers (transformers 5's path, then 4's) are the decoder's model.layers here
+TEXT_MODEL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model."}
 # the projections the LoRA layers take: Llama-style separate ones, and Phi-3's fused qkv_proj and gate_up_proj
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                      "qkv_proj", "gate_up_proj")
@@ -96,8 +98,17 @@ def adapter_shapes(path: str, config: AdapterConfig) -> dict[str, tuple[tuple[in
     """{module_path: (A's shape, B's shape)}, every key checked, read without tensor data where the file allows:
     what a check against the base model's projections needs."""
     shapes = _weight_shapes(adapter_files(path))
-    return {module: (shapes[a_key], shapes[b_key])
+    return {decoder_module(module): (shapes[a_key], shapes[b_key])
             for module, (a_key, b_key) in _lora_modules(shapes, config, path).items()}
+
+
+def decoder_module(module: str) -> str:
+    """An adapter's module path as the decoder's layers are named here: an image-text model's text layers
+    (model.language_model.layers.N...) are model.layers.N...; peft's patterns still match the adapter's own path."""
+    for prefix, ours in TEXT_MODEL_PREFIXES.items():
+        if module.startswith(prefix):
+            return ours + module.removeprefix(prefix)
+    return module
 
 
 def read_adapter_weights(path: str, config: AdapterConfig) -> dict[str, tuple["torch.Tensor", "torch.Tensor", float]]:
@@ -110,7 +121,8 @@ def read_adapter_weights(path: str, config: AdapterConfig) -> dict[str, tuple["t
     if _short_names(modules) != config.target_modules:
         raise ValueError(f"LoRA adapter {path}: its weights cover {_short_names(modules)}, not the "
                          f"{config.target_modules} its config was read with (did the folder change?)")
-    return {module: (tensors[a_key].to(torch.float32), tensors[b_key].to(torch.float32), config.scale_of(module))
+    return {decoder_module(module): (tensors[a_key].to(torch.float32), tensors[b_key].to(torch.float32),
+                                     config.scale_of(module))
             for module, (a_key, b_key) in modules.items()}
 
 

@@ -82,7 +82,8 @@ class Gemma3ForConditionalGeneration(ImageTextCheckpoint, Gemma3ForCausalLM):
     # checkpoint prefix -> ours, first match wins
     text_prefixes = {"model.language_model.": "model.", "language_model.model.": "model.",
                      "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head.",
-                     "score.": "score."}  # Gemma3ForSequenceClassification's head
+                     "score.": "score.",  # Gemma3ForSequenceClassification's head
+                     "model.": "model."}  # the decoder's own names (a LoRA adapter's modules, lora/adapter.py)
     vision_prefixes = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
                        "model.multi_modal_projector.": "multi_modal_projector.",
                        "multi_modal_projector.": "multi_modal_projector."}

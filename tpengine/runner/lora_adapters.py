@@ -17,6 +17,7 @@ class LoRAAdapters:
                  max_num_rows: int):
         self.model = model
         self.max_lora_rank = config.max_lora_rank
+        self.one_stage = config.pipeline_parallel_size == 1
         self.layers = attach_lora(model, config.max_loras, config.max_lora_rank, max_num_rows, dtype, device,
                                   config.batch_invariant)
         self.rows: LoRARows | None = next(iter(self.layers.values())).rows if self.layers else None
@@ -44,6 +45,8 @@ class LoRAAdapters:
         parts = {}
         for module, part in weights.items():
             target, args = self.model.checkpoint_target(f"{module}.weight")
+            if target is None and self.one_stage:  # no layer of this model: never silently left out
+                raise ValueError(f"LoRA adapter {load.path!r} targets {module!r}, which this model does not have")
             if target is None:  # another pipeline stage's layer
                 continue
             name = target.removesuffix(".weight")
