@@ -97,7 +97,8 @@ def test_chat_writes_out_image_parts_as_gemma3_processor_does(tokenizer, tmp_pat
     photo.save(tmp_path / "photo.png")
     conversation = [{"role": "user", "content": [
         {"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": data_url(picture)}},
-        {"type": "text", "text": " with "}, {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/photo.png"}}]}]
+        {"type": "text", "text": " with "},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/photo.png"}}]}]
     with LLM(path, kvcache_block_size=16, allowed_local_media_path=str(tmp_path)) as llm:
         reply = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
     rendered = tokenizer.apply_chat_template(
@@ -195,3 +196,16 @@ def test_a_lora_adapter_on_the_language_model_applies_to_image_and_text_prompts(
         outputs = llm.generate([as_prompt(bare, images), as_prompt(text, [])], GREEDY, use_tqdm=False,
                                lora_request=LoRARequest("adapter", 1, adapter))
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+def test_a_processor_resizing_to_another_size_than_the_tower_takes_is_refused_at_start(tmp_path):
+    import json
+    import shutil
+    path = str(tmp_path / "gemma3")
+    shutil.copytree(gemma3_checkpoint(), path)
+    with open(f"{path}/preprocessor_config.json") as f:
+        settings = json.load(f)
+    with open(f"{path}/preprocessor_config.json", "w") as f:
+        json.dump({**settings, "size": {"height": 48, "width": 48}}, f)
+    with pytest.raises(ValueError, match="resizes images to 48x48, but its vision tower takes 32x32"):
+        LLM(path)

@@ -7,15 +7,12 @@ At tp 2, two real rank processes (gloo) each load their shard of the same tensor
 output. A config value it cannot run is a ValueError naming it."""
 import dataclasses
 import functools
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.models.vision import end_rank
-from tpengine.distributed.parallel_state import (TensorParallelGroup, building_model_for, connect_store,
-                                                 new_process_group, serve_store)
+from tests.models.vision import end_rank, outputs_of_two_ranks, start_rank
+from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.models.gemma3_vision import Gemma3VisionSettings, Gemma3VisionTower, load_vision_weights
 
 # 4 x 4 patches of 8 pixels per image; 4 heads of 8 so that tp 2 splits them
@@ -189,10 +186,8 @@ def test_tensor_parallel_size_must_divide_the_heads():
 
 def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None:
     """One rank: its shard of the tower, loaded from the whole tensors, run on the images; its output saved."""
-    torch.set_num_threads(1)  # two ranks on the test machine's cores
     data = torch.load(inputs)
-    store = connect_store(port)
-    group = TensorParallelGroup(rank, size, new_process_group(store, rank, size, torch.device("cpu"), "gloo"))
+    store, group = start_rank(rank, size, port)
     with building_model_for(group):
         tower = Gemma3VisionTower(Gemma3VisionSettings(**data["settings"]))
     load_vision_weights(tower, data["tensors"])
@@ -210,12 +205,6 @@ def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None
 
 
 def test_two_ranks_each_end_with_transformers_output(tmp_path):
-    inputs = str(tmp_path / "inputs.pt")
     data = {"settings": dataclasses.asdict(settings_for()), "tensors": vision_tensors(), "images": images()}
-    torch.save(data, inputs)
-    outputs = str(tmp_path / "outputs")
-    # the store is served from here, as rank 0's engine serves it: it outlives both ranks' teardown
-    store = serve_store(timedelta(seconds=60))
-    mp.spawn(run_rank, args=(2, store.port, inputs, outputs), nprocs=2)
-    for rank in range(2):
-        assert_close_to(torch.load(f"{outputs}.{rank}"), expected())
+    for outputs in outputs_of_two_ranks(run_rank, data, tmp_path):
+        assert_close_to(outputs, expected())

@@ -13,6 +13,7 @@ from tpengine import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 QWEN2_5_VL, QWEN3_VL = "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 
 
 def image_requests():
@@ -35,10 +36,11 @@ def reference(path: str, requests, max_tokens: int = GREEDY.max_tokens) -> list[
     return [hf_image_greedy(path, token_ids, images, max_tokens) for token_ids, images in requests]
 
 
-# chunks of 16 tokens cut through both images (12 and 20 placeholder tokens); Qwen3-VL: tests/models/test_qwen3_vl.py
+# chunks of 16 tokens cut through both images (12 and 20 placeholder tokens); Qwen3-VL: tests/models/test_qwen3_vl.py,
+# Qwen3-VL MoE's expert layouts: test_qwen3_vl_moe.py
 @pytest.mark.parametrize("architecture, tp, block_size, chunk", [
     (QWEN2_5_VL, 1, 16, 2048), (QWEN2_5_VL, 1, 256, 16), (QWEN2_5_VL, 2, 16, 16), (QWEN2_5_VL, 2, 256, 2048),
-    (QWEN3_VL, 1, 16, 16), (QWEN3_VL, 2, 256, 2048)])
+    (QWEN3_VL, 1, 16, 16), (QWEN3_VL, 2, 256, 2048), (QWEN3_VL_MOE, 1, 16, 16), (QWEN3_VL_MOE, 2, 256, 2048)])
 def test_greedy_matches_transformers_then_again_from_the_prefix_cache(architecture, tp, block_size, chunk):
     path, requests = vl_checkpoint(architecture), image_requests()
     expected = reference(path, requests)

@@ -6,15 +6,12 @@ names and from the `model.visual.` / `visual.` prefixed ones. At tp 2, two real 
 their shard of the same tensors and both end with transformers' outputs. A vision_config value it cannot run is a
 ValueError naming it."""
 import functools
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.models.vision import end_rank
-from tpengine.distributed.parallel_state import (TensorParallelGroup, building_model_for, connect_store,
-                                                 new_process_group, serve_store)
+from tests.models.vision import end_rank, outputs_of_two_ranks, start_rank
+from tpengine.distributed.parallel_state import TensorParallelGroup, building_model_for
 from tpengine.layers.linear import FUSED
 from tpengine.models.qwen3_vl_vision import (Qwen3VLVisionSettings, Qwen3VLVisionTransformer, load_vision_weights,
                                              position_interpolation)
@@ -205,10 +202,8 @@ def test_tensor_parallel_size_must_divide_the_heads():
 
 def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None:
     """One rank: its shard of the tower, loaded from the whole tensors, run on every grid; its outputs saved."""
-    torch.set_num_threads(1)  # two ranks on the test machine's cores
     data = torch.load(inputs)
-    store = connect_store(port)
-    group = TensorParallelGroup(rank, size, new_process_group(store, rank, size, torch.device("cpu"), "gloo"))
+    store, group = start_rank(rank, size, port)
     with building_model_for(group):
         module = Qwen3VLVisionTransformer(Qwen3VLVisionSettings.from_dict(data["settings"]))
     load_vision_weights(module, data["tensors"])
@@ -224,15 +219,9 @@ def run_rank(rank: int, size: int, port: int, inputs: str, outputs: str) -> None
 
 
 def test_two_ranks_each_end_with_transformers_outputs(tmp_path):
-    model, settings = reference()
+    model, _ = reference()
     grids = [GRIDS["two_sizes"], GRIDS["sides_off_the_position_grid"]]
-    inputs = str(tmp_path / "inputs.pt")
-    torch.save({"settings": dict(TINY), "tensors": model.state_dict(),
-                "inputs": [(pixels(grid), grid) for grid in grids]}, inputs)
-    outputs = str(tmp_path / "outputs")
-    # the store is served from here, as rank 0's engine serves it: it outlives both ranks' teardown
-    store = serve_store(timedelta(seconds=60))
-    mp.spawn(run_rank, args=(2, store.port, inputs, outputs), nprocs=2)
-    for rank in range(2):
-        for out, grid in zip(torch.load(f"{outputs}.{rank}"), grids):
+    data = {"settings": dict(TINY), "tensors": model.state_dict(), "inputs": [(pixels(grid), grid) for grid in grids]}
+    for outputs in outputs_of_two_ranks(run_rank, data, tmp_path):
+        for out, grid in zip(outputs, grids):
             assert_outputs_match(out, expected(grid))

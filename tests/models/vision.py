@@ -200,6 +200,15 @@ def hf_gemma3_greedy(path: str, input_ids: list[int], images: list, max_new_toke
     return out[0, len(input_ids):].tolist()
 
 
+def start_rank(rank: int, size: int, port: int):
+    """A tower test's rank: one thread (two ranks share the test machine's cores) and its gloo group over the
+    test's store: (store, group)."""
+    from tpengine.distributed.parallel_state import TensorParallelGroup, connect_store, new_process_group
+    torch.set_num_threads(1)
+    store = connect_store(port)
+    return store, TensorParallelGroup(rank, size, new_process_group(store, rank, size, torch.device("cpu"), "gloo"))
+
+
 def end_rank(store, group, rank: int, size: int) -> None:
     """A tower test's rank done: every rank past its last all-reduce before any tears its communicator down, then
     gone without the interpreter's finalization (gloo's worker thread may still be dropping its last work then, and
@@ -209,3 +218,18 @@ def end_rank(store, group, rank: int, size: int) -> None:
     store.wait([f"done{other}" for other in range(size)])
     group.shutdown()
     os._exit(0)
+
+
+def outputs_of_two_ranks(run_rank, data: dict, folder) -> list:
+    """run_rank(rank, 2, port, inputs, outputs) in two real processes, data saved to inputs for them; what each
+    rank saved to f"{outputs}.{rank}"."""
+    from datetime import timedelta
+
+    import torch.multiprocessing as mp
+    from tpengine.distributed.parallel_state import serve_store
+    inputs, outputs = str(folder / "inputs.pt"), str(folder / "outputs")
+    torch.save(data, inputs)
+    # the store is served from here, as rank 0's engine serves it: it outlives both ranks' teardown
+    store = serve_store(timedelta(seconds=60))
+    mp.spawn(run_rank, args=(2, store.port, inputs, outputs), nprocs=2)
+    return [torch.load(f"{outputs}.{rank}") for rank in range(2)]

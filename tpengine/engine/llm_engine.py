@@ -61,12 +61,14 @@ def load_tokenizer(model: str, tokenizer: str | None):
 
 def text_only_reason(model: str, hf_config, config: EngineConfig) -> str | None:
     """None where the model reads images; else why not, as the tail of an error ("" for a text model). Gemma 3's
-    image-text checkpoints serve their text model alone without an image processor, with pipeline stages or with
-    speculative decoding (other image families refuse those settings: EngineConfig)."""
+    image-text checkpoints serve their text model alone without a vision tower or an image processor, with pipeline
+    stages or with speculative decoding (other image families refuse those settings: EngineConfig)."""
     family = FAMILIES[hf_config.model_type]
     if not family.images:
         return ""
     if family.bidirectional_images:
+        if not hf_config.vision_config:  # transformers would build SigLIP's defaults, which cannot pool to its tokens
+            return " (its config.json has no vision_config)"
         if not os.path.isfile(os.path.join(model, "preprocessor_config.json")):
             return " (its folder has no preprocessor_config.json)"
         if config.pipeline_parallel_size > 1 or config.speculative_config is not None:

@@ -91,7 +91,7 @@ class Gemma3ForConditionalGeneration(ImageTextCheckpoint, Gemma3ForCausalLM):
     def __init__(self, config: HFConfig, backend):
         super().__init__(config, backend)
         self.visual = None
-        if config.vision_config is not None and self.model.stage.is_first:
+        if config.vision_config and self.model.stage.is_first:  # none in its config.json: its text model alone
             settings = Gemma3VisionSettings.from_config(config.vision_config, config.mm_tokens_per_image,
                                                         config.hidden_size)
             self.visual = Gemma3VisionTower(settings)

@@ -133,8 +133,14 @@ class WholeImagePrompts(ImagePrompts):
         if all(t == "sliding_attention" for t in hf_config.layer_types or ()):
             raise ValueError("every layer of this Gemma 3 checkpoint slides: its images need a full-attention "
                              "layer (a step computes an image's tokens together)")
-        patch_size = (hf_config.vision_config or {}).get("patch_size", 14)
+        vision = hf_config.vision_config or {}
+        patch_size = vision.get("patch_size", 16)  # SiglipVisionConfig's defaults, as models/gemma3_vision.py's
         self.processor = ImageProcessor(model_path, 1, images_per_prompt, hf_config.mm_tokens_per_image, patch_size)
+        side, size = vision.get("image_size", 224), self.processor.processor.size
+        if (size.get("height"), size.get("width")) != (side, side):  # else every image would fail on the ranks
+            raise ValueError(f"{model_path}'s preprocessor_config.json resizes images to {size.get('height')}x"
+                             f"{size.get('width')}, but its vision tower takes {side}x{side} (vision_config "
+                             "image_size)")
         self.image_token_id, self.num_tokens = hf_config.image_token_id, hf_config.mm_tokens_per_image
         self.boi_token_id, self.eoi_token_id = hf_config.boi_token_id, hf_config.eoi_token_id
         self.boi_text = tokenizer.convert_ids_to_tokens(self.boi_token_id)
