@@ -79,4 +79,5 @@ class Executor:
         """Raise if some rank is gone (rank 0 alone: nothing to check)."""
 
     def shutdown(self, graceful: bool = True) -> None:
-        pass
+        if self.runner.step_threads is not None:  # this process goes on: every thread of it is its own again
+            self.runner.step_threads.restore()

@@ -18,6 +18,7 @@ from tpengine.models.registry import model_class
 from tpengine.paging import blocks_for
 from tpengine.pooling import read_pooling_config
 from tpengine.platforms import platform_for
+from tpengine.runner.cpu_threads import step_threads_for
 from tpengine.runner.decode_path import EagerDecode, choose_decode_path
 from tpengine.runner.drafter import Drafter
 from tpengine.runner.image_embeddings import ImageEmbeddings
@@ -93,6 +94,8 @@ class ModelRunner:
         self.samples_vocab_parallel = (device.type == "cpu" and (group.size > 1 or pipeline.size > 1)
                                        and self._all_ranks_min(int(cpu_sampling.available())) == 1)
         self.decode_path = choose_decode_path(self)  # CUDA graphs, CPU replays or eager: decode_path.py
+        # a CPU rank alone runs its small steps on one thread, from the limits warm-up measures (cpu_threads.py)
+        self.step_threads = step_threads_for(device, group.size * self.pipeline.size, config.batch_invariant)
         if config.warm_up:  # what the first requests would pay on their path, paid now: runner/warmup.py
             warm_up(self)
 
@@ -228,6 +231,8 @@ class ModelRunner:
         """Release CUDA graphs (captured graphs hold collectives) and their pool, and the CPU's replays (they hold
         the KV cache), and let queued work finish, before the caller tears down the group."""
         self.decode_path = EagerDecode(self.model)
+        if self.step_threads is not None:
+            self.step_threads.restore()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -240,6 +245,8 @@ class ModelRunner:
         from its gathered logits, or, when the envelope says so, by every rank over its own slice of the
         vocabulary. Other ranks get None."""
         step, vocab_parallel = envelope.step, envelope.vocab_parallel
+        if self.step_threads is not None:
+            self.step_threads.enter(step)
         if self.image_embeddings is not None:
             self.image_embeddings.forget(step.released)
         if step.block_copies:

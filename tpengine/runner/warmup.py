@@ -14,6 +14,7 @@ import torch
 
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, int_column
 from tpengine.paging import blocks_for
+from tpengine.runner.cpu_threads import CALIBRATION_CONTEXT
 from tpengine.runner.cuda_graphs import graph_batch_sizes
 from tpengine.sampling_params import SamplingParams, SamplingRecord
 
@@ -51,10 +52,11 @@ class _DummySteps:
         self.next_seq_id += 1
         return BlockTable(self.next_seq_id - 1, blocks)
 
-    def step(self, num_decode_rows: int, num_prompt_tokens: int = 0, sampled: bool = True) -> tuple[StepMessage, int]:
-        """num_decode_rows decode rows (each its sequence's second token) and num_prompt_tokens of prompts in chunks
-        of at most max_model_len, sampled or not; and how many rows it samples."""
-        tables = [self._table(2) for _ in range(num_decode_rows)]
+    def step(self, num_decode_rows: int, num_prompt_tokens: int = 0, sampled: bool = True,
+             context_len: int = 2) -> tuple[StepMessage, int]:
+        """num_decode_rows decode rows (each its sequence's token context_len) and num_prompt_tokens of prompts in
+        chunks of at most max_model_len, sampled or not; and how many rows it samples."""
+        tables = [self._table(context_len) for _ in range(num_decode_rows)]
         chunks = []
         for start in range(0, num_prompt_tokens, self.max_model_len):
             length = min(self.max_model_len, num_prompt_tokens - start)
@@ -62,7 +64,8 @@ class _DummySteps:
             chunks.append(PrefillChunk(tables[-1].seq_id, [0] * length, 0, sampled))
         decode_ids = [table.seq_id for table in tables[:num_decode_rows]]
         step = StepMessage(decode_seq_ids=int_column(decode_ids), decode_tokens=int_column([0] * num_decode_rows),
-                           decode_context_lens=int_column([2] * num_decode_rows), prefill=chunks, new_tables=tables)
+                           decode_context_lens=int_column([context_len] * num_decode_rows), prefill=chunks,
+                           new_tables=tables)
         return step, num_decode_rows + (len(chunks) if sampled else 0)
 
 
@@ -95,6 +98,8 @@ def warm_up(runner) -> None:
             _run(runner, *steps.step(1, prompts[0]))  # decode rows and a prompt in one step: the mixed path
         if runner.sampler is not None and samples:  # every option's first draw (the generator is restored after)
             runner.sampler.warm_up(torch.zeros(1, runner.hf_config.vocab_size, device=runner.device))
+        if runner.step_threads is not None and samples:
+            _calibrate_threads(runner, steps, decode, prompts[-1])
     finally:
         runner.inputs = real_inputs
         if runner.drafter is not None:  # nothing of the dummy sequences may reach a real one of the same id
@@ -103,6 +108,24 @@ def warm_up(runner) -> None:
         torch.cuda.synchronize(runner.device)
     if log:
         logger.info("warmed up in %.1f s", time.monotonic() - started)
+
+
+def _calibrate_threads(runner, steps: _DummySteps, decode: list[int], max_prompt_tokens: int) -> None:
+    """Which steps run on one thread (cpu_threads.py): decode rows at a prompt's context, prompts alone."""
+    context_len = min(CALIBRATION_CONTEXT, runner.max_model_len)
+    threads = runner.step_threads
+    threads.calibrate(lambda num_rows: _run(runner, *steps.step(num_rows, context_len=context_len)),
+                      lambda num_tokens: _run(runner, *steps.step(0, num_tokens)), decode, context_len,
+                      max_prompt_tokens)
+    if runner.rank != 0:
+        return
+    if threads.max_one_thread_rows or threads.max_one_thread_tokens:
+        logger.info("one thread of %d runs decode steps of up to %d rows and prompt steps of up to %d tokens "
+                    "(measured faster)", threads.num_threads, threads.max_one_thread_rows,
+                    threads.max_one_thread_tokens)
+    else:
+        logger.info("every step runs on all %d threads (one was not faster at any size measured)",
+                    threads.num_threads)
 
 
 def _run(runner, step: StepMessage, num_sampled: int) -> None:
