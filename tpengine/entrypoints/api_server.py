@@ -31,6 +31,7 @@ from tpengine.entrypoints.responses import ResponsesRequest
 from tpengine.entrypoints.responses_serving import OpenAIServingResponses
 from tpengine.entrypoints.serving import ApiError, engine_down
 from tpengine.entrypoints.warmup import Readiness, front_end_parts, warm_up_front_end
+from tpengine.long_lived import freeze_start_up_objects, thaw_start_up_objects
 
 logger = logging.getLogger("tpengine")
 
@@ -229,11 +230,14 @@ def build_app(engine: AsyncEngine, *, renderer: PromptRenderer, tokenizer, model
             readiness.preparing = ", ".join(parts)
             logger.info("warming up: %s", readiness.preparing)
             warming = asyncio.create_task(warm_up_front_end(engine, renderer, readiness))
+        else:  # one engine a process: what start-up made lives as long as the server (long_lived.py)
+            freeze_start_up_objects()
         yield
         if warming is not None:
             warming.cancel()
         engine.stop()
         renderer.close()
+        thaw_start_up_objects()
 
     draining = draining or Draining()
     app = FastAPI(title="tpengine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

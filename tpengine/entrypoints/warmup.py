@@ -9,6 +9,7 @@ import time
 
 from tpengine.entrypoints.async_engine import AsyncEngine
 from tpengine.entrypoints.renderer import PromptRenderer
+from tpengine.long_lived import freeze_start_up_objects
 
 logger = logging.getLogger("tpengine")
 
@@ -42,5 +43,6 @@ async def warm_up_front_end(engine: AsyncEngine, renderer: PromptRenderer, readi
             await asyncio.to_thread(lambda: engine.engine.grammar_compiler)
         except Exception as e:
             logger.warning("warm-up: the grammar compiler could not be made: %s", e)
+    freeze_start_up_objects()
     readiness.preparing = None
     logger.info("ready: the server warmed up in %.1f s", time.monotonic() - started)

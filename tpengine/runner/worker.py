@@ -17,6 +17,7 @@ from tpengine.distributed.messages import InitMessage, ShutdownMessage, decode_c
 from tpengine.distributed.parallel_state import (PipelineGroup, TensorParallelGroup, connect_store, local_device_index,
                                                  new_process_group, resolve_device, torchrun_groups)
 from tpengine.distributed.shm.ring import ShmRingReader
+from tpengine.long_lived import freeze_start_up_objects
 from tpengine.runner.model_runner import ModelRunner
 
 
@@ -24,6 +25,7 @@ def serve(config: EngineConfig, group: TensorParallelGroup, device, channel,
           pipeline: PipelineGroup | None = None) -> None:
     """Execute steps from channel (a ring reader or broadcast channel) until a ShutdownMessage."""
     runner = ModelRunner(config, group, device, pipeline=pipeline)
+    freeze_start_up_objects()  # a full collection's pause on one rank would stall every rank's step
     try:
         while True:
             message = decode_control(channel.read())
