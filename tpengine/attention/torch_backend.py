@@ -2,6 +2,8 @@
 
 An FP8 cache is quantized in the store and dequantized wherever a cache row is read (kv_cache_dtype.py), the
 Triton kernels' math; the CPU keeps twice the tokens in the same memory this way."""
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -75,9 +77,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         out = torch.empty_like(q)
+        self.prefill_chunks(q, k, v, k_cache, v_cache, meta, params, out, range(len(meta.seqlens_q)))
+        return out
+
+    def prefill_chunks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams,
+                       out: torch.Tensor, chunks) -> None:
+        """The rows of out of the given chunks (indices into meta.seqlens_q), one chunk at a time."""
         block_size = k_cache.size(1)
-        start = 0
-        for b, (len_q, len_k) in enumerate(zip(meta.seqlens_q, meta.seqlens_k)):
+        starts = itertools.accumulate(meta.seqlens_q, initial=0)
+        chunks = set(chunks)
+        for b, (start, len_q, len_k) in enumerate(zip(starts, meta.seqlens_q, meta.seqlens_k)):
+            if b not in chunks:
+                continue
             end = start + len_q
             first = first_block_in_window(len_k - len_q, params, block_size)
             # nothing cached before: attend to the fresh K/V directly (an FP8 cache's are read back quantized)
@@ -90,8 +101,6 @@ class TorchAttentionBackend(AttentionBackend):
                 key_start = first * block_size
             key_ends = None if meta.key_ends is None else meta.key_ends[start:end]
             out[start:end] = attend(q[start:end], k_b, v_b, key_start, params, key_ends)
-            start = end
-        return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         # On the host, one sequence at a time over views of its own blocks: gathering padded block
