@@ -1,5 +1,6 @@
 """Small CPU steps on one thread (runner/cpu_threads.py): which steps fit the limits, how warm-up's measurement sets
 them, and an engine that moves between one thread and all of them still gives transformers' tokens."""
+import os
 import time
 
 import pytest
@@ -71,8 +72,17 @@ def test_calibration_takes_the_sizes_one_thread_runs_clearly_faster(monkeypatch)
     assert current[0] == 2  # every thread again once measured
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or torch.get_num_threads() < 2, reason="a CPU rank with two threads")
-def test_an_engine_moving_between_one_thread_and_all_gives_transformers_tokens(tiny_model, monkeypatch):
+@pytest.fixture
+def two_threads():
+    """This process on two threads for the test (an earlier test may have left it on one), as it was after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or (os.cpu_count() or 1) < 2, reason="a CPU rank with two threads")
+def test_an_engine_moving_between_one_thread_and_all_gives_transformers_tokens(tiny_model, two_threads, monkeypatch):
     counts = []
     set_num_threads = torch.set_num_threads
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), set_num_threads(n)))
