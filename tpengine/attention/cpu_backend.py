@@ -2,6 +2,7 @@
 tpengine.kernels.cpu.paged_decode_attention, which reads each sequence's K/V in place in one pass.
 The new K/V go into the cache through the CPU platform's store (one C++ op): no mask, no host sync."""
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -32,26 +33,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         cpu.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
-        short = _short_cached_chunks(meta) if meta.has_cached_prefix and meta.key_ends is None \
-            and v_cache.size(-1) == q.size(-1) else []
-        if not short:
+        plan = meta.backend_plan
+        if not isinstance(plan, ShortChunkRows):  # the step's first layer
+            plan = meta.backend_plan = ShortChunkRows.of(meta)
+        if not plan.rows.numel() or v_cache.size(-1) != q.size(-1):  # none, or a latent cache's narrower values
             return super().prefill(q, k, v, k_cache, v_cache, meta, params)
         out = torch.empty_like(q)
-        rows, tables, context_lens = [], [], []
-        starts = list(itertools.accumulate(meta.seqlens_q, initial=0))
-        for b in short:
-            len_q, len_k = meta.seqlens_q[b], meta.seqlens_k[b]
-            rows.extend(range(starts[b], starts[b] + len_q))
-            tables.extend([b] * len_q)
-            context_lens.extend(range(len_k - len_q + 1, len_k + 1))  # each row sees the keys up to its own
-        rows = torch.tensor(rows)
-        out[rows] = paged_decode_attention(
-            q[rows], k_cache, v_cache, meta.block_tables[torch.tensor(tables)],
-            torch.tensor(context_lens, dtype=torch.int32), params.scale, window=params.window,
+        out[plan.rows] = paged_decode_attention(
+            q[plan.rows], k_cache, v_cache, plan.block_tables, plan.context_lens, params.scale, window=params.window,
             softcap=params.softcap, sinks=params.sinks, max_splits=self.max_splits)
-        short = set(short)
-        self.prefill_chunks(q, k, v, k_cache, v_cache, meta, params, out,
-                            [b for b in range(len(meta.seqlens_q)) if b not in short])
+        self.prefill_chunks(q, k, v, k_cache, v_cache, meta, params, out, plan.other_chunks)
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
@@ -65,7 +56,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                       params.scale, max_splits=self.max_splits)
 
 
-def _short_cached_chunks(meta: AttentionMetadata) -> list[int]:
-    """The chunks (indices into meta.seqlens_q) over a cached prefix with at most MAX_CHUNK_ROWS_AS_DECODE rows."""
-    return [b for b, (len_q, len_k) in enumerate(zip(meta.seqlens_q, meta.seqlens_k))
-            if len_k > len_q and len_q <= MAX_CHUNK_ROWS_AS_DECODE]
+@dataclass
+class ShortChunkRows:
+    """A prefill step's chunks over a cached prefix with at most MAX_CHUNK_ROWS_AS_DECODE rows, as decode rows: their
+    rows of the step, each row's block table and context (its keys up to its own); and the step's other chunks."""
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    other_chunks: list[int]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> "ShortChunkRows":
+        rows, tables, context_lens, other_chunks = [], [], [], []
+        usable = meta.has_cached_prefix and meta.key_ends is None  # images' rows see past their own: SDPA's mask
+        starts = itertools.accumulate(meta.seqlens_q, initial=0)
+        for b, (start, len_q, len_k) in enumerate(zip(starts, meta.seqlens_q, meta.seqlens_k)):
+            if not (usable and len_k > len_q and len_q <= MAX_CHUNK_ROWS_AS_DECODE):
+                other_chunks.append(b)
+                continue
+            rows.extend(range(start, start + len_q))
+            tables.extend([b] * len_q)
+            context_lens.extend(range(len_k - len_q + 1, len_k + 1))
+        block_tables = meta.block_tables[torch.tensor(tables, dtype=torch.long)] if tables else meta.block_tables[:0]
+        return cls(torch.tensor(rows, dtype=torch.long), block_tables, torch.tensor(context_lens, dtype=torch.int32),
+                   other_chunks)

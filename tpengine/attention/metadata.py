@@ -30,3 +30,6 @@ class AttentionMetadata:
     # tables included, describe only the prefill rows after them; slot_mapping covers every row
     num_decode_tokens: int = 0
     decode: "AttentionMetadata | None" = None
+    # what a backend works out from the fields above once a step: made by the step's first attention layer, read by
+    # the rest (the CPU backend's rows of short chunks over a cached prefix)
+    backend_plan: object = None
