@@ -51,7 +51,7 @@ def _compile_command(compiler: str, source: str, output: str, extra_flags: tuple
 
     libs = library_paths()
     return ([compiler, *CXX_FLAGS, *extra_flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-            + [f"-I{path}" for path in include_paths()] + [source, "-o", output]
+            + [f"-I{path}" for path in [FOLDER, *include_paths()]] + [source, "-o", output]
             # torch's own libgomp shares the soname libgomp.so.1: the ops run on torch's OpenMP pool
             + [f"-L{path}" for path in libs] + [f"-Wl,-rpath,{path}" for path in libs]
             + ["-lc10", "-ltorch_cpu", "-ltorch"])
@@ -82,6 +82,9 @@ def build_and_load(source_name: str, extra_flags: tuple[str, ...] = ()) -> None:
     source = os.path.join(FOLDER, source_name)
     with open(source, "rb") as f:
         text = f.read()
+    for header in sorted(name for name in os.listdir(FOLDER) if name.endswith(".h")):  # what a source may include
+        with open(os.path.join(FOLDER, header), "rb") as f:
+            text += f.read()
     key = hashlib.sha256(b"\0".join([text, torch.__version__.encode(), compiler.encode(),
                                      " ".join(CXX_FLAGS + list(extra_flags)).encode(), _cpu_features().encode()])).hexdigest()[:16]
     folder = cache_dir("kernels")
