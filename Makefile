@@ -38,6 +38,7 @@ $(STAMP): setup.cfg pyproject.toml $(LOCK)
 build-kernels:
 	$(BIN)/python -c "from tpengine.kernels.cpu.paged_decode_attention import load; load()" \
 		|| echo "could not build the CPU attention kernel: the CPU will use the slower torch backend"
+	$(BIN)/python -c "from tpengine.kernels.cpu.prefill_attention import available; available()"
 	$(BIN)/python -c "from tpengine.kernels.cpu.fused_ops import load; load()" \
 		|| echo "could not build the fused CPU ops: the CPU layers will run their torch code"
 	@# bfloat16 linears on AVX512-BF16 CPUs only: elsewhere bfloat16 runs on oneDNN or as float32
