@@ -81,3 +81,36 @@ def test_add_special_tokens_puts_the_tokenizers_bos_first_only_when_asked():
     assert with_bos == [[256, *without[0]]] and 256 not in without[0]
     assert own == [[256, 256, *without[0]]]  # without special tokens, the text's own tokens, both of its BOS kept
     assert chat_with_bos == [256, *chat] and 256 not in chat
+
+
+class ThreadRecordingTokenizer:
+    """A tokenizer that notes the thread of each encode."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.threads = tokenizer, []
+
+    def encode(self, text, add_special_tokens=True):
+        import threading
+        self.threads.append(threading.current_thread().name)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_short_prompts_encode_on_the_event_loop_long_ones_on_the_renderers_thread():
+    import asyncio
+    import threading
+    from tpengine.entrypoints.renderer import INLINE_ENCODE_CHARS, PromptRenderer
+    renderer_tokenizer = ThreadRecordingTokenizer(byte_tokenizer(bos=False, chat_template=None))
+    loop_tokenizer = ThreadRecordingTokenizer(byte_tokenizer(bos=False, chat_template=None))
+    renderer = PromptRenderer(renderer_tokenizer, None, 8 * INLINE_ENCODE_CHARS, loop_tokenizer=loop_tokenizer)
+    short, long = "a" * INLINE_ENCODE_CHARS, "b" * (INLINE_ENCODE_CHARS + 1)
+    try:
+        async def encode():
+            return await renderer.encode([short]), await renderer.encode([long]), threading.current_thread().name
+        (short_ids,), (long_ids,), loop_thread = asyncio.run(encode())
+    finally:
+        renderer.close()
+    assert loop_tokenizer.threads == [loop_thread] and len(short_ids) == len(short)
+    assert renderer_tokenizer.threads[0].startswith("tpengine-renderer") and len(long_ids) == len(long)

@@ -4,7 +4,9 @@ A request's text is checked against what could possibly fit before anything toke
 covers more characters than the vocabulary's longest token, so a text longer than max_request_len
 times that cannot fit and is refused at once (vLLM bounds prompts the same way). What may fit is
 tokenized on the renderer's thread, with its own tokenizer instance (a Rust tokenizer must not be
-used from two threads at once), so the event loop keeps answering (/health, streams) meanwhile.
+used from two threads at once), so the event loop keeps answering (/health, streams) meanwhile. A short
+text is tokenized on the event loop itself, with the loop's own instance: handing it to the thread and
+back took longer than encoding it.
 """
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +14,11 @@ from typing import Any
 
 from tpengine.entrypoints.chat_template import encode_chat_text, render_chat_text
 from tpengine.errors import InvalidRequestError
+
+# text prompts of at most this many characters in all are encoded on the event loop (about 0.1 ms for 256 characters
+# of a byte-level BPE), not on the renderer's thread: the hop there and back cost 0.15 ms and more on the request's
+# path (docs/benchmarks.md)
+INLINE_ENCODE_CHARS = 2048
 
 
 def max_chars_per_token(tokenizer) -> int:
@@ -21,8 +28,9 @@ def max_chars_per_token(tokenizer) -> int:
 
 
 class PromptRenderer:
-    def __init__(self, tokenizer, chat_template: str | None, max_request_len: int):
+    def __init__(self, tokenizer, chat_template: str | None, max_request_len: int, loop_tokenizer=None):
         self.tokenizer = tokenizer    # used by the renderer's thread only
+        self.loop_tokenizer = loop_tokenizer  # the event loop's own instance: short prompts encode there
         self.chat_template = chat_template
         self.max_request_len = max_request_len
         self.max_chars = None if tokenizer is None else max_request_len * max_chars_per_token(tokenizer)
@@ -43,11 +51,14 @@ class PromptRenderer:
         for text in texts:
             if limit_length:
                 self.check_length(len(text), "prompt")
+        if self.loop_tokenizer is not None and sum(map(len, texts)) <= INLINE_ENCODE_CHARS:
+            return self._encode_all(texts, add_special_tokens, self.loop_tokenizer)
         return await self.run(self._encode_all, texts, add_special_tokens)
 
-    def _encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def _encode_all(self, texts: list[str], add_special_tokens: bool = True, tokenizer=None) -> list[list[int]]:
         from tpengine.engine.inputs import encode_text
-        return [encode_text(self.tokenizer, text, add_special_tokens) for text in texts]
+        tokenizer = self.tokenizer if tokenizer is None else tokenizer
+        return [encode_text(tokenizer, text, add_special_tokens) for text in texts]
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None,
@@ -70,8 +81,11 @@ class PromptRenderer:
 
     def warm_up(self) -> None:
         """(the renderer's thread) A first encode and chat render: the tokenizer's and the template's one-time
-        costs (a Jinja template compiles on its first render), paid before the server reports ready."""
+        costs (a Jinja template compiles on its first render), paid before the server reports ready; the event
+        loop's tokenizer's first encode too (nothing uses it before the server is ready)."""
         self._encode_all(["warm-up"])
+        if self.loop_tokenizer is not None:
+            self._encode_all(["warm-up"], tokenizer=self.loop_tokenizer)
         if self.chat_template is not None or getattr(self.tokenizer, "chat_template", None):
             self._render([{"role": "user", "content": "warm-up"}], True, None, None)
 

@@ -97,7 +97,8 @@ def run_server(*, model: str, model_name: str, host: str, port: int, api_key: st
         tokenizer = renderer_tokenizer = None
         if llm_engine.tokenizer is not None:
             tokenizer, renderer_tokenizer = (load_tokenizer(model, llm_engine.config.tokenizer) for _ in range(2))
-        renderer = PromptRenderer(renderer_tokenizer, chat_template, llm_engine.max_request_len)
+        renderer = PromptRenderer(renderer_tokenizer, chat_template, llm_engine.max_request_len,
+                                  loop_tokenizer=tokenizer)
         metrics = Metrics(model_name)
         engine = AsyncEngine(llm_engine, metrics)
         draining = Draining()
