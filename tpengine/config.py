@@ -258,9 +258,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # what the first requests would otherwise pay on their path (runner/warmup.py): serve's /health waits for it
     warm_up: Annotated[bool, Setting(
         "device", "before taking requests, run a dummy step of every decode batch size up to max_num_seqs and a few "
-                  "prompt sizes on every rank: CPU decode replays recorded, kernels built, so the first requests "
-                  "run at full speed; a one-rank CPU engine also measures which small steps run faster on one "
-                  "thread")] = False
+                  "prompt sizes on every rank: CPU decode replays recorded, kernels built, a CPU KV cache's pages "
+                  "written once, so the first requests run at full speed; a one-rank CPU engine also measures "
+                  "which small steps run faster on one thread")] = False
     # --- parallel ----------------------------------------------------------------------------------------------
     tensor_parallel_size: Annotated[int, Setting(
         "parallel", "tensor-parallel size: ranks per pipeline stage", flag="--tp")] = 1

@@ -1,5 +1,7 @@
 """This rank's KV cache: its blocks' size over every model that reads them, the views each attention layer gets,
 block copies, and how many blocks every rank agrees to hold."""
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -49,6 +51,23 @@ def test_each_layer_reads_its_own_rows_of_one_tensor_until_it_is_freed():
     cache.free()
     assert [t.numel() for t in cache.tensors] == [0, 0]
     assert all(layer.k_cache.numel() == layer.v_cache.numel() == 0 for layer in model_layers + draft_layers)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
+def test_map_pages_makes_a_host_cache_resident_at_once():
+    model_layers, draft_layers = layers(4, head_dim=64), layers(1, head_dim=64)
+    cache = KVCache([model_layers, draft_layers], block_size=256, dtype=torch.float32, device=CPU)
+    cache.allocate(64)  # 5 layers x 2 x 64 blocks x 256 x 2 x 64 floats: 80 MiB, none of it touched yet
+    size = sum(t.numel() * t.element_size() for t in cache.tensors)
+    before = resident_bytes()
+    cache.map_pages()
+    assert resident_bytes() - before > 0.9 * size
+    assert all(t.eq(0).all() for t in cache.tensors)
 
 
 def test_a_block_copy_copies_the_head_of_a_block_in_every_models_cache():

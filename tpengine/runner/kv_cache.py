@@ -51,7 +51,7 @@ def allocate_kv_cache(attention_layers: list[torch.nn.Module], num_blocks: int, 
     """One tensor for every layer's K and V, [2, layers, blocks, block_size, kv_heads, head_dim] (one tensor, not 2,
     where values are the keys: v_cache is then k_cache), each layer given its views. CUDA: zeroed once, so no stale
     NaN bit pattern in an unwritten slot reaches a masked-out product (0 * NaN) in the torch backend; CPU: not
-    touched up front."""
+    touched here (an engine that warms up maps its pages then: KVCache.map_pages)."""
     layer = attention_layers[0]
     shape = (_tensors_per_layer(layer), len(attention_layers), num_blocks, block_size, layer.num_kv_heads,
              layer.head_dim)
@@ -94,6 +94,13 @@ class KVCache:
 
     def free(self) -> None:
         self.tensors = [free_kv_cache(layers) for layers in self.attention_layers]
+
+    def map_pages(self) -> None:
+        """Write every page of a host cache once (zeros), so that no step pays its first touch: a prompt's first
+        write into fresh pages made its step ~0.5-0.9 ms slower on a VM (docs/benchmarks.md); ~0.2 s a GiB."""
+        if self.device.type == "cpu":
+            for kv_cache in self.tensors:
+                kv_cache.zero_()
 
     def copy_blocks(self, block_copies: list[BlockCopy]) -> None:
         """Copy the heads of cached blocks into the blocks that reuse them (prefix hits that end inside a

@@ -83,9 +83,11 @@ def warm_up(runner) -> None:
     if log:
         what = "CPU decode replays recorded" if runner.device.type == "cpu" and runner.decode_path.replays else \
             "decode steps"
-        logger.info("warming up: %s for %d batch sizes (%d..%d rows), prompt steps of %s tokens, the sampler",
-                    what, len(decode), decode[0], decode[-1], ", ".join(map(str, prompts)))
+        logger.info("warming up: %s for %d batch sizes (%d..%d rows), prompt steps of %s tokens, the sampler%s",
+                    what, len(decode), decode[0], decode[-1], ", ".join(map(str, prompts)),
+                    "; the KV cache's pages mapped" if runner.device.type == "cpu" else "")
     started = time.monotonic()
+    runner.kv_cache.map_pages()
     steps = _DummySteps(runner.num_kvcache_blocks, runner.block_size, config.max_model_len)
     real_inputs, runner.inputs = runner.inputs, runner.input_builder()  # the dummy tables stay in the scratch one
     try:
