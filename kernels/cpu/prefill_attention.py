@@ -35,13 +35,14 @@ def takes(q: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and available())
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
-                      ) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale * q K^T) V per query head over the keys each query sees. q: [len_q, heads, head_dim], the last
     len_q of the len_k positions k, v: [len_k, kv_heads, head_dim] hold (head_dim contiguous in each); query i
     is position len_k - len_q + i and sees the keys up to its own, only the last `window` of them if window > 0.
-    Returns [len_q, heads, head_dim]."""
+    Returns [len_q, heads, head_dim]: out if given (head_dim contiguous), else a new tensor."""
     load()
-    out = torch.empty(q.shape, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
     torch.ops.tpengine_prefill.prefill_attention(out, q, k, v, scale, window)
     return out

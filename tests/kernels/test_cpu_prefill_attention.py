@@ -128,3 +128,13 @@ def test_the_narrower_vector_builds_equal_the_reference(narrower_build, case):
     out = torch.empty_like(q)
     op(out, q, k, v, head_dim ** -0.5, window)
     assert relative_error(out, reference(q, k, v, head_dim ** -0.5, window).float()) < 1e-5
+
+
+def test_out_is_written_in_place_when_given():
+    head_dim = 2 * WIDTH
+    q, k, v = torch.randn(9, 4, head_dim), torch.randn(12, 2, head_dim), torch.randn(12, 2, head_dim)
+    rows = torch.full((20, 4, head_dim), 5.0)
+    out = kernel.prefill_attention(q, k, v, 0.2, out=rows[3:12])
+    assert out.data_ptr() == rows[3:12].data_ptr()
+    assert relative_error(rows[3:12], reference(q, k, v, 0.2).float()) < 1e-5
+    assert rows[:3].eq(5).all() and rows[12:].eq(5).all()

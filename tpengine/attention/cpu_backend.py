@@ -47,11 +47,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.prefill_chunks(q, k, v, k_cache, v_cache, meta, params, out, plan.other_chunks)
         return out
 
-    def attend_chunk(self, q, k, v, key_start: int, params: AttentionParams, key_ends=None) -> torch.Tensor:
+    def attend_chunk(self, q, k, v, key_start: int, params: AttentionParams, key_ends, out: torch.Tensor) -> None:
         # 1.1-1.6x torch's SDPA on one Zen 4 core and on two (docs/benchmarks.md); SDPA for what it does not take
         if key_ends is None and params.logit_softcap is None and params.sinks is None and prefill_attention.takes(q):
-            return prefill_attention.prefill_attention(q, k, v, params.scale, params.window)
-        return super().attend_chunk(q, k, v, key_start, params, key_ends)
+            prefill_attention.prefill_attention(q, k, v, params.scale, params.window, out=out)
+        else:
+            super().attend_chunk(q, k, v, key_start, params, key_ends, out)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, params.scale,

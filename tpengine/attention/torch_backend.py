@@ -100,11 +100,12 @@ class TorchAttentionBackend(AttentionBackend):
                 v_b = dequantize_kv(gather_paged(v_cache, block_table, len_k, first), params.v_scale, q.dtype)
                 key_start = first * block_size
             key_ends = None if meta.key_ends is None else meta.key_ends[start:end]
-            out[start:end] = self.attend_chunk(q[start:end], k_b, v_b, key_start, params, key_ends)
+            self.attend_chunk(q[start:end], k_b, v_b, key_start, params, key_ends, out[start:end])
 
-    def attend_chunk(self, q, k, v, key_start: int, params: AttentionParams, key_ends=None) -> torch.Tensor:
-        """One prompt chunk's attention over its keys (attend's contract): a backend's own kernel where it has one."""
-        return attend(q, k, v, key_start, params, key_ends)
+    def attend_chunk(self, q, k, v, key_start: int, params: AttentionParams, key_ends, out: torch.Tensor) -> None:
+        """One prompt chunk's attention over its keys (attend's contract) into out: a backend's own kernel where it
+        has one."""
+        out.copy_(attend(q, k, v, key_start, params, key_ends))
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, params: AttentionParams):
         # On the host, one sequence at a time over views of its own blocks: gathering padded block
