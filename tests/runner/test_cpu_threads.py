@@ -21,9 +21,10 @@ def decode_step(context_lens: list[int], prompt_tokens: int = 0) -> StepMessage:
                        decode_context_lens=int_column(context_lens), prefill=prefill)
 
 
-def calibrated(rows: int, tokens: int, context: int = 256) -> StepThreads:
+def calibrated(rows: int, tokens: int, context: int = 256, streaming: int = 0) -> StepThreads:
     threads = StepThreads(2)
     threads.max_one_thread_rows, threads.max_one_thread_tokens, threads.calibration_context = rows, tokens, context
+    threads.max_streaming_tokens = streaming
     return threads
 
 
@@ -43,6 +44,15 @@ def test_prompt_steps_fit_by_their_tokens_decode_rows_included():
     assert not threads.fits_one_thread(decode_step([20] * 4, prompt_tokens=61))
 
 
+def test_prompt_steps_with_decode_rows_fit_up_to_the_streaming_limit():
+    # requests streaming: the step may take longer on one thread, leaving a core to the HTTP side
+    threads = calibrated(rows=8, tokens=64, streaming=256)
+    assert threads.fits_one_thread(decode_step([20], prompt_tokens=255))
+    assert not threads.fits_one_thread(decode_step([20], prompt_tokens=256))
+    assert not threads.fits_one_thread(decode_step([], prompt_tokens=65))  # nothing streams: the faster count
+    assert threads.fits_one_thread(decode_step([], prompt_tokens=64))
+
+
 def test_an_uncalibrated_rank_never_changes_its_thread_count(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
@@ -53,7 +63,8 @@ def test_an_uncalibrated_rank_never_changes_its_thread_count(monkeypatch):
 def test_calibration_takes_the_sizes_one_thread_runs_clearly_faster(monkeypatch):
     # a step costs a fixed part to wake the second thread plus a part a unit of size, which two threads share
     # (half-milliseconds): decode wins on one thread at 1, 2 and 4 (1-4 against 6.5-8), loses at 16 (16 against 14);
-    # prompts, with a larger fixed part, win at 16 and 32 and lose at 64. Sleeps: a busy machine cannot turn it.
+    # prompts, with a larger fixed part, win at 16 and 32, lose at 64 (64 against 62) but by less than
+    # STREAMING_SLOWDOWN, and by more at 128 (128 against 94). Sleeps: a busy machine cannot turn it.
     current = [2]
     monkeypatch.setattr(torch, "set_num_threads", lambda n: current.__setitem__(0, n))
     ran = {"decode": [], "prompt": []}
@@ -66,9 +77,10 @@ def test_calibration_takes_the_sizes_one_thread_runs_clearly_faster(monkeypatch)
 
     threads = StepThreads(2)
     threads.calibrate(step("decode", 6), step("prompt", 30), [1, 2, 4, 16, 32], context_len=128,
-                      max_prompt_tokens=64)
+                      max_prompt_tokens=256)
     assert (threads.max_one_thread_rows, threads.calibration_context, threads.max_one_thread_tokens) == (4, 128, 32)
-    assert max(ran["decode"]) == 16 and max(ran["prompt"]) == 64  # no size past the first one thread loses
+    assert threads.max_streaming_tokens == 64
+    assert max(ran["decode"]) == 16 and max(ran["prompt"]) == 128  # no size past the first one thread loses
     assert current[0] == 2  # every thread again once measured
 
 

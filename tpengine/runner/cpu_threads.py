@@ -22,23 +22,30 @@ CALIBRATION_PROMPT_SIZES = (16, 32, 64, 128, 256)
 CALIBRATION_RUNS = 3
 # one thread must be this much faster to take a size: near the crossing either count does as well
 ONE_THREAD_MARGIN = 0.9
+# a prompt step that carries decode rows (requests are streaming) runs on one thread where one takes at most this
+# much longer than all: with every core computing, the server's event loop (it needs a core and the GIL, which the
+# engine thread takes back after each op) got neither for the step's length, and a first token already made waited
+# 12-17 ms behind the next prompt's step (docs/benchmarks.md)
+STREAMING_SLOWDOWN = 1.3
 
 
 class StepThreads:
     """How many threads this rank's next step runs on: one for a decode step of at most max_one_thread_rows rows
-    (and at most as much context as they would hold at CALIBRATION_CONTEXT) or a prompt step of at most
-    max_one_thread_tokens tokens, every thread otherwise. Both limits are 0 until calibrated."""
+    (and at most as much context as they would hold at CALIBRATION_CONTEXT), a prompt step of at most
+    max_one_thread_tokens tokens, or one of at most max_streaming_tokens with decode rows (STREAMING_SLOWDOWN); every
+    thread otherwise. The limits are 0 until calibrated."""
 
     def __init__(self, num_threads: int):
         self.num_threads = num_threads
         self.max_one_thread_rows = 0
         self.max_one_thread_tokens = 0
+        self.max_streaming_tokens = 0
         self.calibration_context = CALIBRATION_CONTEXT  # the decode rows' context when they were measured
         self._current = num_threads
 
     def enter(self, step: StepMessage) -> None:
         """Set the thread count for step (before its inputs are built: they run on the same threads)."""
-        if not (self.max_one_thread_rows or self.max_one_thread_tokens):
+        if not (self.max_one_thread_rows or self.max_one_thread_tokens or self.max_streaming_tokens):
             return
         self._use(1 if self.fits_one_thread(step) else self.num_threads)
 
@@ -46,7 +53,8 @@ class StepThreads:
         num_rows = len(step.decode_seq_ids) // 8  # an int_column: 8 bytes a row
         if step.prefill:
             num_tokens = num_rows + sum(len(chunk.token_ids) for chunk in step.prefill)
-            return num_tokens <= self.max_one_thread_tokens
+            # decode rows: requests are streaming, and the step leaves a core to the HTTP side where it may
+            return num_tokens <= max(self.max_one_thread_tokens, self.max_streaming_tokens if num_rows else 0)
         if num_rows > self.max_one_thread_rows:
             return False
         context = sum(struct.unpack(f"{num_rows}q", step.decode_context_lens))
@@ -65,20 +73,27 @@ class StepThreads:
                   max_prompt_tokens: int) -> None:
         """Measure run_decode(rows) (rows of context_len tokens) for each decode size and run_prompt(tokens) for
         CALIBRATION_PROMPT_SIZES up to max_prompt_tokens, on one thread and on all, up to the first size all
-        threads run faster; leaves every thread in use."""
-        assert not (self.max_one_thread_rows or self.max_one_thread_tokens), "enter() would pick the count"
-        rows = self._largest_one_thread_size(run_decode, decode_sizes)
-        tokens = self._largest_one_thread_size(
-            run_prompt, [size for size in CALIBRATION_PROMPT_SIZES if size <= max_prompt_tokens])
-        self.calibration_context, self.max_one_thread_rows, self.max_one_thread_tokens = context_len, rows, tokens
+        threads run faster (prompts: faster by more than STREAMING_SLOWDOWN); leaves every thread in use."""
+        assert not (self.max_one_thread_rows or self.max_one_thread_tokens or self.max_streaming_tokens), \
+            "enter() would pick the count"
+        rows = self._largest_sizes(run_decode, decode_sizes, [ONE_THREAD_MARGIN])[0]
+        tokens, streaming = self._largest_sizes(
+            run_prompt, [size for size in CALIBRATION_PROMPT_SIZES if size <= max_prompt_tokens],
+            [ONE_THREAD_MARGIN, STREAMING_SLOWDOWN])
+        self.calibration_context, self.max_one_thread_rows = context_len, rows
+        self.max_one_thread_tokens, self.max_streaming_tokens = tokens, streaming
 
-    def _largest_one_thread_size(self, run, sizes) -> int:
-        largest = 0
+    def _largest_sizes(self, run, sizes, ratios: list[float]) -> list[int]:
+        """For each ratio, the largest of sizes up to which one thread takes at most ratio times all threads' time
+        at every size; stops at the first size past every ratio (a larger step only has more work to share)."""
+        largest, open_ratios = [0] * len(ratios), set(range(len(ratios)))
         for size in sizes:
             one, every = (self._fastest(run, size, count) for count in (1, self.num_threads))
-            if one > every * ONE_THREAD_MARGIN:
-                break  # a larger step only has more work to share
-            largest = size
+            open_ratios -= {i for i in open_ratios if one > every * ratios[i]}
+            if not open_ratios:
+                break
+            for i in open_ratios:
+                largest[i] = size
         self._use(self.num_threads)
         return largest
 

@@ -14,7 +14,7 @@ import torch
 
 from tpengine.distributed.messages import BlockTable, PrefillChunk, StepEnvelope, StepMessage, int_column
 from tpengine.paging import blocks_for
-from tpengine.runner.cpu_threads import CALIBRATION_CONTEXT
+from tpengine.runner.cpu_threads import CALIBRATION_CONTEXT, STREAMING_SLOWDOWN
 from tpengine.runner.cuda_graphs import graph_batch_sizes
 from tpengine.sampling_params import SamplingParams, SamplingRecord
 
@@ -121,10 +121,11 @@ def _calibrate_threads(runner, steps: _DummySteps, decode: list[int], max_prompt
                       max_prompt_tokens)
     if runner.rank != 0:
         return
-    if threads.max_one_thread_rows or threads.max_one_thread_tokens:
+    if threads.max_one_thread_rows or threads.max_one_thread_tokens or threads.max_streaming_tokens:
         logger.info("one thread of %d runs decode steps of up to %d rows and prompt steps of up to %d tokens "
-                    "(measured faster)", threads.num_threads, threads.max_one_thread_rows,
-                    threads.max_one_thread_tokens)
+                    "(measured faster), %d with decode rows (at most %.1fx slower: a core left to the HTTP side)",
+                    threads.num_threads, threads.max_one_thread_rows, threads.max_one_thread_tokens,
+                    threads.max_streaming_tokens, STREAMING_SLOWDOWN)
     else:
         logger.info("every step runs on all %d threads (one was not faster at any size measured)",
                     threads.num_threads)
