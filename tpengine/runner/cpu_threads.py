@@ -16,8 +16,9 @@ from tpengine.distributed.messages import StepMessage
 # decode rows of this many tokens of context each (or max_model_len's), when warm-up measures them; a decode step
 # whose rows hold more in all than the limit's rows at this context runs on every thread (attention grows with it)
 CALIBRATION_CONTEXT = 256
-# prompt steps measured at warm-up: past the largest that one thread won, every step runs on all threads
-CALIBRATION_PROMPT_SIZES = (16, 32, 64, 128, 256)
+# prompt steps measured at warm-up (until all threads win by more than STREAMING_SLOWDOWN): past the largest that one
+# thread won (or lost by less, with decode rows), every step runs on all threads
+CALIBRATION_PROMPT_SIZES = (16, 32, 64, 128, 256, 384, 512)
 # each size's time: the fastest of this many runs on each count (a machine's noise only slows a run)
 CALIBRATION_RUNS = 3
 # one thread must be this much faster to take a size: near the crossing either count does as well
