@@ -1,5 +1,6 @@
 """The CPU's prefill attention kernel (kernels/cpu/prefill_attention.cpp) against what it replaced: the torch
-backend's attend(), torch's SDPA on [1, heads, tokens, head_dim] views, in one process, alternating.
+backend's attend(), torch's SDPA on [1, heads, tokens, head_dim] views, in one process, alternating. The kernel
+writes into one output allocated once, as the engine's step gives it its rows; SDPA allocates its own.
 
 Each case is one prompt chunk of one layer: --cases LEN_QxLEN_K (a chunk of LEN_Q queries, the last of LEN_K
 positions: LEN_Q < LEN_K is a chunk over a cached prefix), with --heads query heads and --kv-heads KV heads of
@@ -25,8 +26,9 @@ from tpengine.kernels.cpu import prefill_attention as kernel
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=["256x256", "1024x1024", "2048x2048", "256x2048"],
-                   help="LEN_QxLEN_K chunks (default: prompts of 256, 1024 and 2048 tokens, 256 after 1792 cached)")
+    p.add_argument("--cases", nargs="+", default=["256x256", "512x512", "64x512", "1024x1024", "2048x2048"],
+                   help="LEN_QxLEN_K chunks (default: prompts of 256 to 2048 tokens, and 64 after 448 cached; the "
+                        "cpu backend runs the kernel over at most 512 keys)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -44,7 +46,8 @@ def run_case(len_q: int, len_k: int, args) -> tuple[float, float, float]:
     q = torch.randn(len_q, args.heads, args.head_dim, generator=generator).to(dtype)
     k, v = (torch.randn(len_k, args.kv_heads, args.head_dim, generator=generator).to(dtype) for _ in range(2))
     params = AttentionParams(scale=args.head_dim ** -0.5, sliding_window=args.window or None)
-    runs = [lambda: attend(q, k, v, 0, params), lambda: kernel.prefill_attention(q, k, v, params.scale, args.window)]
+    out = torch.empty_like(q)
+    runs = [lambda: attend(q, k, v, 0, params), lambda: kernel.prefill_attention(q, k, v, params.scale, args.window, out=out)]
     difference = (runs[0]().float() - runs[1]().float()).abs().max().item()
     times = [[], []]
     for round_ in range(args.rounds):

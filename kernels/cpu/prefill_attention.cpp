@@ -55,6 +55,17 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
 inline Vec splat(float x) { return Vec{} + x; }
 
+// a * b + c in one instruction (ISO C++ builds do not contract a * b + c on their own)
+inline Vec fmadd(Vec a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (Vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline Vec vexp(Vec x) {
 #if defined(__AVX512F__)
   return (Vec)exp16((__m512)x);
@@ -77,7 +88,7 @@ inline void scores_tile(const float* q, int64_t head_dim, const float* kt, int64
     for (int i = 0; i < kKeyVecs; ++i) kd[i] = load(kt + d * key_stride + c + i * kWidth);
     for (int r = 0; r < R; ++r) {
       const Vec qd = splat(q[r * head_dim + d]);
-      for (int i = 0; i < kKeyVecs; ++i) acc[r][i] += qd * kd[i];
+      for (int i = 0; i < kKeyVecs; ++i) acc[r][i] = fmadd(qd, kd[i], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -96,7 +107,7 @@ inline void values_tile(const float* p, int64_t key_stride, const float* v, int6
     for (int i = 0; i < N; ++i) vj[i] = load(v + j * v_row + col + i * kWidth);
     for (int r = 0; r < R; ++r) {
       const Vec pj = splat(p[r * key_stride + j]);
-      for (int i = 0; i < N; ++i) acc[r][i] += pj * vj[i];
+      for (int i = 0; i < N; ++i) acc[r][i] = fmadd(pj, vj[i], acc[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -218,6 +229,25 @@ void attend_rows(const Shapes& x, const T* q, const float* kt, const float* v, T
   }
 }
 
+// A call's buffer: the calling thread's kept one while it needs at most kScratchKeepBytes (allocated afresh, its
+// pages were faulted in on every call: 2048 keys of 8 KV heads of 128 are 16 MB of them), else its own for the call.
+constexpr size_t kScratchKeepBytes = size_t(64) << 20;
+
+class Scratch {
+ public:
+  Scratch(int which, size_t count) {
+    thread_local std::vector<float> kept[2];  // 0: transposed keys, 1: values
+    std::vector<float>& buffer = count * sizeof(float) <= kScratchKeepBytes ? kept[which] : own_;
+    if (buffer.size() < count) buffer.resize(count);
+    data_ = buffer.data();
+  }
+  float* data() const { return data_; }
+
+ private:
+  std::vector<float> own_;
+  float* data_;
+};
+
 void check_rows_of_heads(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1, name,
               " must be a CPU tensor [tokens, heads, head_dim] with head_dim contiguous");
@@ -247,30 +277,37 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   // each KV head's keys transposed once for all its work items, a block of kKeyBlock keys at a time ([head_dim]
   // [kKeyBlock] each: a block's rows lie together, not a whole sequence apart), zero past len_k
   const int64_t padded_keys = (len_k + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
-  std::vector<float> kt(num_kv_heads * head_dim * padded_keys, 0.f);
+  const Scratch keys(0, num_kv_heads * head_dim * padded_keys);
+  float* kt = keys.data();
+  for (int64_t h = 0; h < num_kv_heads && len_k < padded_keys; ++h)  // the last block's columns past len_k: 0
+    for (int64_t d = 0; d < head_dim; ++d) {
+      float* row = kt + (h * padded_keys + padded_keys - kKeyBlock) * head_dim + d * kKeyBlock;
+      std::fill(row + len_k % kKeyBlock, row + kKeyBlock, 0.f);
+    }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "prefill_attention", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     for (int64_t j = 0; j < len_k; ++j)
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const scalar_t* row = kp + j * k.stride(0) + h * k.stride(1);
-        float* col = kt.data() + (h * padded_keys + j - j % kKeyBlock) * head_dim + j % kKeyBlock;
+        float* col = kt + (h * padded_keys + j - j % kKeyBlock) * head_dim + j % kKeyBlock;
         for (int64_t d = 0; d < head_dim; ++d) col[d * kKeyBlock] = static_cast<float>(row[d]);
       }
     // and its values in float32, one KV head's rows together (in place they lie num_kv_heads * head_dim apart,
     // 4 KB on a typical model: a block's rows would share a few cache sets)
-    std::vector<float> vf(num_kv_heads * len_k * head_dim);
+    const Scratch values(1, num_kv_heads * len_k * head_dim);
+    float* vf = values.data();
     const scalar_t* vsrc = v.data_ptr<scalar_t>();
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t j = 0; j < len_k; ++j) {
         const scalar_t* row = vsrc + j * v.stride(0) + h * v.stride(1);
-        float* dst = vf.data() + (h * len_k + j) * head_dim;
+        float* dst = vf + (h * len_k + j) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(row[d]);
       }
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     auto run = [&](int64_t item) {
       const int64_t first = (item / num_kv_heads) * positions, kv_head = item % num_kv_heads;
-      attend_rows<scalar_t>(x, qp, kt.data() + kv_head * padded_keys * head_dim, vf.data() + kv_head * len_k * head_dim,
+      attend_rows<scalar_t>(x, qp, kt + kv_head * padded_keys * head_dim, vf + kv_head * len_k * head_dim,
                             op, static_cast<float>(scale), kv_head, first, std::min(positions, len_q - first));
     };
     // causal tiles grow with their position: each thread takes every n-th item, not a contiguous run of them

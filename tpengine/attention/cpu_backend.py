@@ -1,5 +1,6 @@
-"""The CPU's paged attention: prompt chunks through the C++ kernel in tpengine.kernels.cpu.prefill_attention (the
-torch backend's SDPA for a layer it does not take: soft caps, sinks, a head_dim off its vector width), and decode
+"""The CPU's paged attention: prompt chunks over at most KERNEL_MAX_KEYS keys through the C++ kernel in
+tpengine.kernels.cpu.prefill_attention (the torch backend's SDPA for longer ones, and for a layer the kernel does not
+take: soft caps, sinks, a head_dim off its vector width), and decode
 through the C++ kernel in tpengine.kernels.cpu.paged_decode_attention, which reads each sequence's K/V in place in
 one pass. The new K/V go into the cache through the CPU platform's store (one C++ op): no mask, no host sync."""
 import itertools
@@ -16,10 +17,14 @@ from tpengine.platforms import cpu
 
 
 # a prompt chunk over a cached prefix with at most this many rows goes to the decode kernel, a row each (a row is a
-# decode row over the keys up to its own); a longer one is SDPA over its gathered keys. The short ones are what a
+# decode row over the keys up to its own); a longer one is attended over its gathered keys. The short ones are what a
 # step of prefix hits holds (a whole-prompt hit computes its last token again): one at a time, each chunk's gather,
 # mask and SDPA per layer made such a step twice as slow as one without hits (docs/benchmarks.md)
 MAX_CHUNK_ROWS_AS_DECODE = 16
+# a prompt chunk over at most this many keys runs the C++ prefill kernel: 256 queries over 256 keys took 0.7-0.95x
+# SDPA's time (one Zen 4 core and two, head_dim 32 and 128); over 1024-2048 keys it ranged 0.95-1.3x (its key blocks
+# stream from L2 once per four query rows) where SDPA held steady (docs/benchmarks.md)
+KERNEL_MAX_KEYS = 512
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -48,8 +53,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out
 
     def attend_chunk(self, q, k, v, key_start: int, params: AttentionParams, key_ends, out: torch.Tensor) -> None:
-        # 1.1-1.6x torch's SDPA on one Zen 4 core and on two (docs/benchmarks.md); SDPA for what it does not take
-        if key_ends is None and params.logit_softcap is None and params.sinks is None and prefill_attention.takes(q):
+        # SDPA for what the kernel does not take, and over more keys than KERNEL_MAX_KEYS
+        if (key_ends is None and params.logit_softcap is None and params.sinks is None and k.size(0) <= KERNEL_MAX_KEYS
+                and prefill_attention.takes(q)):
             prefill_attention.prefill_attention(q, k, v, params.scale, params.window, out=out)
         else:
             super().attend_chunk(q, k, v, key_start, params, key_ends, out)
