@@ -1,7 +1,7 @@
 """The C++ prefill attention for the CPU (prefill_attention.cpp), built on first use by kernels/cpu/build.py and
 loaded as the torch op `torch.ops.tpengine_prefill.prefill_attention`: one sequence's chunk of queries over its
 keys, causal, within a sliding window if the layer has one. The CPU attention backend takes it for the plain
-layers (no soft cap, no sinks) in place of torch's SDPA."""
+layers (no soft cap, no sinks) in place of torch's SDPA, for chunks over at most 512 keys (cpu_backend.py)."""
 import functools
 
 import torch
