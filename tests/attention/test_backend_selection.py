@@ -24,6 +24,29 @@ def test_auto_on_cpu_is_the_cpu_kernel():
     assert resolve_backend_name("auto", CPU, 16, torch.float32) == "cpu"
 
 
+@pytest.mark.skipif(not has_compiler(), reason="no C++ compiler here")
+@pytest.mark.parametrize("len_k, features, kernel", [
+    (100, {}, True), (512, dict(sliding_window=64), True),  # plain or windowed, over at most 512 keys: the kernel
+    (513, {}, False), (100, dict(logit_softcap=5.0), False),  # more keys, or a soft cap: SDPA
+], ids=["short", "window", "long", "softcap"])
+def test_cpu_prompt_chunks_run_the_prefill_kernel_over_at_most_512_keys(monkeypatch, len_k, features, kernel):
+    from tests.kernels.test_cpu_prefill_attention import reference
+    from tpengine.attention.backend import AttentionParams
+    from tpengine.attention.cpu_backend import KERNEL_MAX_KEYS
+    from tpengine.kernels.cpu import prefill_attention
+    calls = []
+    run = prefill_attention.prefill_attention
+    monkeypatch.setattr(prefill_attention, "prefill_attention", lambda *a, **k: calls.append(1) or run(*a, **k))
+    q, k, v = torch.randn(20, 4, 32), torch.randn(len_k, 2, 32), torch.randn(len_k, 2, 32)
+    params = AttentionParams(scale=0.2, **features)
+    out = torch.empty_like(q)
+    make_backend("cpu").attend_chunk(q, k, v, 0, params, None, out)
+    assert bool(calls) == kernel and KERNEL_MAX_KEYS == 512
+    if not features.get("logit_softcap"):
+        expected = reference(q, k, v, 0.2, features.get("sliding_window", 0)).float()
+        assert (out - expected).abs().max() / expected.abs().max() < 1e-5
+
+
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     """A machine with no C++ compiler and no earlier build of the CPU kernel."""
